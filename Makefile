@@ -1,0 +1,31 @@
+# Two commands do everything on a fresh machine: `make shards` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+CXX    ?= g++
+
+.PHONY: install shards test lint train bench clean
+
+install: $(VENV)/.installed build/seqgen
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+build/seqgen: shardgen/reference/seqgen.cpp
+	mkdir -p build
+	$(CXX) -O2 -std=c++17 -Wall -o $@.tmp $< && mv $@.tmp $@
+
+shards: install
+	$(VENV)/bin/shardgen build -c shardgen.toml
+
+test: install
+	$(PY) -m pytest -q -ra
+
+lint: install
+	$(VENV)/bin/ruff check shardgen loader tests
+
+clean:
+	rm -rf build raw shards .pytest_cache

@@ -1,0 +1,183 @@
+"""The per-date pipeline (generate -> process -> shard) and ``build``: many dates in parallel.
+
+``produce`` runs in joblib workers and only writes its own shard files; the coordinating process
+alone publishes the manifest. ``build`` is also the one code path the watcher calls each cycle.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from joblib import Parallel, delayed
+
+from .config import Config
+from .errors import ShardgenError
+from .fsutil import atomic_write, clean_temp_files
+from .generator import load_raw, obtain_raw
+from .manifest import Manifest, ShardEntry, Sidecar
+from .process import run_processor
+from .store import check_sidecar, open_manifest, publish
+from .writer import shard_paths, write_shard
+
+__all__ = ["DateResult", "BuildReport", "produce", "build", "complete_shard"]
+
+log = logging.getLogger(__name__)
+PUBLISH_EVERY_S = 10.0  # during a long build, finished shards reach the manifest this often
+
+
+@dataclass(frozen=True)
+class DateResult:
+    """What happened to one date: written, adopted (complete on disk already), empty or failed."""
+
+    date: dt.date
+    status: str
+    entry: Optional[ShardEntry] = None
+    message: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class BuildReport:
+    published: list = field(default_factory=list)
+    skipped: int = 0
+    empty: list = field(default_factory=list)
+    failed: list = field(default_factory=list)  # (date, message)
+    records: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    manifest: Optional[Manifest] = None
+
+    def summary(self) -> str:
+        mb = self.bytes / 1e6
+        rate = self.records / self.seconds if self.seconds else 0.0
+        return (f"published {len(self.published)} dates, skipped {self.skipped}, empty {len(self.empty)}, "
+                f"failed {len(self.failed)}; {self.records} records, {mb:.1f} MB in {self.seconds:.1f}s "
+                f"({rate:,.0f} records/s)")
+
+
+def complete_shard(cfg: Config, date: dt.date) -> Optional[Sidecar]:
+    """The date's sidecar if a complete shard (or empty marker) of this schema is on disk."""
+    sidecar = Sidecar.load(shard_paths(cfg.store.dir, date)["json"])
+    if sidecar is None:
+        return None
+    if sidecar.records == 0:
+        return sidecar if sidecar.fingerprint == cfg.schema.fingerprint else None
+    problem = check_sidecar(cfg.store.dir, sidecar, cfg.schema.fingerprint)
+    if problem:
+        log.info("%s: shard on disk not usable (%s); rebuilding", date, problem)
+        return None
+    return sidecar
+
+
+def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool = False) -> DateResult:
+    """Make the shard of one date. Never raises: failures come back as a result naming the date.
+
+    ``raw_only``: use the raw file already there and never run the generator (watched drop-ins).
+    """
+    t0 = time.perf_counter()
+    try:
+        if not force:
+            sidecar = complete_shard(cfg, date)
+            if sidecar is not None:
+                status = "empty" if sidecar.records == 0 else "adopted"
+                entry = sidecar.entry() if sidecar.records else None
+                return DateResult(date, status, entry, "no windows", time.perf_counter() - t0)
+        schema = cfg.schema
+        if raw_only:
+            min_cols = schema.num_inputs + sum(lab.width for lab in schema.labels[:-1])
+            raw = load_raw(cfg.raw_path(date), date, min_cols)
+        else:
+            raw = obtain_raw(cfg, date, force=force)
+        x, labels = run_processor(cfg.process.load(), raw, date, schema, dict(cfg.process.options))
+        if x.shape[0] == 0:
+            marker = Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", "")
+            atomic_write(shard_paths(cfg.store.dir, date)["json"], json.dumps(marker.to_json()).encode())
+            return DateResult(date, "empty", None,
+                              f"{raw.shape[0]} rows, fewer than time_steps={schema.time_steps}: no windows",
+                              time.perf_counter() - t0)
+        sidecar = write_shard(cfg.store.dir, date, x, labels, schema)
+        return DateResult(date, "written", sidecar.entry(), seconds=time.perf_counter() - t0)
+    except ShardgenError as exc:
+        return DateResult(date, "failed", message=str(exc), seconds=time.perf_counter() - t0)
+    except (OSError, MemoryError) as exc:
+        return DateResult(date, "failed", message=f"{date}: {type(exc).__name__}: {exc}",
+                          seconds=time.perf_counter() - t0)
+
+
+def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = False,
+              raw_only: bool = False) -> Iterable[DateResult]:
+    """Results of ``produce`` for every date, in completion order."""
+    if jobs == 1 or len(dates) <= 1:
+        return (produce(cfg, d, force=force, raw_only=raw_only) for d in dates)
+    parallel = Parallel(n_jobs=min(jobs, len(dates)), backend=cfg.run.backend,
+                        return_as="generator_unordered")
+    return parallel(
+        delayed(produce)(cfg, d, force=force, raw_only=raw_only) for d in dates)
+
+
+def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date] = None,
+          jobs: Optional[int] = None, force: bool = False, today: Optional[dt.date] = None,
+          dates: Optional[list[dt.date]] = None, raw_only: bool = False,
+          progress: Optional[Callable[[int], object]] = None) -> BuildReport:
+    """Produce every due date and publish the finished shards; failures are collected, not raised.
+
+    ``progress(total)`` returns a tqdm-like bar (``update``, ``set_postfix``, ``close``) or None.
+    """
+    t0 = time.perf_counter()
+    store = cfg.store.dir
+    store.mkdir(parents=True, exist_ok=True)
+    for path in clean_temp_files(store):
+        log.info("removed %s left by a dead process", path.name)
+    manifest = open_manifest(store, cfg.schema, cfg.store.window)
+    done = {s.date for s in manifest.shards} | {r.date for r in manifest.retired}
+    if dates is None:
+        dates = cfg.dates_between(start, end, today)
+    todo = [d for d in dates if force or d.isoformat() not in done]
+    report = BuildReport(skipped=len(dates) - len(todo))
+    bar = progress(len(todo)) if progress and todo else None
+    pending: list[ShardEntry] = []
+    last_publish = time.monotonic()
+
+    def flush() -> None:
+        nonlocal last_publish, pending
+        if pending:
+            saved = publish(store, cfg.schema, cfg.store.window, pending)
+            report.manifest = saved or report.manifest
+            pending = []
+        last_publish = time.monotonic()
+
+    try:
+        for res in run_dates(cfg, todo, jobs=jobs or cfg.run.jobs, force=force, raw_only=raw_only):
+            if res.status == "failed":
+                report.failed.append((res.date, res.message))
+                log.error("%s", res.message)
+            elif res.status == "empty":
+                report.empty.append((res.date, res.message))
+                log.warning("%s: %s", res.date, res.message)
+            else:
+                pending.append(res.entry)
+                report.published.append(res.date)
+                report.records += res.entry.records
+                report.bytes += res.entry.bytes
+                log.info("%s: %s shard, %d records", res.date, res.status, res.entry.records)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(done=len(report.published), failed=len(report.failed), refresh=False)
+            if time.monotonic() - last_publish > PUBLISH_EVERY_S:
+                flush()
+    finally:
+        flush()
+        if bar is not None:
+            bar.close()
+    if report.manifest is None and (store / "manifest.json").exists():
+        report.manifest = Manifest.load(store / "manifest.json")
+    report.seconds = time.perf_counter() - t0
+    return report
+
+

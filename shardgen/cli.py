@@ -1,0 +1,143 @@
+"""``shardgen build|watch|status|verify|gc``: parses arguments and delegates to the library.
+
+Exit codes: 0 all went well, 1 some work failed (the rest is kept and published), 2 usage or
+config error. Errors are one line each on stderr; results go to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from tqdm import tqdm
+
+from . import store as store_mod
+from .build import build
+from .config import load_config, parse_date
+from .errors import ConfigError, LockError, ManifestError, ShardgenError
+
+__all__ = ["main"]
+
+log = logging.getLogger("shardgen")
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Log lines that do not tear the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # logging must never raise
+            self.handleError(record)
+
+
+def _setup_logging(verbose: int) -> None:
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("shardgen: %(levelname)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
+    logging.addLevelName(logging.ERROR, "error")
+    logging.addLevelName(logging.WARNING, "warning")
+    logging.addLevelName(logging.INFO, "info")
+
+
+def _bar(total: int) -> tqdm:
+    return tqdm(total=total, unit="date", desc="build", dynamic_ncols=True, file=sys.stderr,
+                disable=None)  # None: no bar when stderr is not a terminal
+
+
+def _date_arg(text: str):
+    try:
+        return parse_date(text, "date")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-c", "--config", type=Path, default=Path("shardgen.toml"),
+                        help="config file (default: ./shardgen.toml)")
+    common.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    p = argparse.ArgumentParser(
+        prog="shardgen",
+        description="Run a data generator per date and publish its windows as MXNet RecordIO shards "
+                    "listed in a rolling manifest, for loader.ShardIter.",
+        epilog="Exit codes: 0 success, 1 some dates/shards failed, 2 usage or config error.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    b = sub.add_parser("build", parents=[common], help="generate, process and publish a range of dates",
+                       description="Generate, process and shard every configured date not yet published, "
+                                   "in parallel, then publish them into the manifest.")
+    b.add_argument("--start", type=_date_arg, help="first date (default: [dates] start)")
+    b.add_argument("--end", type=_date_arg, help="last date (default: [dates] end, else today)")
+    b.add_argument("--jobs", type=int, help="parallel dates (default: [run] jobs)")
+    b.add_argument("--force", action="store_true",
+                   help="regenerate and rewrite dates even if published or their raw output exists")
+    s = sub.add_parser("status", parents=[common], help="summarise the manifest",
+                       description="Generation, shards, records, bytes, date range, window and age.")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sub.add_parser("verify", parents=[common], help="check every published shard",
+                   description="Check size, sha256, index and record framing of every published shard.")
+    return p
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError("--jobs must be >= 1")
+    report = build(cfg, start=args.start, end=args.end, jobs=args.jobs, force=args.force, progress=_bar)
+    print(report.summary())
+    return 1 if report.failed else 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    info = store_mod.status(cfg.store.dir)
+    if args.json:
+        print(store_mod.dumps(info))
+        return 0
+    mb = info["bytes"] / 1e6
+    print(f"{info['manifest']}: generation {info['generation']}, {info['shards']} shards, "
+          f"{info['records']} records, {mb:.1f} MB")
+    print(f"dates {info['first_date']} .. {info['last_date']} (lag {info['lag_days']} days), "
+          f"window {info['window']}, retired {info['retired']}, updated {info['age_s']}s ago")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    manifest, problems = store_mod.verify_store(cfg.store.dir)
+    for date, problem in problems:
+        print(f"shardgen: error: {date}: {problem}", file=sys.stderr)
+    print(f"verified {len(manifest.shards)} shards of generation {manifest.generation}: "
+          f"{len(problems)} bad")
+    return 1 if problems else 0
+
+
+COMMANDS = {"build": _cmd_build, "status": _cmd_status, "verify": _cmd_verify}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, LockError) as exc:
+        print(f"shardgen: error: {exc}", file=sys.stderr)
+        return 2
+    except ManifestError as exc:
+        print(f"shardgen: error: {exc}", file=sys.stderr)
+        return 1
+    except ShardgenError as exc:
+        print(f"shardgen: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("shardgen: interrupted; finished shards were published", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

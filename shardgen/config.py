@@ -1,0 +1,259 @@
+"""``shardgen.toml``: parsed into frozen dataclasses, every key checked, unknown keys refused.
+
+Relative paths are relative to the config file's folder. See README "Config reference".
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .errors import ConfigError
+from .layout import LabelSpec, Schema
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["GeneratorConfig", "DatesConfig", "ProcessConfig", "StoreConfig", "RunConfig", "Config",
+           "load_config", "parse_date", "date_range", "PLACEHOLDERS"]
+
+PLACEHOLDERS = ("date", "yyyymmdd", "output", "config_dir")
+_MISSING = object()
+
+
+def parse_date(value: object, what: str) -> dt.date:
+    """A strict YYYY-MM-DD date; anything else (or shell tricks) is a ConfigError."""
+    if isinstance(value, dt.date) and not isinstance(value, dt.datetime):
+        return value
+    text = str(value)
+    try:
+        if len(text) != 10:
+            raise ValueError
+        return dt.date.fromisoformat(text)
+    except ValueError:
+        raise ConfigError(f"{what}: {text!r} is not a date of the form YYYY-MM-DD") from None
+
+
+def date_range(start: dt.date, end: dt.date, calendar: str) -> list[dt.date]:
+    """Every date from start to end inclusive on the calendar ("weekdays" or "daily")."""
+    days = [start + dt.timedelta(days=i) for i in range((end - start).days + 1)]
+    return [d for d in days if calendar == "daily" or d.weekday() < 5]
+
+
+class _Table:
+    """Reads one TOML table, remembering which keys were used so leftovers can be refused."""
+
+    def __init__(self, data: dict, name: str):
+        if not isinstance(data, dict):
+            raise ConfigError(f"[{name}] must be a table")
+        self.data, self.name, self.used = data, name, set()
+
+    def get(self, key: str, kind: Any, default: Any = _MISSING) -> Any:
+        self.used.add(key)
+        if key not in self.data:
+            if default is _MISSING:
+                raise ConfigError(f"{self.name}.{key} is missing")
+            return default
+        value = self.data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise ConfigError(f"{self.name}.{key} must be {names}, got {value!r}")
+        return value
+
+    def rest(self) -> dict:
+        return {k: v for k, v in self.data.items() if k not in self.used}
+
+    def done(self) -> None:
+        extra = sorted(set(self.data) - self.used)
+        if extra:
+            raise ConfigError(f"unknown key {self.name}.{extra[0]}")
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    command: tuple[str, ...]
+    output: str
+    timeout_s: float = 300.0
+    retries: int = 2
+    backoff_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class DatesConfig:
+    start: dt.date
+    end: Optional[dt.date] = None
+    calendar: str = "weekdays"
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    function: str = "shardgen.process:sliding_windows"
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def load(self) -> Callable:
+        """Import the processor; ConfigError if it cannot be found."""
+        module_name, _, attr = self.function.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ConfigError(f"process.function {self.function!r} cannot be imported ({exc})") from None
+        if not callable(fn):
+            raise ConfigError(f"process.function {self.function!r} is not callable")
+        return fn
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    dir: Path
+    window: int = 0
+    grace_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    jobs: int = 1
+    backend: str = "loky"
+    scheduler: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    generator: GeneratorConfig
+    dates: DatesConfig
+    schema: Schema
+    process: ProcessConfig
+    store: StoreConfig
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def config_dir(self) -> Path:
+        return self.path.parent
+
+    def fields(self, date: dt.date) -> dict[str, str]:
+        """Values of the placeholders for one date (``output`` included)."""
+        base = {"date": date.isoformat(), "yyyymmdd": date.strftime("%Y%m%d"),
+                "config_dir": str(self.config_dir)}
+        output = self.config_dir / self.generator.output.format(**base)
+        return {**base, "output": str(output)}
+
+    def raw_path(self, date: dt.date) -> Path:
+        return Path(self.fields(date)["output"])
+
+    def argv(self, date: dt.date) -> list[str]:
+        """The generator's argv for one date; the first item resolved against the config dir."""
+        values = self.fields(date)
+        argv = [arg.format(**values) for arg in self.generator.command]
+        if "/" in argv[0] and not Path(argv[0]).is_absolute():
+            argv[0] = str(self.config_dir / argv[0])
+        return argv
+
+    def dates_between(self, start: Optional[dt.date] = None, end: Optional[dt.date] = None,
+                      today: Optional[dt.date] = None) -> list[dt.date]:
+        """The configured dates, optionally narrowed; an open end means up to today."""
+        start = start or self.dates.start
+        end = end or self.dates.end or today or dt.date.today()
+        return date_range(start, end, self.dates.calendar)
+
+
+def _check_template(text: str, key: str) -> None:
+    try:
+        text.format(**{name: "x" for name in PLACEHOLDERS})
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"{key}: {text!r} uses an unknown placeholder ({exc}); known: "
+            + ", ".join("{%s}" % p for p in PLACEHOLDERS)
+        ) from None
+
+
+def _number(table: _Table, key: str, default: float, minimum: float) -> float:
+    value = float(table.get(key, (int, float), default))
+    if value < minimum:
+        raise ConfigError(f"{table.name}.{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _integer(table: _Table, key: str, default: int, minimum: int) -> int:
+    value = table.get(key, int, default)
+    if value < minimum:
+        raise ConfigError(f"{table.name}.{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def load_config(path: Path) -> Config:
+    """Read and validate a config file; every problem is a ConfigError naming the key."""
+    path = Path(path).resolve()
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+
+    top = _Table(data, "config")
+    gen = _Table(top.get("generator", dict), "generator")
+    command = gen.get("command", list)
+    if not command or not all(isinstance(a, str) for a in command):
+        raise ConfigError("generator.command must be a non-empty list of strings (an argv, no shell)")
+    for arg in command:
+        _check_template(arg, "generator.command")
+    output = gen.get("output", str)
+    _check_template(output, "generator.output")
+    generator = GeneratorConfig(tuple(command), output, _number(gen, "timeout_s", 300.0, 0.001),
+                                _integer(gen, "retries", 2, 0), _number(gen, "backoff_s", 1.0, 0.0))
+    gen.done()
+
+    dat = _Table(top.get("dates", dict), "dates")
+    start = parse_date(dat.get("start", (str, dt.date)), "dates.start")
+    end_raw = dat.get("end", (str, dt.date), None)
+    end = parse_date(end_raw, "dates.end") if end_raw is not None else None
+    calendar = dat.get("calendar", str, "weekdays")
+    if calendar not in ("weekdays", "daily"):
+        raise ConfigError(f"dates.calendar must be 'weekdays' or 'daily', got {calendar!r}")
+    if end is not None and end < start:
+        raise ConfigError(f"dates.end {end} is before dates.start {start}")
+    dat.done()
+
+    sch = _Table(top.get("schema", dict), "schema")
+    labels = []
+    for i, lab in enumerate(sch.get("labels", list)):
+        lt = _Table(lab, f"schema.labels[{i}]")
+        try:
+            labels.append(LabelSpec(lt.get("name", str), lt.get("width", int, 1)))
+        except ValueError as exc:
+            raise ConfigError(f"schema.labels[{i}]: {exc}") from None
+        lt.done()
+    try:
+        schema = Schema.create(time_steps=sch.get("time_steps", int), num_inputs=sch.get("num_inputs", int),
+                               data_name=sch.get("data_name", str, "seq_var"), labels=labels)
+    except ValueError as exc:
+        raise ConfigError(f"schema: {exc}") from None
+    sch.done()
+
+    pro = _Table(top.get("process", dict, {}), "process")
+    function = pro.get("function", str, "shardgen.process:sliding_windows")
+    if ":" not in function:
+        raise ConfigError(f"process.function must be 'module:function', got {function!r}")
+    process = ProcessConfig(function, tuple(sorted(pro.rest().items())))
+    process.load()
+
+    sto = _Table(top.get("store", dict), "store")
+    store = StoreConfig((path.parent / sto.get("dir", str)).resolve(), _integer(sto, "window", 0, 0),
+                        _number(sto, "grace_s", 3600.0, 0.0))
+    sto.done()
+
+    run_t = _Table(top.get("run", dict, {}), "run")
+    run = RunConfig(_integer(run_t, "jobs", 1, 1), run_t.get("backend", str, "loky"),
+                    run_t.get("scheduler", str, None))
+    run_t.done()
+    top.done()
+    return Config(path, generator, DatesConfig(start, end, calendar), schema, process, store, run)

@@ -1,0 +1,46 @@
+"""The exception hierarchy: every message names the date, file or key and what was expected."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShardgenError",
+    "ConfigError",
+    "GeneratorError",
+    "RawDataError",
+    "ProcessorError",
+    "ShardError",
+    "ManifestError",
+    "LockError",
+]
+
+
+class ShardgenError(Exception):
+    """Base class of every error shardgen raises on purpose."""
+
+
+class ConfigError(ShardgenError):
+    """The config file or a command-line argument is wrong (CLI exit code 2)."""
+
+
+class GeneratorError(ShardgenError):
+    """The generator failed, timed out or could not be started for a date."""
+
+
+class RawDataError(ShardgenError):
+    """The generator's output for a date is missing, not a valid .npy, or mis-shaped."""
+
+
+class ProcessorError(ShardgenError):
+    """The processor raised, or returned windows of the wrong shape, dtype or with NaNs."""
+
+
+class ShardError(ShardgenError):
+    """A shard on disk is incomplete, corrupt or does not match the manifest."""
+
+
+class ManifestError(ShardgenError):
+    """The manifest is missing, unreadable or of an unknown format."""
+
+
+class LockError(ShardgenError):
+    """The store's lock is held by another process."""

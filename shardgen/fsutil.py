@@ -1,0 +1,85 @@
+"""Crash-safe file publishing: temp file in the same folder, fsync, ``os.replace``, fsync folder."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator, Union
+
+__all__ = ["temp_name", "atomic_write", "atomic_writer", "fsync_dir", "clean_temp_files", "pid_alive"]
+
+Buffer = Union[bytes, bytearray, memoryview]
+_HOST = socket.gethostname().replace(".", "_")
+# .<final name>.tmp-<host>-<pid>-<random>: who wrote it, so a dead writer's leftovers can go.
+_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def temp_name(path: Path) -> Path:
+    """A unique hidden temp path next to ``path``, naming this host and process."""
+    return path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path, *, fsync: bool = True) -> Iterator:
+    """Yield a binary file that becomes ``path`` only if the block finishes without error."""
+    path = Path(path)
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as fh:
+            yield fh
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def atomic_write(path: Path, chunks: Union[Buffer, Iterable[Buffer]], *, fsync: bool = True) -> None:
+    """Write ``chunks`` (one buffer or several) to ``path`` atomically."""
+    if isinstance(chunks, (bytes, bytearray, memoryview)):
+        chunks = (chunks,)
+    with atomic_writer(path, fsync=fsync) as fh:
+        for chunk in chunks:
+            fh.write(chunk)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_temp_files(folder: Path) -> list[Path]:
+    """Delete temp files left in ``folder`` by dead processes of this host; return them."""
+    removed = []
+    if not Path(folder).is_dir():
+        return removed
+    for entry in os.scandir(folder):
+        m = _TEMP_RE.match(entry.name)
+        if m and m["host"] == _HOST and not pid_alive(int(m["pid"])):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed

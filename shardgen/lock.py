@@ -1,0 +1,64 @@
+"""Single-writer locks on a store, with ``flock`` (released by the kernel if the holder dies)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from .errors import LockError
+
+__all__ = ["StoreLock", "MANIFEST_LOCK", "WATCH_LOCK"]
+
+MANIFEST_LOCK = ".manifest.lock"  # held briefly by whoever publishes a new manifest generation
+WATCH_LOCK = ".watch.lock"  # held for its lifetime by the one watcher of a store
+
+
+class StoreLock:
+    """``with StoreLock(path, timeout=...)``: exclusive; waits up to ``timeout`` (None: forever, 0: no wait)."""
+
+    def __init__(self, path: Path, *, timeout: Optional[float] = None, what: str = "store"):
+        self.path, self.timeout, self.what = Path(path), timeout, what
+        self._fd: Optional[int] = None
+
+    def holder(self) -> str:
+        try:
+            return self.path.read_text().strip() or "unknown"
+        except OSError:
+            return "unknown"
+
+    def acquire(self) -> "StoreLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise LockError(f"{self.path}: {self.what} lock is held by pid {self.holder()}") from None
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "StoreLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
