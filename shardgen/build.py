@@ -11,7 +11,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from joblib import Parallel, delayed

@@ -169,7 +169,7 @@ def _check_template(text: str, key: str) -> None:
     except (KeyError, IndexError, ValueError) as exc:
         raise ConfigError(
             f"{key}: {text!r} uses an unknown placeholder ({exc}); known: "
-            + ", ".join("{%s}" % p for p in PLACEHOLDERS)
+            + ", ".join(f"{{{p}}}" for p in PLACEHOLDERS)
         ) from None
 
 

@@ -113,7 +113,7 @@ class Schema:
 
     @classmethod
     def create(cls, *, time_steps: int, num_inputs: int, data_name: str,
-               labels: Sequence[LabelSpec]) -> "Schema":
+               labels: Sequence[LabelSpec]) -> Schema:
         """A schema from the user's labels, with ``date`` appended."""
         if any(lab.name == "date" for lab in labels):
             raise ValueError("the label 'date' is added by shardgen; leave it out of schema.labels")
@@ -160,7 +160,7 @@ class Schema:
         return {**self._core(), "record_floats": self.record_floats, "fingerprint": self.fingerprint}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "Schema":
+    def from_json(cls, obj: dict) -> Schema:
         """Parse the manifest's ``schema`` object; raises ValueError/KeyError/TypeError if off."""
         labels = tuple(LabelSpec(str(lab["name"]), lab["width"]) for lab in obj["labels"])
         schema = cls(obj["time_steps"], obj["num_inputs"], obj["data_name"], labels)

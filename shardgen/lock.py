@@ -30,7 +30,7 @@ class StoreLock:
         except OSError:
             return "unknown"
 
-    def acquire(self) -> "StoreLock":
+    def acquire(self) -> StoreLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
@@ -57,7 +57,7 @@ class StoreLock:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "StoreLock":
+    def __enter__(self) -> StoreLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:

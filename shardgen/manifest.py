@@ -57,7 +57,7 @@ class ShardEntry:
         return dict(self.__dict__)
 
     @classmethod
-    def from_json(cls, obj: dict) -> "ShardEntry":
+    def from_json(cls, obj: dict) -> ShardEntry:
         return cls(str(obj["date"]), str(obj["rec"]), str(obj["idx"]), int(obj["records"]),
                    int(obj["bytes"]), str(obj["sha256"]))
 
@@ -76,7 +76,7 @@ class RetiredEntry:
         return dict(self.__dict__)
 
     @classmethod
-    def from_json(cls, obj: dict) -> "RetiredEntry":
+    def from_json(cls, obj: dict) -> RetiredEntry:
         return cls(str(obj["date"]), str(obj["rec"]), str(obj["idx"]), str(obj["retired_at"]),
                    int(obj.get("retired_generation", 0)))
 
@@ -117,7 +117,7 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, obj: object, *, where: str = "manifest") -> "Manifest":
+    def from_json(cls, obj: object, *, where: str = "manifest") -> Manifest:
         if not isinstance(obj, dict):
             raise ManifestError(f"{where}: expected a JSON object")
         if obj.get("format") != FORMAT:
@@ -135,7 +135,7 @@ class Manifest:
             raise ManifestError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
 
     @classmethod
-    def load(cls, path: Path) -> "Manifest":
+    def load(cls, path: Path) -> Manifest:
         """Read a manifest; ManifestError names the file and what is wrong."""
         path = Path(path)
         try:
@@ -150,7 +150,7 @@ class Manifest:
             raise ManifestError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_json(obj, where=str(path))
 
-    def save(self, path: Path) -> "Manifest":
+    def save(self, path: Path) -> Manifest:
         """Write as the next generation, atomically; returns what was written."""
         new = replace(self, generation=self.generation + 1, updated=utc_now())
         atomic_write(Path(path), (json.dumps(new.to_json(), sort_keys=True, indent=1) + "\n").encode())
@@ -177,7 +177,7 @@ class Sidecar:
         return ShardEntry(self.date, self.rec, self.idx, self.records, self.bytes, self.sha256)
 
     @classmethod
-    def load(cls, path: Path) -> Optional["Sidecar"]:
+    def load(cls, path: Path) -> Optional[Sidecar]:
         """The sidecar at ``path``, or None if there is none; ShardError if it is malformed."""
         try:
             obj = json.loads(Path(path).read_text())

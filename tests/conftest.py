@@ -1,0 +1,95 @@
+"""Shared helpers: a small config wired to the fake generator, and a CLI runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_GEN = Path(__file__).resolve().parent / "fake_gen.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+T, C = 5, 4  # small schema used throughout: 5 steps x 4 inputs, labels a(1) b(2)
+
+
+def write_config(folder: Path, *, modes: dict | None = None, start="2024-01-02", end="2024-01-05",
+                 window=0, jobs=1, timeout=20, retries=0, backoff=0.0, extra="", rows=30,
+                 process="shardgen.process:sliding_windows", stride=1, grace=3600, end_line=True) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "modes.json").write_text(json.dumps(modes or {}))
+    end_text = f'end = "{end}"' if end_line and end else ""
+    stride_line = f"stride = {stride}" if stride is not None else ""
+    text = f"""
+[generator]
+command = ["{sys.executable}", "{FAKE_GEN}", "--date", "{{date}}", "--out", "{{output}}",
+           "--modes", "{{config_dir}}/modes.json", "--cols", "7", "--rows", "{rows}"]
+output = "raw/{{date}}.npy"
+timeout_s = {timeout}
+retries = {retries}
+backoff_s = {backoff}
+
+[dates]
+start = "{start}"
+{end_text}
+calendar = "weekdays"
+
+[schema]
+time_steps = {T}
+num_inputs = {C}
+data_name = "seq_var"
+labels = [{{name = "a", width = 1}}, {{name = "b", width = 2}}]
+
+[process]
+function = "{process}"
+{stride_line}
+
+[store]
+dir = "shards"
+window = {window}
+grace_s = {grace}
+
+[run]
+jobs = {jobs}
+backend = "loky"
+{extra}
+"""
+    path = folder / "shardgen.toml"
+    path.write_text(text)
+    return path
+
+
+def runs(folder: Path) -> list[str]:
+    p = folder / "modes.json.runs"
+    return p.read_text().split() if p.exists() else []
+
+
+def shardgen_cli(*args, timeout=120, **kw) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "shardgen.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env, **kw)
+
+
+def expected_windows(date: str, rows=30, cols=7, stride=1):
+    """Windows computed independently of shardgen, with a plain loop."""
+    from fake_gen import raw_for
+
+    raw = raw_for(date, rows, cols)
+    xs, payloads = [], []
+    for i in range(0, rows - T + 1, stride):
+        x = raw[i:i + T, :C]
+        last = raw[i + T - 1]
+        xs.append(x)
+        payloads.append(np.concatenate([x.ravel(), last[C:C + 1], last[C + 1:C + 3]]).astype(np.float32))
+    return np.array(payloads)
+
+
+@pytest.fixture
+def cfg_dir(tmp_path):
+    return tmp_path / "proj"

@@ -1,0 +1,160 @@
+"""The sharding stage in-process: round trip, generator failures, processors, window, idempotence."""
+
+import datetime as dt
+import re
+import subprocess
+import time
+
+import mxnet as mx
+import numpy as np
+import pytest
+from conftest import expected_windows, runs, write_config
+
+from shardgen.build import build
+from shardgen.config import load_config
+from shardgen.manifest import Manifest
+from shardgen.store import verify_store
+
+DATES = ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05"]
+
+
+def read_store(store):
+    """Every record of every published shard, with the stock MXNet reader."""
+    manifest = Manifest.load(store / "manifest.json")
+    out = {}
+    for s in manifest.shards:
+        r = mx.recordio.MXIndexedRecordIO(str(store / s.idx), str(store / s.rec), "r")
+        rows = []
+        for k in r.keys:
+            header, _ = mx.recordio.unpack(r.read_idx(k))
+            rows.append(header.label)
+        r.close()
+        out[s.date] = np.array(rows)
+    return manifest, out
+
+
+@pytest.mark.parametrize("stride, jobs", [(1, 1), (3, 2)])
+def test_round_trip_equals_independent_windows(cfg_dir, stride, jobs):
+    cfg = load_config(write_config(cfg_dir, stride=stride, jobs=jobs))
+    report = build(cfg)
+    assert not report.failed and sorted(d.isoformat() for d in report.published) == DATES
+    manifest, data = read_store(cfg.store.dir)
+    assert [s.date for s in manifest.shards] == DATES and manifest.generation >= 1
+    for date in DATES:
+        want = expected_windows(date, stride=stride)
+        got = data[date]
+        np.testing.assert_array_equal(got[:, :-1], want)
+        day = (dt.date.fromisoformat(date) - dt.date(1970, 1, 1)).days
+        assert (got[:, -1] == day).all()
+    assert report.records == sum(len(v) for v in data.values())
+    assert verify_store(cfg.store.dir)[1] == []
+
+
+def test_rerun_is_idempotent_and_does_not_regenerate(cfg_dir):
+    cfg = load_config(write_config(cfg_dir))
+    build(cfg)
+    gen1 = Manifest.load(cfg.store.dir / "manifest.json").generation
+    n_runs = len(runs(cfg_dir))
+    report = build(cfg)
+    assert report.skipped == 4 and not report.published
+    assert Manifest.load(cfg.store.dir / "manifest.json").generation == gen1  # nothing changed
+    assert len(runs(cfg_dir)) == n_runs
+    # Unpublished but raw present: processed from the raw file, generator not run again.
+    (cfg.store.dir / "manifest.json").unlink()
+    for p in cfg.store.dir.glob("*.json"):
+        p.unlink()
+    report = build(cfg)
+    assert len(report.published) == 4 and len(runs(cfg_dir)) == n_runs
+    report = build(cfg, force=True)
+    assert len(report.published) == 4 and len(runs(cfg_dir)) == n_runs + 4
+
+
+def test_complete_unpublished_shards_are_adopted(cfg_dir):
+    cfg = load_config(write_config(cfg_dir))
+    build(cfg)
+    (cfg.store.dir / "manifest.json").unlink()
+    n_runs = len(runs(cfg_dir))
+    report = build(cfg)
+    assert len(report.published) == 4 and len(runs(cfg_dir)) == n_runs
+    assert verify_store(cfg.store.dir)[1] == []
+
+
+@pytest.mark.parametrize("mode, match", [
+    ("fail", r"2024-01-03: generator exited with code 3; stderr: line one \| fake generator exploded"),
+    ("garbage", r"2024-01-03: .*2024-01-03.npy: not a readable .npy"),
+    ("truncated", r"2024-01-03: .*not a readable .npy"),
+    ("empty", r"2024-01-03: .*not a readable .npy"),
+    ("noout", r"2024-01-03: .*wrote no output file"),
+    ("3d", r"2024-01-03: .*expected a 2-D array"),
+    ("int", r"2024-01-03: .*expected float32/float64"),
+    ("nan", r"2024-01-03: non-finite value in 'seq_var' at window 23"),
+])
+def test_bad_generator_fails_that_date_only(cfg_dir, mode, match):
+    cfg = load_config(write_config(cfg_dir, modes={"2024-01-03": mode}, jobs=2))
+    report = build(cfg)
+    assert [d.isoformat() for d, _ in report.failed] == ["2024-01-03"]
+    assert report.failed[0][1].count("\n") == 0
+    assert re.search(match, report.failed[0][1]), report.failed[0][1]
+    manifest = Manifest.load(cfg.store.dir / "manifest.json")
+    assert [s.date for s in manifest.shards] == ["2024-01-02", "2024-01-04", "2024-01-05"]
+
+
+def test_hanging_generator_is_killed_with_its_children(cfg_dir):
+    cfg = load_config(write_config(cfg_dir, modes={"2024-01-03": "hang"}, timeout=1.5, retries=1))
+    t0 = time.monotonic()
+    report = build(cfg, dates=[dt.date(2024, 1, 3)])
+    assert time.monotonic() - t0 < 15
+    assert "timed out after 1.5s and was killed" in report.failed[0][1]
+    assert "(after 2 attempts)" in report.failed[0][1]
+    left = subprocess.run(["pgrep", "-f", "time.sleep\\(600\\)"], capture_output=True, text=True).stdout
+    assert left.strip() == "", "the generator's child survived the timeout"
+
+
+def test_retries_with_backoff_then_success(cfg_dir):
+    cfg = load_config(write_config(cfg_dir, modes={"2024-01-02": "flaky:2"}, retries=2, backoff=0.05))
+    report = build(cfg, dates=[dt.date(2024, 1, 2)])
+    assert not report.failed and runs(cfg_dir).count("2024-01-02") == 3
+    cfg = load_config(write_config(cfg_dir / "b", modes={"2024-01-02": "flaky:5"}, retries=1))
+    report = build(cfg, dates=[dt.date(2024, 1, 2)])
+    assert "code 4" in report.failed[0][1] and runs(cfg_dir / "b").count("2024-01-02") == 2
+
+
+def test_zero_windows_reported_and_remembered(cfg_dir):
+    cfg = load_config(write_config(cfg_dir, modes={"2024-01-04": "few"}))
+    report = build(cfg)
+    assert [d.isoformat() for d, _ in report.empty] == ["2024-01-04"]
+    assert "fewer than time_steps=5" in report.empty[0][1]
+    assert not (cfg.store.dir / "2024-01-04.rec").exists()
+    assert len(Manifest.load(cfg.store.dir / "manifest.json").shards) == 3
+    n = len(runs(cfg_dir))
+    (cfg.store.dir / "manifest.json").unlink()
+    report = build(cfg)
+    assert len(runs(cfg_dir)) == n and [d.isoformat() for d, _ in report.empty] == ["2024-01-04"]
+
+
+@pytest.mark.parametrize("proc, match", [
+    ("procs:bad_shape", r"2024-01-02: x must have shape \(n, 5, 4\), got \(26, 4, 4\)"),
+    ("procs:wrong_dtype", r"2024-01-02: x must be float32, got float64"),
+    ("procs:missing_label", r"2024-01-02: labels must be exactly \['a', 'b'\], got \['a'\]"),
+    ("procs:raises", r"2024-01-02: processor raised RuntimeError: boom in user code"),
+    ("procs:nan_label", r"2024-01-02: non-finite value in 'a' at window 2"),
+])
+def test_bad_processors(cfg_dir, proc, match):
+    cfg = load_config(write_config(cfg_dir, process=proc, stride=None))
+    report = build(cfg, dates=[dt.date(2024, 1, 2)])
+    assert re.search(match, report.failed[0][1]), report.failed[0][1]
+    assert not (cfg.store.dir / "2024-01-02.rec").exists()
+
+
+def test_window_retires_oldest_without_deleting(cfg_dir):
+    cfg = load_config(write_config(cfg_dir, window=2))
+    build(cfg, end=dt.date(2024, 1, 3))
+    build(cfg, start=dt.date(2024, 1, 4), end=dt.date(2024, 1, 5))
+    m = Manifest.load(cfg.store.dir / "manifest.json")
+    assert [s.date for s in m.shards] == ["2024-01-04", "2024-01-05"]
+    assert [r.date for r in m.retired] == ["2024-01-02", "2024-01-03"]
+    assert all(r.retired_generation == m.generation for r in m.retired)
+    assert (cfg.store.dir / "2024-01-02.rec").exists()  # deleting is gc's job
+    # A retired date is done: a later build does not bring it back.
+    report = build(cfg)
+    assert report.skipped == 4 and not report.published

@@ -1,0 +1,134 @@
+"""The `shardgen` CLI as a user runs it: exit codes, one-line errors, config validation."""
+
+import json
+import re
+
+import pytest
+from conftest import ROOT, runs, shardgen_cli, write_config
+
+
+def test_build_status_verify(cfg_dir):
+    cfg = write_config(cfg_dir, jobs=2, modes={"2024-01-04": "fail"})
+    r = shardgen_cli("build", "-c", cfg)
+    assert r.returncode == 1
+    assert "published 3 dates, skipped 0, empty 0, failed 1" in r.stdout
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and "2024-01-04: generator exited with code 3" in errors[0]
+    assert "Traceback" not in r.stderr
+    r = shardgen_cli("status", "-c", cfg, "--json")
+    info = json.loads(r.stdout)
+    assert r.returncode == 0 and info["shards"] == 3 and info["records"] == 3 * 26
+    assert info["first_date"] == "2024-01-02" and info["last_date"] == "2024-01-05"
+    r = shardgen_cli("status", "-c", cfg)
+    assert "generation 1, 3 shards, 78 records" in r.stdout
+    r = shardgen_cli("verify", "-c", cfg)
+    assert r.returncode == 0 and "verified 3 shards" in r.stdout
+
+
+def test_verify_names_every_bad_shard(cfg_dir):
+    cfg = write_config(cfg_dir)
+    assert shardgen_cli("build", "-c", cfg).returncode == 0
+    store = cfg_dir / "shards"
+    data = bytearray((store / "2024-01-03.rec").read_bytes())
+    data[100] ^= 0xFF
+    (store / "2024-01-03.rec").write_bytes(bytes(data))
+    with open(store / "2024-01-05.rec", "r+b") as fh:
+        fh.truncate(50)
+    r = shardgen_cli("verify", "-c", cfg)
+    assert r.returncode == 1
+    assert "2024-01-03:" in r.stderr and "sha256 differs" in r.stderr
+    assert "2024-01-05:" in r.stderr and "50 bytes, the manifest says" in r.stderr
+    assert "2 bad" in r.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["--start", "2024-01-02; rm -rf x"],
+    ["--end", "$(touch pwned)"],
+    ["--start", "2024-13-01"],
+    ["--start", "20240102"],
+])
+def test_date_injection_is_usage_error(cfg_dir, args):
+    cfg = write_config(cfg_dir)
+    r = shardgen_cli("build", "-c", cfg, *args, cwd=cfg_dir)
+    assert r.returncode == 2 and "YYYY-MM-DD" in r.stderr
+    assert runs(cfg_dir) == [] and not (cfg_dir / "pwned").exists()
+
+
+BAD_CONFIGS = [
+    ("[generator]\ncommand = []\n", "generator.command must be a non-empty list"),
+    ("[generator]\noutput = 'x'\n", "generator.command is missing"),
+    ("", "generator is missing"),
+    ("this is not toml = = =", "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text, match", BAD_CONFIGS)
+def test_broken_config_files(tmp_path, text, match):
+    path = tmp_path / "shardgen.toml"
+    path.write_text(text)
+    r = shardgen_cli("build", "-c", path)
+    assert r.returncode == 2 and re.search(match, r.stderr), r.stderr
+
+
+def _edit(text, old, new):
+    assert old in text, old
+    return text.replace(old, new)
+
+
+@pytest.mark.parametrize("old, new, match", [
+    ("timeout_s = 20", "timeout_s = 'soon'", "generator.timeout_s must be int or float"),
+    ("retries = 0", "retries = -1", "generator.retries must be >= 0"),
+    ("retries = 0", "retries = 0\ncolour = 'red'", "unknown key generator.colour"),
+    ('output = "raw/{date}.npy"', 'output = "raw/{day}.npy"', "generator.output.*unknown placeholder"),
+    ('start = "2024-01-02"', 'start = "2024-01-02; rm -rf /"', "dates.start.*YYYY-MM-DD"),
+    ('calendar = "weekdays"', 'calendar = "lunar"', "dates.calendar must be"),
+    ("time_steps = 5", "time_steps = 'five'", "schema.time_steps must be int"),
+    ("num_inputs = 4", "", "schema.num_inputs is missing"),
+    ('{name = "a", width = 1}', '{name = "a", width = 0}', r"schema.labels\[0\].*width must be"),
+    ('{name = "a", width = 1}', '{name = "date", width = 1}', "added by shardgen"),
+    ('function = "shardgen.process:sliding_windows"', 'function = "nope.nothing:fn"',
+     "process.function 'nope.nothing:fn' cannot be imported"),
+    ('function = "shardgen.process:sliding_windows"', 'function = "no_colon"', "module:function"),
+    ('dir = "shards"', "dir = 3", "store.dir must be str"),
+    ("jobs = 1", "jobs = 0", "run.jobs must be >= 1"),
+    ("[run]", "[runn]", "unknown key config.runn"),
+])
+def test_bad_config_is_exit_2_naming_the_key(cfg_dir, old, new, match):
+    cfg = write_config(cfg_dir)
+    cfg.write_text(_edit(cfg.read_text(), old, new))
+    r = shardgen_cli("build", "-c", cfg)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert re.search(match, r.stderr), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_missing_config_and_manifest(tmp_path):
+    r = shardgen_cli("status", "-c", tmp_path / "nope.toml")
+    assert r.returncode == 2 and "config file not found" in r.stderr
+    cfg = write_config(tmp_path / "p")
+    r = shardgen_cli("status", "-c", cfg)
+    assert r.returncode == 1 and "no manifest" in r.stderr
+
+
+def test_schema_change_on_existing_store_is_refused(cfg_dir):
+    cfg = write_config(cfg_dir)
+    assert shardgen_cli("build", "-c", cfg, "--end", "2024-01-02").returncode == 0
+    cfg.write_text(cfg.read_text().replace("time_steps = 5", "time_steps = 6"))
+    r = shardgen_cli("build", "-c", cfg)
+    assert r.returncode == 2 and "use a new store.dir" in r.stderr
+
+
+def test_help_describes_commands():
+    r = shardgen_cli("--help")
+    assert r.returncode == 0 and "build" in r.stdout and "Exit codes" in r.stdout
+    r = shardgen_cli("build", "--help")
+    assert "--force" in r.stdout and "--jobs" in r.stdout
+
+
+def test_demo_config_is_valid():
+    from shardgen.config import load_config
+
+    cfg = load_config(ROOT / "shardgen.toml")
+    assert cfg.schema.record_floats == 60 * 32 + 1 + 4 + 1 == 1926
+    assert cfg.argv(cfg.dates.start)[:3] == [str(ROOT / "build/seqgen"), "--date", "2024-01-02"]

@@ -1,0 +1,87 @@
+"""Real processes: kill -9 mid-build then re-run, and concurrent builds on one store."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, write_config
+
+from shardgen.config import load_config
+from shardgen.fsutil import clean_temp_files
+from shardgen.manifest import Manifest
+from shardgen.store import verify_store
+
+pytestmark = pytest.mark.slow
+DATES_8 = ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05",
+           "2024-01-08", "2024-01-09", "2024-01-10", "2024-01-11"]
+
+
+def start_build(cfg, *extra):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+def temp_files(store):
+    return [p.name for p in store.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("kill_after", [0.4, 1.0, 1.7])
+def test_kill_9_mid_build_then_rerun(cfg_dir, kill_after):
+    cfg_path = write_config(cfg_dir, end="2024-01-11", jobs=2, modes={"*": "slow:0.25"}, rows=400)
+    proc = start_build(cfg_path)
+    time.sleep(kill_after)
+    kill_group(proc)  # the coordinator and its workers, at once
+    store = cfg_dir / "shards"
+    if store.exists() and (store / "manifest.json").exists():
+        Manifest.load(store / "manifest.json")  # whatever was published is readable
+        assert verify_store(store)[1] == []
+    rerun = start_build(cfg_path)
+    out, err = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0, err
+    m = Manifest.load(store / "manifest.json")
+    assert [s.date for s in m.shards] == DATES_8  # every date once
+    assert verify_store(store)[1] == []
+    assert temp_files(store) == []
+
+
+def test_dead_writers_temp_files_are_cleaned(cfg_dir):
+    cfg = load_config(write_config(cfg_dir))
+    cfg.store.dir.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    import socket
+
+    host = socket.gethostname().replace(".", "_")
+    stale = cfg.store.dir / f".2024-01-02.rec.tmp-{host}-{dead.pid}-0123abcd"
+    live = cfg.store.dir / f".2024-01-03.rec.tmp-{host}-{os.getpid()}-0123abcd"
+    stale.write_bytes(b"half")
+    live.write_bytes(b"in progress")
+    assert clean_temp_files(cfg.store.dir) == [stale]
+    assert live.exists()
+
+
+def test_concurrent_builds_serialise_on_the_lock(cfg_dir):
+    cfg_path = write_config(cfg_dir, end="2024-01-11", jobs=1, modes={"*": "slow:0.1"})
+    a = start_build(cfg_path, "--end", "2024-01-09")
+    b = start_build(cfg_path, "--start", "2024-01-04")
+    c = start_build(cfg_path)
+    for p in (a, b, c):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    store = cfg_dir / "shards"
+    m = Manifest.load(store / "manifest.json")
+    assert [s.date for s in m.shards] == DATES_8
+    assert verify_store(store)[1] == [] and temp_files(store) == []
