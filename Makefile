@@ -24,6 +24,9 @@ shards: install
 test: install
 	$(PY) -m pytest -q -ra
 
+train: install
+	$(PY) -m loader.train --manifest shards/manifest.json --epochs 2 --val-from 2024-01-29
+
 lint: install
 	$(VENV)/bin/ruff check shardgen loader tests
 

@@ -93,3 +93,32 @@ def expected_windows(date: str, rows=30, cols=7, stride=1):
 @pytest.fixture
 def cfg_dir(tmp_path):
     return tmp_path / "proj"
+
+
+def make_store(store: Path, counts: dict, *, window: int = 0, t: int = 3, c: int = 2, base_id: int = 0):
+    """A store written directly (no generator): record k of the store has label ``a == k + base_id``
+    and ``x`` filled with k, so a test can identify every record it reads."""
+    import datetime as dt
+
+    from shardgen.layout import LabelSpec, Schema
+    from shardgen.store import publish
+    from shardgen.writer import write_shard
+
+    schema = Schema.create(time_steps=t, num_inputs=c, data_name="seq_var",
+                           labels=[LabelSpec("a", 1), LabelSpec("b", 2)])
+    store.mkdir(parents=True, exist_ok=True)
+    entries, next_id = [], base_id
+    for date, n in sorted(counts.items()):
+        ids = np.arange(next_id, next_id + n, dtype=np.float32)
+        next_id += n
+        x = np.repeat(ids, t * c).reshape(n, t, c) + np.arange(t * c, dtype=np.float32).reshape(t, c) / 100
+        labels = {"a": ids, "b": np.stack([ids * 2, -ids], axis=1).astype(np.float32)}
+        entries.append(write_shard(store, dt.date.fromisoformat(date), x, labels, schema, fsync=False).entry())
+    publish(store, schema, window, entries)
+    return schema
+
+
+def batch_ids(batch) -> list:
+    """Ids of the real (not padding) rows of a batch."""
+    a = batch.label[0].asnumpy()
+    return a[: len(a) - batch.pad].astype(int).tolist()

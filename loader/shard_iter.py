@@ -1,0 +1,315 @@
+"""``ShardIter``: an ``mx.io.DataIter`` over a shardgen manifest, read by MXNet's native C++
+``ImageRecordIter`` (``preprocess_threads`` decode threads and a ``prefetch_buffer`` of batches,
+none of them holding the GIL). Python does no per-record work: per batch it only splits the
+header-label payload into the named arrays of the schema.
+
+Epochs are exact: every record of this part once, whatever MXNet's ``round_batch`` does (it is
+wrong in 1.9.1), with ``pad`` counted here. Each epoch gets a fresh native iterator seeded from
+``(seed, epoch)``, so the order is a function of seed, epoch and selection alone: reproducible,
+and resumable from ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import mxnet as mx
+import numpy as np
+
+from shardgen.manifest import ShardEntry
+
+from .errors import LoaderError
+from .plan import (
+    DateRange,
+    EpochPlan,
+    default_cache_dir,
+    load_manifest,
+    make_plan,
+    manifest_path_of,
+    part_sizes,
+    select_shards,
+)
+
+__all__ = ["ShardIter", "to_datetime64"]
+
+_STATE_VERSION = 1
+_CHATTER = re.compile(rb"ImageRecordIOParser2: .* threads for decoding")
+
+
+def to_datetime64(days: Any) -> np.ndarray:
+    """The ``date`` label (float32 days since 1970-01-01) as ``datetime64[D]``."""
+    arr = days.asnumpy() if hasattr(days, "asnumpy") else np.asarray(days)
+    return arr.astype(np.int64).astype("datetime64[D]")
+
+
+@contextlib.contextmanager
+def _quiet_native_info():
+    """Drop the INFO line MXNet's C++ prints at each iterator creation; keep anything else."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to guard
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            rest = [ln for ln in tmp.read().splitlines(keepends=True) if not _CHATTER.search(ln)]
+            if rest:
+                os.write(2, b"".join(rest))
+
+
+class ShardIter(mx.io.DataIter):
+    """Batches of a shard store: ``data = [x (B, T, C)]``, ``label = [each label..., date]``."""
+
+    def __init__(self, manifest: os.PathLike | str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 preprocess_threads: int = 4, prefetch_buffer: int = 4, num_parts: int = 1,
+                 part_index: int = 0, last_batch: str = "pad", dates: DateRange = None,
+                 label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None):
+        for name, value, low in (("batch_size", batch_size, 1), ("num_parts", num_parts, 1),
+                                 ("preprocess_threads", preprocess_threads, 1),
+                                 ("prefetch_buffer", prefetch_buffer, 1)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+                raise LoaderError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(part_index, (int, np.integer)) or not 0 <= part_index < num_parts:
+            raise LoaderError(f"part_index must be in [0, {num_parts}), got {part_index!r}")
+        if last_batch not in ("pad", "discard"):
+            raise LoaderError(f"last_batch must be 'pad' or 'discard', got {last_batch!r}")
+        if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**31:
+            raise LoaderError(f"seed must be an integer in [0, 2^31), got {seed!r}")
+        super().__init__(int(batch_size))
+        self.manifest_path = manifest_path_of(Path(manifest))
+        self.shuffle, self.seed = bool(shuffle), int(seed)
+        self.preprocess_threads, self.prefetch_buffer = int(preprocess_threads), int(prefetch_buffer)
+        self.num_parts, self.part_index, self.last_batch = int(num_parts), int(part_index), last_batch
+        self.dates = None if dates is None else tuple(None if d is None else str(d) for d in dates)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.epoch = 0
+        self.history: list[dict] = []
+        self._native: Optional[mx.io.DataIter] = None
+        manifest_obj = load_manifest(self.manifest_path)
+        self.schema = manifest_obj.schema
+        known = [lab.name for lab in self.schema.labels]
+        self.label_names = tuple(known if label_names is None else label_names)
+        unknown = [n for n in self.label_names if n not in known]
+        if unknown or not self.label_names:
+            raise LoaderError(f"label_names {list(self.label_names)!r}: choose among {known}")
+        self._start_epoch(make_plan(self.manifest_path, manifest_obj, select_shards(manifest_obj, self.dates),
+                                    self.cache_dir))
+
+    @classmethod
+    def for_kvstore(cls, kv: Any, manifest: os.PathLike | str, batch_size: int, **kwargs: Any) -> ShardIter:
+        """One part per worker of a (distributed) kvstore: ``num_parts = kv.num_workers``, ``part_index = kv.rank``."""
+        return cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, **kwargs)
+
+    # -- the contract ---------------------------------------------------------------------------
+
+    @property
+    def provide_data(self) -> list:
+        s = self.schema
+        return [mx.io.DataDesc(s.data_name, (self.batch_size, s.time_steps, s.num_inputs), layout="NTC")]
+
+    @property
+    def provide_label(self) -> list:
+        return [mx.io.DataDesc(lab.name, (self.batch_size,), layout="N") if lab.width == 1
+                else mx.io.DataDesc(lab.name, (self.batch_size, lab.width), layout="NC")
+                for lab in self._labels]
+
+    @property
+    def _labels(self) -> list:
+        return [lab for lab in self.schema.labels if lab.name in self.label_names]
+
+    @property
+    def generation(self) -> int:
+        return self.plan.generation
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self._batches
+
+    @property
+    def records_per_epoch(self) -> int:
+        """Real (not padding) records this part yields per epoch."""
+        return self._part_records if self.last_batch == "pad" else self._batches * self.batch_size
+
+    def reset(self) -> None:
+        """Start the next epoch on the newest manifest generation."""
+        self._close_epoch()
+        manifest = load_manifest(self.manifest_path)
+        if manifest.schema.fingerprint != self.schema.fingerprint:
+            raise LoaderError(f"{self.manifest_path}: the store's schema changed (fingerprint "
+                              f"{self.schema.fingerprint} -> {manifest.schema.fingerprint}); make a new ShardIter")
+        shards = select_shards(manifest, self.dates)
+        same = manifest.generation == self.plan.generation or shards == self.plan.shards
+        plan = self.plan if same else make_plan(self.manifest_path, manifest, shards, self.cache_dir)
+        self.epoch += 1
+        self._start_epoch(plan)
+
+    def next(self) -> mx.io.DataBatch:
+        t0 = time.perf_counter()
+        if self._epoch_t0 is None:
+            self._epoch_t0 = t0
+        if self._cursor >= self._batches:
+            raise StopIteration
+        valid = min(self.batch_size, self._part_records - self._cursor * self.batch_size)
+        if valid > 0:
+            try:
+                native = self._native.next()
+            except StopIteration:
+                raise LoaderError(f"MXNet's iterator ended after {self._cursor} of {self._batches} batches "
+                                  f"(generation {self.plan.generation})") from None
+            arrays = self._split(native.label[0])
+        else:  # a part shorter than the longest: a whole batch of declared padding
+            valid, arrays = 0, self._last_arrays
+        self._last_arrays = arrays
+        self._cursor += 1
+        pad = self.batch_size - valid if self.last_batch == "pad" else 0
+        self._samples += valid if self.last_batch == "pad" else self.batch_size
+        t1 = time.perf_counter()
+        self._blocked += t1 - t0
+        self._epoch_t1 = t1
+        return mx.io.DataBatch(data=arrays[:1], label=arrays[1:], pad=pad,
+                               provide_data=self.provide_data, provide_label=self.provide_label)
+
+    def iter_next(self) -> bool:  # what PrefetchingIter and friends call
+        try:
+            self._pending = self.next()
+        except StopIteration:
+            return False
+        return True
+
+    def getdata(self) -> list:
+        return self._pending.data
+
+    def getlabel(self) -> list:
+        return self._pending.label
+
+    def getpad(self) -> int:
+        return self._pending.pad
+
+    def getindex(self) -> None:
+        return None
+
+    # -- statistics -----------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict:
+        """This epoch so far: samples/s, payload MB/s and the data-stall fraction."""
+        wall = (self._epoch_t1 or 0) - (self._epoch_t0 or 0)
+        payload = self._samples * self.schema.record_floats * 4
+        return {
+            "epoch": self.epoch,
+            "generation": self.plan.generation,
+            "batches": self._cursor,
+            "samples": self._samples,
+            "seconds": wall,
+            "samples_per_s": self._samples / wall if wall > 0 else 0.0,
+            "payload_mb_per_s": payload / wall / 1e6 if wall > 0 else 0.0,
+            "stall_fraction": self._blocked / wall if wall > 0 else 0.0,
+        }
+
+    # -- resumption -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Where this iterator is: enough to continue the same epoch in a new process."""
+        return {
+            "version": _STATE_VERSION,
+            "manifest": str(self.manifest_path),
+            "generation": self.plan.generation,
+            "fingerprint": self.plan.fingerprint,
+            "shards": [s.to_json() for s in self.plan.shards],
+            "dates": list(self.dates) if self.dates else None,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "batches": self._cursor,
+            "batch_size": self.batch_size,
+            "num_parts": self.num_parts,
+            "part_index": self.part_index,
+            "shuffle": self.shuffle,
+            "last_batch": self.last_batch,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``: same shards, same epoch order, the same remaining batches."""
+        if state.get("version") != _STATE_VERSION:
+            raise LoaderError(f"state_dict version {state.get('version')!r}, expected {_STATE_VERSION}")
+        for key in ("batch_size", "num_parts", "part_index", "shuffle", "last_batch", "seed"):
+            if state[key] != getattr(self, key):
+                raise LoaderError(f"state_dict was saved with {key}={state[key]!r}, this iterator has "
+                                  f"{getattr(self, key)!r}")
+        if state["fingerprint"] != self.schema.fingerprint:
+            raise LoaderError("state_dict was saved for another schema")
+        self._close_epoch()
+        manifest = load_manifest(self.manifest_path)
+        shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
+        plan = make_plan(self.manifest_path, manifest, shards, self.cache_dir)
+        plan = EpochPlan(plan.store, state["generation"], plan.fingerprint, plan.shards, plan.index, plan.records)
+        self.epoch = int(state["epoch"])
+        self._start_epoch(plan)
+        for _ in range(int(state["batches"])):
+            self.next()
+        self._samples, self._blocked, self._epoch_t0, self._epoch_t1 = 0, 0.0, None, None
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _start_epoch(self, plan: EpochPlan) -> None:
+        sizes = part_sizes(plan.records, self.num_parts)
+        smallest = min(sizes)
+        if smallest < self.batch_size:
+            which = sizes.index(smallest)
+            raise LoaderError(
+                f"batch_size {self.batch_size} is larger than part {which} of {self.num_parts} "
+                f"({smallest} of {plan.records} records in generation {plan.generation})")
+        self.plan = plan
+        self._part_records = sizes[self.part_index]
+        if self.last_batch == "pad":
+            self._batches = math.ceil(max(sizes) / self.batch_size)
+        else:
+            self._batches = smallest // self.batch_size
+        self._cursor, self._samples, self._blocked = 0, 0, 0.0
+        self._epoch_t0 = self._epoch_t1 = None
+        self._last_arrays = None
+        epoch_seed = (self.seed * 1_000_003 + self.epoch * 7919) % (2**31 - 1)
+        with _quiet_native_info():
+            self._native = mx.io.ImageRecordIter(
+                path_imgrec=plan.rec_paths, path_imgidx=str(plan.index), data_shape=(1, 1, 1),
+                label_width=self.schema.record_floats, batch_size=self.batch_size, shuffle=self.shuffle,
+                seed=epoch_seed, num_parts=self.num_parts, part_index=self.part_index, round_batch=False,
+                preprocess_threads=self.preprocess_threads, prefetch_buffer=self.prefetch_buffer)
+
+    def _close_epoch(self) -> None:
+        if self._native is not None:
+            if self._cursor:
+                self.history.append(self.stats)
+            self._native = None  # frees the native iterator and its threads
+
+    def _split(self, payload: mx.nd.NDArray) -> list:
+        s, b = self.schema, self.batch_size
+        out = [mx.nd.slice_axis(payload, axis=1, begin=0, end=s.x_floats).reshape((b, s.time_steps, s.num_inputs))]
+        slices = s.label_slices()
+        for lab in self._labels:
+            sl = slices[lab.name]
+            part = mx.nd.slice_axis(payload, axis=1, begin=sl.start, end=sl.stop)
+            out.append(part.reshape((b,)) if lab.width == 1 else part)
+        return out
+
+    def close(self) -> None:
+        """Stop the native threads now rather than at garbage collection."""
+        self._close_epoch()
+
+    def __enter__(self) -> ShardIter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,251 @@
+"""ShardIter: contract, exact-once epochs, parts, shuffle, date ranges, generations, resumption."""
+
+import json
+from collections import Counter
+
+import mxnet as mx
+import numpy as np
+import pytest
+from conftest import batch_ids, make_store
+
+from loader import LoaderError, ShardIter, to_datetime64
+from shardgen.manifest import Manifest
+
+COUNTS = {"2024-01-02": 7, "2024-01-03": 13, "2024-01-04": 1, "2024-01-05": 20}  # 41 records
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("store")
+    make_store(path, COUNTS)
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return tmp_path / "cache"
+
+
+def epoch(it):
+    batches = list(it)
+    it.reset()
+    return batches
+
+
+def test_contract_shapes_and_values(store, cache):
+    it = ShardIter(store / "manifest.json", 8, shuffle=False, cache_dir=cache)
+    assert [(d.name, d.shape, d.layout) for d in it.provide_data] == [("seq_var", (8, 3, 2), "NTC")]
+    assert [(d.name, d.shape) for d in it.provide_label] == [("a", (8,)), ("b", (8, 2)), ("date", (8,))]
+    b = it.next()
+    assert b.data[0].shape == (8, 3, 2) and b.data[0].dtype == np.float32
+    x, a, bb, date = b.data[0].asnumpy(), *(lab.asnumpy() for lab in b.label)
+    np.testing.assert_array_equal(a, np.arange(8))
+    np.testing.assert_allclose(x[5], 5 + np.arange(6).reshape(3, 2) / 100, rtol=1e-6)
+    np.testing.assert_array_equal(bb, np.stack([a * 2, -a], 1))
+    assert list(to_datetime64(date)[[0, 6, 7]].astype(str)) == ["2024-01-02", "2024-01-02", "2024-01-03"]
+    it.close()
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("batch_size", [1, 3, 7])
+@pytest.mark.parametrize("dates, n", [(None, 41), (("2024-01-03", "2024-01-04"), 14)])
+def test_exact_once_every_epoch_every_part(store, cache, shuffle, batch_size, dates, n):
+    first = sum(v for d, v in COUNTS.items() if dates is not None and d < dates[0])
+    for parts in range(1, 5):
+        step = -(-n // parts)
+        smallest = n - (parts - 1) * step
+        if smallest < batch_size:
+            with pytest.raises(LoaderError, match=f"batch_size {batch_size} is larger than part"):
+                ShardIter(store, batch_size, num_parts=parts, dates=dates, cache_dir=cache)
+            continue
+        iters = [ShardIter(store, batch_size, shuffle=shuffle, seed=5, num_parts=parts, part_index=p,
+                           dates=dates, cache_dir=cache) for p in range(parts)]
+        for _ in range(3):
+            seen = Counter()
+            counts = set()
+            for it in iters:
+                batches = epoch(it)
+                counts.add(len(batches))
+                for b in batches:
+                    assert b.data[0].shape[0] == batch_size and 0 <= b.pad <= batch_size
+                    seen.update(batch_ids(b))
+            assert len(counts) == 1, "every part must yield the same number of batches"
+            assert seen == Counter(range(first, first + n)), "each record exactly once per epoch"
+        for it in iters:
+            it.close()
+
+
+def test_discard_yields_full_batches_only(store, cache):
+    iters = [ShardIter(store, 4, num_parts=3, part_index=p, last_batch="discard", cache_dir=cache)
+             for p in range(3)]  # parts 14, 14, 13 -> 3 full batches each
+    seen = Counter()
+    for it in iters:
+        batches = epoch(it)
+        assert len(batches) == 3 and all(b.pad == 0 for b in batches)
+        for b in batches:
+            seen.update(batch_ids(b))
+    assert sum(seen.values()) == 36 and max(seen.values()) == 1
+
+
+def test_shuffle_is_global_reproducible_and_per_epoch(store, cache):
+    def orders(seed, epochs=3):
+        it = ShardIter(store, 41, seed=seed, cache_dir=cache)
+        out = [batch_ids(epoch(it)[0]) for _ in range(epochs)]
+        it.close()
+        return out
+
+    a, b, c = orders(1), orders(1), orders(2)
+    assert a == b  # same seed, same generation: same order
+    assert a[0] != a[1] != a[2]  # differs per epoch
+    assert a[0] != c[0]
+    first_ten = a[0][:10]
+    assert len({i < 7 for i in first_ten} | {i >= 21 for i in first_ten}) > 1  # mixes shards
+
+
+def test_new_generation_only_after_reset(tmp_path, cache):
+    make_store(tmp_path, {"2024-01-02": 10})
+    it = ShardIter(tmp_path, 4, shuffle=False, cache_dir=cache)
+    ids = batch_ids(it.next())
+    make_store(tmp_path, {"2024-01-03": 5}, base_id=100)  # published mid-epoch
+    assert Manifest.load(tmp_path / "manifest.json").generation == 2
+    for b in it:
+        ids += batch_ids(b)
+    assert sorted(ids) == list(range(10)) and it.generation == 1
+    it.reset()
+    ids = [i for b in it for i in batch_ids(b)]
+    assert sorted(ids) == list(range(10)) + list(range(100, 105)) and it.generation == 2
+
+
+def test_date_range_selection(store, cache):
+    train = ShardIter(store, 2, dates=(None, "2024-01-03"), cache_dir=cache)
+    val = ShardIter(store, 2, dates=("2024-01-04", None), cache_dir=cache)
+    tr = [i for b in train for i in batch_ids(b)]
+    va = [i for b in val for i in batch_ids(b)]
+    assert sorted(tr) == list(range(20)) and sorted(va) == list(range(20, 41))
+
+
+@pytest.mark.parametrize("parts, stop_at", [(1, 3), (2, 0), (2, 4)])
+def test_resume_equals_uninterrupted(store, cache, parts, stop_at):
+    kw = dict(batch_size=3, seed=9, num_parts=parts, part_index=parts - 1, cache_dir=cache)
+    ref = ShardIter(store, **kw)
+    full = [batch_ids(b) for b in epoch(ref)] + [batch_ids(b) for b in epoch(ref)]
+    run = ShardIter(store, **kw)
+    epoch(run)
+    got = [batch_ids(run.next()) for _ in range(stop_at)]
+    state = json.loads(json.dumps(run.state_dict()))  # survives a round trip through JSON
+    run.close()
+    resumed = ShardIter(store, **kw)
+    resumed.load_state_dict(state)
+    got += [batch_ids(b) for b in resumed]
+    assert got == full[len(full) // 2:]
+
+
+def test_stats_report_rates(store, cache):
+    it = ShardIter(store, 5, cache_dir=cache)
+    list(it)
+    s = it.stats
+    assert s["samples"] == 41 and s["batches"] == 9
+    assert s["samples_per_s"] > 0 and 0 <= s["stall_fraction"] <= 1.0 + 1e-9
+
+
+def test_label_names_subset_and_for_kvstore(store, cache):
+    it = ShardIter(store, 4, label_names=["a"], cache_dir=cache)
+    assert [d.name for d in it.provide_label] == ["a"] and len(it.next().label) == 1
+    with pytest.raises(LoaderError, match="choose among"):
+        ShardIter(store, 4, label_names=["nope"], cache_dir=cache)
+    kv = mx.kv.create("local")
+    it = ShardIter.for_kvstore(kv, store, 4, cache_dir=cache)
+    assert (it.num_parts, it.part_index) == (1, 0)
+
+
+def test_prefetching_iter_wraps_it(store, cache):
+    pit = mx.io.PrefetchingIter(ShardIter(store, 5, shuffle=False, cache_dir=cache))
+    ids = [i for b in pit for i in batch_ids(b)]
+    assert sorted(ids) == list(range(41))
+
+
+def _copy_store(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda s: (s / "manifest.json").unlink(), "no manifest"),
+    (lambda s: (s / "manifest.json").write_text("{not json"), "not valid JSON"),
+    (lambda s: (s / "manifest.json").write_text('{"format": "other/9"}'), "format 'other/9'"),
+    (lambda s: (s / "2024-01-03.rec").unlink(), "2024-01-03.rec: shard file is missing"),
+    (lambda s: open(s / "2024-01-03.rec", "r+b").truncate(100), "2024-01-03.rec: 100 bytes, the manifest says"),
+    (lambda s: (s / "2024-01-05.idx").write_text("0\t0\n"), "2024-01-05.idx: 1 records"),
+    (lambda s: (s / "2024-01-05.idx").write_text("garbage"), "2024-01-05.idx: malformed index"),
+])
+def test_bad_store_is_a_clear_error(store, tmp_path, cache, damage, match):
+    copy = _copy_store(store, tmp_path / "copy")
+    damage(copy)
+    with pytest.raises(LoaderError, match=match):
+        ShardIter(copy / "manifest.json", 4, cache_dir=cache)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=0), "batch_size must be an integer >= 1"),
+    (dict(batch_size=42), "batch_size 42 is larger than part 0 of 1"),
+    (dict(batch_size=4, num_parts=2, part_index=2), r"part_index must be in \[0, 2\)"),
+    (dict(batch_size=4, last_batch="keep"), "last_batch must be"),
+    (dict(batch_size=4, dates=("2025-01-01", None)), "no shards selected"),
+    (dict(batch_size=4, dates=("yesterday", None)), "not YYYY-MM-DD"),
+    (dict(batch_size=4, seed=-1), "seed must be"),
+])
+def test_bad_arguments(store, cache, kwargs, match):
+    with pytest.raises(LoaderError, match=match):
+        ShardIter(store, cache_dir=cache, **kwargs)
+
+
+def test_semicolon_in_store_path(store, tmp_path, cache):
+    copy = _copy_store(store, tmp_path / "a;b")
+    with pytest.raises(LoaderError, match="may not contain ';'"):
+        ShardIter(copy, 4, cache_dir=cache)
+
+
+def test_schema_change_raises_at_reset(tmp_path, cache):
+    make_store(tmp_path / "s", {"2024-01-02": 10})
+    it = ShardIter(tmp_path / "s", 4, cache_dir=cache)
+    (tmp_path / "s" / "manifest.json").unlink()
+    make_store(tmp_path / "s", {"2024-01-03": 10}, t=4)
+    with pytest.raises(LoaderError, match="schema changed"):
+        it.reset()
+
+
+def test_module_fit_runs_one_epoch(store, cache):
+    it = ShardIter(store, 8, label_names=["a"], cache_dir=cache)
+    data = mx.sym.var("seq_var")
+    net = mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=1)
+    net = mx.sym.LinearRegressionOutput(mx.sym.flatten(net), label=mx.sym.var("a"), name="out")
+    mod = mx.mod.Module(net, data_names=["seq_var"], label_names=["a"], context=mx.cpu())
+    seen = []
+    mod.fit(it, num_epoch=1, optimizer="sgd", optimizer_params={"learning_rate": 1e-4}, eval_metric="mse",
+            batch_end_callback=lambda p: seen.append(p.nbatch))
+    assert len(seen) == 6  # ceil(41 / 8)
+    assert np.isfinite(mod.get_params()[0]["fullyconnected0_weight"].asnumpy()).all()
+
+
+def test_records_split_by_the_magic_word_read_back_exactly(tmp_path, cache):
+    """dmlc splits a record whose payload holds its magic word; the native reader must rejoin it."""
+    import datetime as dt
+    import struct
+
+    from shardgen.layout import MAGIC, LabelSpec, Schema
+    from shardgen.store import publish
+    from shardgen.writer import write_shard
+
+    schema = Schema.create(time_steps=2, num_inputs=2, data_name="seq_var", labels=[LabelSpec("a", 1)])
+    magic = np.frombuffer(struct.pack("<I", MAGIC), np.float32)[0]
+    x = np.arange(40, dtype=np.float32).reshape(10, 2, 2)
+    x[3, 0, 1] = x[7, 1, 1] = x[7, 0, 0] = magic
+    labels = {"a": np.arange(10, dtype=np.float32)}
+    entry = write_shard(tmp_path, dt.date(2024, 1, 2), x, labels, schema).entry()
+    assert entry.bytes > 10 * schema.record_bytes  # the split records are longer
+    publish(tmp_path, schema, 0, [entry])
+    b = ShardIter(tmp_path, 10, shuffle=False, cache_dir=cache).next()
+    np.testing.assert_array_equal(b.data[0].asnumpy(), x)
+    np.testing.assert_array_equal(b.label[0].asnumpy(), labels["a"])
