@@ -169,7 +169,12 @@ class ShardIter(mx.io.DataIter):
             except StopIteration:
                 raise LoaderError(f"MXNet's iterator ended after {self._cursor} of {self._batches} batches "
                                   f"(generation {self.plan.generation})") from None
-            arrays = self._split(native.label[0])
+            payload = native.label[0]
+            if valid < self.batch_size:
+                # MXNet leaves stale or uninitialised memory (even NaN) in the rest of the last
+                # batch; fill it with this batch's real rows so padding is always valid data.
+                payload = mx.nd.take(payload, mx.nd.array(np.arange(self.batch_size) % valid))
+            arrays = self._split(payload)
         else:  # a part shorter than the longest: a whole batch of declared padding
             valid, arrays = 0, self._last_arrays
         self._last_arrays = arrays
