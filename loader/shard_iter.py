@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import mxnet as mx
 import numpy as np
 
+from shardgen.lease import Lease
 from shardgen.manifest import ShardEntry
 
 from .errors import LoaderError
@@ -98,6 +99,7 @@ class ShardIter(mx.io.DataIter):
         self.epoch = 0
         self.history: list[dict] = []
         self._native: Optional[mx.io.DataIter] = None
+        self._lease = Lease(self.manifest_path.parent)  # tells gc which generation we read
         manifest_obj = load_manifest(self.manifest_path)
         self.schema = manifest_obj.schema
         known = [lab.name for lab in self.schema.labels]
@@ -161,6 +163,7 @@ class ShardIter(mx.io.DataIter):
         if self._epoch_t0 is None:
             self._epoch_t0 = t0
         if self._cursor >= self._batches:
+            self._lease.release()  # the epoch's files are no longer needed
             raise StopIteration
         valid = min(self.batch_size, self._part_records - self._cursor * self.batch_size)
         if valid > 0:
@@ -277,6 +280,7 @@ class ShardIter(mx.io.DataIter):
                 f"batch_size {self.batch_size} is larger than part {which} of {self.num_parts} "
                 f"({smallest} of {plan.records} records in generation {plan.generation})")
         self.plan = plan
+        self._lease.renew(plan.generation)
         self._part_records = sizes[self.part_index]
         if self.last_batch == "pad":
             self._batches = math.ceil(max(sizes) / self.batch_size)
@@ -310,8 +314,9 @@ class ShardIter(mx.io.DataIter):
         return out
 
     def close(self) -> None:
-        """Stop the native threads now rather than at garbage collection."""
+        """Stop the native threads and drop the reader lease now rather than at garbage collection."""
         self._close_epoch()
+        self._lease.release()
 
     def __enter__(self) -> ShardIter:
         return self

@@ -10,13 +10,13 @@ import datetime as dt
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
 from joblib import Parallel, delayed
 
 from .config import Config
-from .errors import ShardgenError
+from .errors import Interrupted, ShardgenError
 from .fsutil import atomic_write, clean_temp_files
 from .generator import load_raw, obtain_raw
 from .manifest import Manifest, ShardEntry, Sidecar
@@ -24,7 +24,7 @@ from .process import run_processor
 from .store import check_sidecar, open_manifest, publish
 from .writer import shard_paths, write_shard
 
-__all__ = ["DateResult", "BuildReport", "produce", "build", "complete_shard"]
+__all__ = ["DateResult", "BuildReport", "produce", "build", "complete_shard", "wanted"]
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 10.0  # during a long build, finished shards reach the manifest this often
@@ -102,6 +102,8 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
                               time.perf_counter() - t0)
         sidecar = write_shard(cfg.store.dir, date, x, labels, schema)
         return DateResult(date, "written", sidecar.entry(), seconds=time.perf_counter() - t0)
+    except Interrupted as exc:
+        return DateResult(date, "abandoned", message=str(exc), seconds=time.perf_counter() - t0)
     except ShardgenError as exc:
         return DateResult(date, "failed", message=str(exc), seconds=time.perf_counter() - t0)
     except (OSError, MemoryError) as exc:
@@ -109,35 +111,48 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
                           seconds=time.perf_counter() - t0)
 
 
+def wanted(manifest: Manifest, dates: Iterable[dt.date], *, force: bool = False) -> list[dt.date]:
+    """The dates still to produce: not published nor retired, and not older than a full window
+    (a date that old would be retired at once, and after gc regenerated again and again)."""
+    done = {s.date for s in manifest.shards} | {r.date for r in manifest.retired}
+    full = manifest.window and len(manifest.shards) >= manifest.window
+    oldest = manifest.shards[0].date if manifest.shards else ""
+    return [d for d in dates
+            if force or (d.isoformat() not in done and not (full and d.isoformat() < oldest))]
+
+
 def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = False,
-              raw_only: bool = False) -> Iterable[DateResult]:
+              raw_dates: frozenset = frozenset()) -> Iterable[DateResult]:
     """Results of ``produce`` for every date, in completion order."""
     if jobs == 1 or len(dates) <= 1:
-        return (produce(cfg, d, force=force, raw_only=raw_only) for d in dates)
+        return (produce(cfg, d, force=force, raw_only=d in raw_dates) for d in dates)
     parallel = Parallel(n_jobs=min(jobs, len(dates)), backend=cfg.run.backend,
                         return_as="generator_unordered")
-    return parallel(
-        delayed(produce)(cfg, d, force=force, raw_only=raw_only) for d in dates)
+    return parallel(delayed(produce)(cfg, d, force=force, raw_only=d in raw_dates) for d in dates)
 
 
 def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date] = None,
           jobs: Optional[int] = None, force: bool = False, today: Optional[dt.date] = None,
-          dates: Optional[list[dt.date]] = None, raw_only: bool = False,
-          progress: Optional[Callable[[int], object]] = None) -> BuildReport:
+          dates: Optional[list[dt.date]] = None, raw_dates: Iterable[dt.date] = (),
+          progress: Optional[Callable[[int], object]] = None,
+          should_stop: Callable[[], bool] = lambda: False) -> BuildReport:
     """Produce every due date and publish the finished shards; failures are collected, not raised.
 
-    ``progress(total)`` returns a tqdm-like bar (``update``, ``set_postfix``, ``close``) or None.
+    ``raw_dates`` are processed from their raw file only (never generated). ``progress(total)``
+    returns a tqdm-like bar (``update``, ``set_postfix``, ``close``) or None. Once
+    ``should_stop()`` is true no further result is waited for; what finished is published.
     """
     t0 = time.perf_counter()
     store = cfg.store.dir
     store.mkdir(parents=True, exist_ok=True)
     for path in clean_temp_files(store):
         log.info("removed %s left by a dead process", path.name)
-    manifest = open_manifest(store, cfg.schema, cfg.store.window)
-    done = {s.date for s in manifest.shards} | {r.date for r in manifest.retired}
+    manifest = replace(open_manifest(store, cfg.schema, cfg.store.window), window=cfg.store.window)
+    raw_dates = frozenset(raw_dates)
     if dates is None:
         dates = cfg.dates_between(start, end, today)
-    todo = [d for d in dates if force or d.isoformat() not in done]
+    dates = sorted(set(dates) | raw_dates)
+    todo = wanted(manifest, dates, force=force)
     report = BuildReport(skipped=len(dates) - len(todo))
     bar = progress(len(todo)) if progress and todo else None
     pending: list[ShardEntry] = []
@@ -152,8 +167,10 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
         last_publish = time.monotonic()
 
     try:
-        for res in run_dates(cfg, todo, jobs=jobs or cfg.run.jobs, force=force, raw_only=raw_only):
-            if res.status == "failed":
+        for res in run_dates(cfg, todo, jobs=jobs or cfg.run.jobs, force=force, raw_dates=raw_dates):
+            if res.status == "abandoned":
+                log.info("%s", res.message)
+            elif res.status == "failed":
                 report.failed.append((res.date, res.message))
                 log.error("%s", res.message)
             elif res.status == "empty":
@@ -164,12 +181,15 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
                 report.published.append(res.date)
                 report.records += res.entry.records
                 report.bytes += res.entry.bytes
-                log.info("%s: %s shard, %d records", res.date, res.status, res.entry.records)
+                log.info("published %s (%s shard, %d records)", res.date, res.status, res.entry.records)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(done=len(report.published), failed=len(report.failed), refresh=False)
             if time.monotonic() - last_publish > PUBLISH_EVERY_S:
                 flush()
+            if should_stop():
+                log.info("stopping: not waiting for the remaining dates")
+                break
     finally:
         flush()
         if bar is not None:

@@ -7,17 +7,23 @@ config error. Errors are one line each on stderr; results go to stdout.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
 from tqdm import tqdm
 
+from . import generator
 from . import store as store_mod
 from .build import build
 from .config import load_config, parse_date
 from .errors import ConfigError, LockError, ManifestError, ShardgenError
+from .gc import collect
+from .watch import Watcher
 
 __all__ = ["main"]
 
@@ -76,6 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--jobs", type=int, help="parallel dates (default: [run] jobs)")
     b.add_argument("--force", action="store_true",
                    help="regenerate and rewrite dates even if published or their raw output exists")
+    w = sub.add_parser("watch", parents=[common], help="keep the manifest fed, forever (or --once)",
+                       description="Every --interval seconds: generate and shard due dates, shard raw files "
+                                   "dropped at the output location, adopt complete shards, apply the window, "
+                                   "garbage-collect retired shards no reader uses. SIGINT/SIGTERM stop it "
+                                   "cleanly.")
+    w.add_argument("--interval", type=float, default=60.0, help="seconds between cycles (default 60)")
+    w.add_argument("--once", action="store_true", help="one cycle, then exit (for cron)")
+    w.add_argument("--jobs", type=int, help="parallel dates (default: [run] jobs)")
+    w.add_argument("--today", help=argparse.SUPPRESS)  # tests: a date, or a file holding one (read each cycle)
+    sub.add_parser("gc", parents=[common], help="delete retired shards no reader uses",
+                   description="Delete retired shards older than store.grace_s that no live reader lease uses.")
     s = sub.add_parser("status", parents=[common], help="summarise the manifest",
                        description="Generation, shards, records, bytes, date range, window and age.")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -93,9 +110,54 @@ def _cmd_build(args: argparse.Namespace) -> int:
     return 1 if report.failed else 0
 
 
+def _today_source(value):
+    if not value:
+        return dt.date.today
+    if len(value) == 10 and value[4] == "-":
+        day = parse_date(value, "--today")
+        return lambda: day
+    return lambda: parse_date(Path(value).read_text().strip(), f"--today file {value}")
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    if args.interval <= 0:
+        raise ConfigError("--interval must be > 0")
+    wake = threading.Event()
+    watcher = Watcher(cfg, interval=args.interval, jobs=args.jobs, today=_today_source(args.today))
+
+    def on_signal(signum, _frame):
+        log.warning("%s: finishing up (running dates are abandoned, nothing partial is published)",
+                    signal.Signals(signum).name)
+        watcher.stop()
+        generator.STOP.set()
+        wake.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    with watcher:
+        log.info("watching %s every %gs (pid lock %s)", cfg.store.dir, args.interval, watcher._lock.path)
+        if args.once:
+            report = watcher.cycle()
+            return 0 if report.ok else 1
+        watcher.run(sleep=wake.wait)
+    log.info("stopped")
+    return 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    deleted = collect(cfg.store.dir, grace_s=cfg.store.grace_s, lease_ttl_s=cfg.store.lease_ttl_s)
+    print(f"deleted {len(deleted)} retired shards" + (f": {', '.join(deleted)}" if deleted else ""))
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     info = store_mod.status(cfg.store.dir)
+    raw = cfg.raw_files()
+    info["newest_raw"] = max(raw).isoformat() if raw else None
+    info["raw_lag_days"] = (dt.date.today() - max(raw)).days if raw else None
     if args.json:
         print(store_mod.dumps(info))
         return 0
@@ -104,6 +166,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
           f"{info['records']} records, {mb:.1f} MB")
     print(f"dates {info['first_date']} .. {info['last_date']} (lag {info['lag_days']} days), "
           f"window {info['window']}, retired {info['retired']}, updated {info['age_s']}s ago")
+    print(f"newest raw file {info['newest_raw']} (lag {info['raw_lag_days']} days)")
     return 0
 
 
@@ -117,12 +180,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-COMMANDS = {"build": _cmd_build, "status": _cmd_status, "verify": _cmd_verify}
+COMMANDS = {"build": _cmd_build, "watch": _cmd_watch, "gc": _cmd_gc, "status": _cmd_status,
+            "verify": _cmd_verify}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    _setup_logging(args.verbose)
+    _setup_logging(args.verbose + (args.command == "watch"))  # the watcher logs what it does
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, LockError) as exc:

@@ -6,7 +6,9 @@ Relative paths are relative to the config file's folder. See README "Config refe
 from __future__ import annotations
 
 import datetime as dt
+import glob
 import importlib
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +85,7 @@ class GeneratorConfig:
     timeout_s: float = 300.0
     retries: int = 2
     backoff_s: float = 1.0
+    settle_s: float = 2.0  # watch: a dropped raw file is read once its mtime is this old
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class StoreConfig:
     dir: Path
     window: int = 0
     grace_s: float = 3600.0
+    lease_ttl_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,23 @@ class Config:
 
     def raw_path(self, date: dt.date) -> Path:
         return Path(self.fields(date)["output"])
+
+    def raw_files(self) -> dict[dt.date, Path]:
+        """Every file present at the ``output`` location, by date (for files dropped by others)."""
+        template = str(self.config_dir / self.generator.output)
+        pattern = template.format(date="????-??-??", yyyymmdd="????????", config_dir=str(self.config_dir))
+        found = {}
+        for path in glob.glob(glob.escape(pattern).replace("[?]", "?")):
+            for candidate in re.findall(r"\d{4}-\d{2}-\d{2}|\d{8}", path[len(str(self.config_dir)):]):
+                try:
+                    text = candidate if "-" in candidate else f"{candidate[:4]}-{candidate[4:6]}-{candidate[6:]}"
+                    date = dt.date.fromisoformat(text)
+                except ValueError:
+                    continue
+                if str(self.raw_path(date)) == path:
+                    found[date] = Path(path)
+                    break
+        return found
 
     def argv(self, date: dt.date) -> list[str]:
         """The generator's argv for one date; the first item resolved against the config dir."""
@@ -209,7 +230,8 @@ def load_config(path: Path) -> Config:
     output = gen.get("output", str)
     _check_template(output, "generator.output")
     generator = GeneratorConfig(tuple(command), output, _number(gen, "timeout_s", 300.0, 0.001),
-                                _integer(gen, "retries", 2, 0), _number(gen, "backoff_s", 1.0, 0.0))
+                                _integer(gen, "retries", 2, 0), _number(gen, "backoff_s", 1.0, 0.0),
+                                _number(gen, "settle_s", 2.0, 0.0))
     gen.done()
 
     dat = _Table(top.get("dates", dict), "dates")
@@ -248,7 +270,7 @@ def load_config(path: Path) -> Config:
 
     sto = _Table(top.get("store", dict), "store")
     store = StoreConfig((path.parent / sto.get("dir", str)).resolve(), _integer(sto, "window", 0, 0),
-                        _number(sto, "grace_s", 3600.0, 0.0))
+                        _number(sto, "grace_s", 3600.0, 0.0), _number(sto, "lease_ttl_s", 60.0, 30.0))
     sto.done()
 
     run_t = _Table(top.get("run", dict, {}), "run")

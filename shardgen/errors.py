@@ -11,6 +11,7 @@ __all__ = [
     "ShardError",
     "ManifestError",
     "LockError",
+    "Interrupted",
 ]
 
 
@@ -44,3 +45,7 @@ class ManifestError(ShardgenError):
 
 class LockError(ShardgenError):
     """The store's lock is held by another process."""
+
+
+class Interrupted(ShardgenError):
+    """Work abandoned because a stop was requested (SIGINT/SIGTERM); nothing partial is published."""

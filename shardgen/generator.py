@@ -8,24 +8,37 @@ exponential backoff; the final error names the date, what failed and the generat
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime as dt
 import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 from .config import Config
-from .errors import GeneratorError, RawDataError
+from .errors import GeneratorError, Interrupted, RawDataError
 
-__all__ = ["load_raw", "run_generator", "obtain_raw"]
+__all__ = ["load_raw", "run_generator", "obtain_raw", "STOP"]
 
 log = logging.getLogger(__name__)
 _STDERR_TAIL = 5
+STOP = threading.Event()  # set (by the watcher's signal handler) to abandon running generators
+_POLL_S = 0.05
+
+
+def _new_session_dying_with_parent() -> None:
+    """In the child: own process group, and SIGKILL if the worker that started it dies."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def load_raw(path: Path, date: dt.date, min_cols: int) -> np.ndarray:
@@ -67,16 +80,26 @@ def run_generator(cfg: Config, date: dt.date) -> None:
     with tempfile.TemporaryFile() as err:
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=err, cwd=cfg.config_dir, start_new_session=True)
+                                    stderr=err, cwd=cfg.config_dir,
+                                    preexec_fn=_new_session_dying_with_parent)
         except OSError as exc:
             raise GeneratorError(f"{date}: cannot start generator {argv[0]!r} ({exc.strerror})") from None
+        deadline = time.monotonic() + timeout
         try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            err.seek(0)
-            raise GeneratorError(f"{date}: generator timed out after {timeout:g}s and was killed; "
-                                 f"stderr: {_tail(err.read().decode(errors='replace'))}") from None
+            while True:
+                try:
+                    code = proc.wait(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if STOP.is_set():
+                        _kill_group(proc)
+                        raise Interrupted(f"{date}: generator abandoned (stopping)") from None
+                    if time.monotonic() >= deadline:
+                        _kill_group(proc)
+                        err.seek(0)
+                        raise GeneratorError(
+                            f"{date}: generator timed out after {timeout:g}s and was killed; "
+                            f"stderr: {_tail(err.read().decode(errors='replace'))}") from None
         except BaseException:
             _kill_group(proc)
             raise
@@ -104,7 +127,8 @@ def obtain_raw(cfg: Config, date: dt.date, *, force: bool = False) -> np.ndarray
         if attempt:
             delay = cfg.generator.backoff_s * 2 ** (attempt - 1)
             log.info("%s: retry %d/%d in %.1fs", date, attempt, attempts - 1, delay)
-            time.sleep(delay)
+            if STOP.wait(delay):
+                raise Interrupted(f"{date}: abandoned before retry (stopping)")
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         try:

@@ -1,0 +1,181 @@
+"""``shardgen watch``: keep the rolling manifest fed, every ``interval`` seconds (or ``--once``).
+
+Each cycle:
+1. due dates (``[dates] start`` up to ``end`` or today, not yet published) are generated and
+   sharded, and raw files dropped at the ``output`` location by others are sharded without
+   running the generator -- both through ``build``, the one code path;
+2. complete shards written into the store by other producers are checked and published;
+3. the window is applied (older dates move to ``retired``);
+4. garbage collection deletes retired shards past ``grace_s`` that no live reader uses.
+
+A dropped raw file is read once its mtime is ``settle_s`` old (write it under another name and
+rename it into place to make that instant). A date that fails is retried on later cycles with
+exponential backoff; it never holds up other dates.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from .build import BuildReport, build, wanted
+from .config import Config
+from .errors import ShardError
+from .gc import collect
+from .lock import WATCH_LOCK, StoreLock
+from .manifest import Sidecar
+from .store import check_sidecar, open_manifest, publish
+
+__all__ = ["Watcher", "CycleReport"]
+
+log = logging.getLogger(__name__)
+MAX_BACKOFF_S = 3600.0
+
+
+@dataclass
+class CycleReport:
+    build: Optional[BuildReport] = None
+    adopted: list = field(default_factory=list)
+    deleted: list = field(default_factory=list)
+    failed: list = field(default_factory=list)  # (date, message) new this cycle
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+class Watcher:
+    """One store's watcher. ``run()`` loops until ``stop()``; ``cycle()`` does one pass."""
+
+    def __init__(self, cfg: Config, *, interval: float = 60.0, jobs: Optional[int] = None,
+                 today: Callable[[], dt.date] = dt.date.today):
+        self.cfg, self.interval, self.jobs, self.today = cfg, interval, jobs, today
+        self._stop = False
+        self._failures: dict[dt.date, tuple[int, float]] = {}  # date -> (count, retry after)
+        self._bad_files: set[tuple[str, float, int]] = set()  # reported once per file version
+        self._lock = StoreLock(cfg.store.dir / WATCH_LOCK, timeout=0, what="watch")
+
+    def stop(self) -> None:
+        self._stop = True
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop
+
+    def __enter__(self) -> Watcher:
+        self.cfg.store.dir.mkdir(parents=True, exist_ok=True)
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def run(self, sleep: Callable[[float], bool]) -> None:
+        """Cycle until stopped; ``sleep(seconds)`` returns True when woken to stop."""
+        while not self._stop:
+            self.cycle()
+            if self._stop or sleep(self.interval):
+                break
+
+    # -- one cycle ------------------------------------------------------------------------------
+
+    def cycle(self) -> CycleReport:
+        cfg, report = self.cfg, CycleReport()
+        manifest = open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
+        now = time.monotonic()
+        due = [d for d in cfg.dates_between(today=self.today())
+               if self._failures.get(d, (0, 0.0))[1] <= now]
+        raw = self._settled_raw_files()
+        unsettled = {d for d, p in cfg.raw_files().items() if d not in raw}
+        due = [d for d in due if d not in unsettled]  # someone is still writing it
+        arrivals = [d for d in wanted(manifest, raw) if d not in set(due)]
+        if due or arrivals:
+            report.build = build(cfg, dates=due, raw_dates=arrivals, jobs=self.jobs, should_stop=lambda: self._stop)
+            self._note_results(report, arrivals, raw)
+        if self._stop:
+            return report
+        report.adopted = self._adopt()
+        publish(cfg.store.dir, cfg.schema, cfg.store.window, report.adopted)  # also applies the window
+        report.deleted = collect(cfg.store.dir, grace_s=cfg.store.grace_s, lease_ttl_s=cfg.store.lease_ttl_s)
+        return report
+
+    def _settled_raw_files(self) -> dict[dt.date, Path]:
+        settled, now = {}, time.time()
+        for date, path in self.cfg.raw_files().items():
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            if now - st.st_mtime >= self.cfg.generator.settle_s and (str(path), st.st_mtime, st.st_size) \
+                    not in self._bad_files:
+                settled[date] = path
+        return settled
+
+    def _note_results(self, report: CycleReport, arrivals: list, raw: dict) -> None:
+        built = report.build
+        for date in built.published:
+            self._failures.pop(date, None)
+        for date, message in built.failed:
+            report.failed.append((date, message))
+            if date in arrivals:  # a bad dropped file: report once, retry when it changes
+                try:
+                    st = raw[date].stat()
+                    self._bad_files.add((str(raw[date]), st.st_mtime, st.st_size))
+                except OSError:
+                    pass
+                continue
+            count = self._failures.get(date, (0, 0.0))[0] + 1
+            delay = min(MAX_BACKOFF_S, self.interval * 2 ** (count - 1))
+            self._failures[date] = (count, time.monotonic() + delay)
+            log.warning("%s: will retry in %.0fs (failure %d)", date, delay, count)
+
+    def _adopt(self) -> list:
+        """Complete shards of this schema that other producers wrote into the store."""
+        cfg = self.cfg
+        manifest = open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
+        candidates = []
+        for path in sorted(cfg.store.dir.glob("????-??-??.json")):
+            try:
+                date = dt.date.fromisoformat(path.stem)
+            except ValueError:
+                continue
+            candidates.append((date, path))
+        todo = set(wanted(manifest, [d for d, _ in candidates]))
+        entries = []
+        for date, path in candidates:
+            if date not in todo:
+                continue
+            st = path.stat()
+            key = (str(path), st.st_mtime, st.st_size)
+            if key in self._bad_files:
+                continue
+            problem = None
+            try:
+                sidecar = Sidecar.load(path)
+            except ShardError as exc:
+                sidecar, problem = None, str(exc)
+            if sidecar is not None and sidecar.records == 0:
+                continue  # an empty-date marker
+            if sidecar is not None:
+                problem = (check_sidecar(cfg.store.dir, sidecar, cfg.schema.fingerprint)
+                           or _checksum(cfg.store.dir, sidecar))
+            if problem:
+                self._bad_files.add(key)
+                log.warning("%s: not adopting the shard in the store: %s", date, problem)
+                continue
+            log.info("adopted %s (%d records, written by another producer)", date, sidecar.records)
+            entries.append(sidecar.entry())
+        return entries
+
+
+def _checksum(store: Path, sidecar: Sidecar) -> Optional[str]:
+    digest = hashlib.sha256()
+    with open(Path(store) / sidecar.rec, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    return None if digest.hexdigest() == sidecar.sha256 else f"{sidecar.rec}: sha256 differs from its sidecar"

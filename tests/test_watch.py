@@ -1,0 +1,300 @@
+"""The watcher and garbage collection, with real processes bounded in time."""
+
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, batch_ids, make_store, runs, write_config
+
+from loader import ShardIter
+from shardgen.config import load_config
+from shardgen.errors import ShardgenError
+from shardgen.gc import collect
+from shardgen.lease import LEASE_DIR, live_lease_generations
+from shardgen.manifest import Manifest
+from shardgen.store import verify_store
+
+pytestmark = pytest.mark.slow
+
+
+class WatchProc:
+    """A `shardgen watch` subprocess, always cleaned up."""
+
+    def __init__(self, cfg, *args):
+        self.cfg = cfg
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "shardgen.cli", "watch", "-c", str(cfg), *map(str, args)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout=30):
+        """Up and holding the watch lock (its signal handlers are installed before that)."""
+        lock = Path(self.cfg).parent / "shards" / ".watch.lock"
+        wait_for(lambda: self.proc.poll() is not None or lock.read_text().strip() == str(self.proc.pid),
+                 timeout=timeout, what="watcher start")
+
+    def stop(self, sig=signal.SIGTERM, timeout=20):
+        self.wait_ready()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.communicate(timeout=10)
+
+
+@pytest.fixture
+def watchers():
+    procs = []
+    yield lambda cfg, *a: procs.append(WatchProc(cfg, *a)) or procs[-1]
+    for p in procs:
+        p.kill()
+
+
+def wait_for(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except (OSError, ValueError, ShardgenError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def published(store):
+    return [s.date for s in Manifest.load(Path(store) / "manifest.json").shards]
+
+
+def drop_raw(folder, date, rows=30):
+    """Drop a raw file the way another machine would: temp name, then rename."""
+    from fake_gen import raw_for
+
+    raw = folder / "raw"
+    raw.mkdir(exist_ok=True)
+    tmp = raw / f".incoming-{date}.npy"
+    np.save(tmp, raw_for(date, rows, 7))
+    os.replace(tmp, raw / f"{date}.npy")
+
+
+def test_watcher_shards_due_dates_and_dropped_files(cfg_dir, watchers):
+    cfg = write_config(cfg_dir, end="2024-01-03", extra="")
+    cfg.write_text(cfg.read_text().replace("backoff_s = 0.0", "backoff_s = 0.0\nsettle_s = 0.3"))
+    w = watchers(cfg, "--interval", "0.3")
+    store = cfg_dir / "shards"
+    wait_for(lambda: published(store) == ["2024-01-02", "2024-01-03"], what="due dates")
+    drop_raw(cfg_dir, "2024-01-08")  # outside [dates]: only a dropped file brings it in
+    drop_raw(cfg_dir, "2024-01-06")  # a Saturday: the calendar does not matter for dropped files
+    wait_for(lambda: published(store)[-2:] == ["2024-01-06", "2024-01-08"], what="dropped files")
+    assert "2024-01-08" not in runs(cfg_dir)  # not generated: read from the dropped file
+    (cfg_dir / "raw" / "2024-01-09.npy").write_bytes(b"not an npy at all")
+    time.sleep(1.5)
+    code, out, err = w.stop()
+    assert code == 0, err
+    bad = [line for line in err.splitlines() if "2024-01-09" in line]
+    assert len(bad) == 1 and "not a readable .npy" in bad[0]  # reported once, not every cycle
+    assert "published 2024-01-08" in err
+    assert verify_store(store)[1] == []
+
+
+def test_due_dates_follow_the_clock(cfg_dir, watchers):
+    cfg = write_config(cfg_dir, end=None)
+    clock = cfg_dir / "today.txt"
+    clock.write_text("2024-01-03")
+    w = watchers(cfg, "--interval", "0.3", "--today", clock)
+    store = cfg_dir / "shards"
+    wait_for(lambda: published(store) == ["2024-01-02", "2024-01-03"], what="first dates")
+    clock.write_text("2024-01-08")
+    wait_for(lambda: published(store) == ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05", "2024-01-08"],
+             what="dates up to the new today")
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "status", "-c", str(cfg), "--json"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    info = json.loads(r.stdout)
+    assert info["newest_raw"] == "2024-01-08" and info["raw_lag_days"] >= 0
+    assert w.stop()[0] == 0
+
+
+def test_failing_date_is_retried_with_backoff_and_does_not_block(cfg_dir, watchers):
+    cfg = write_config(cfg_dir, end="2024-01-04", modes={"2024-01-03": "flaky:2"})
+    w = watchers(cfg, "--interval", "0.2")
+    store = cfg_dir / "shards"
+    wait_for(lambda: "2024-01-04" in published(store), what="newer date despite the failure")
+    wait_for(lambda: "2024-01-03" in published(store), what="failing date after retries")
+    code, out, err = w.stop()
+    assert code == 0 and len([ln for ln in err.splitlines() if "2024-01-03: generator exited with code 4" in ln]) == 2
+    assert "will retry in" in err
+
+
+def test_second_watcher_exits_2_naming_lock_and_pid(cfg_dir, watchers):
+    cfg = write_config(cfg_dir)
+    first = watchers(cfg, "--interval", "0.5")
+    wait_for(lambda: (cfg_dir / "shards" / "manifest.json").exists(), what="first watcher")
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "watch", "-c", str(cfg), "--once"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2
+    assert ".watch.lock" in r.stderr and f"pid {first.proc.pid}" in r.stderr
+    assert first.stop()[0] == 0
+
+
+def test_sigterm_during_a_build_stops_cleanly(cfg_dir, watchers):
+    cfg = write_config(cfg_dir, end="2024-01-05", jobs=2, modes={"*": "slow:60"})
+    w = watchers(cfg, "--interval", "0.5")
+    wait_for(lambda: len(runs(cfg_dir)) >= 2, what="generators running")
+    t0 = time.monotonic()
+    code, out, err = w.stop(signal.SIGTERM, timeout=30)
+    assert code == 0, err
+    assert time.monotonic() - t0 < 20
+    assert "Traceback" not in err
+    left = subprocess.run(["pgrep", "-f", f"{cfg_dir}/modes.json"], capture_output=True, text=True).stdout
+    assert left.strip() == "", "generators outlived the watcher"
+    store = cfg_dir / "shards"
+    assert not [p for p in store.iterdir() if p.suffix == ".rec"]  # nothing partial, nothing published
+    # The lock was released: another watcher starts at once.
+    cfg.write_text(cfg.read_text().replace('"slow:60"', '"ok"'))
+    (cfg_dir / "modes.json").write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "watch", "-c", str(cfg), "--once"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and len(published(store)) == 4
+
+
+def test_kill_9_at_several_points_converges(tmp_path, watchers):
+    ref_cfg = write_config(tmp_path / "ref", end="2024-01-12", window=5, jobs=2)
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "watch", "-c", str(ref_cfg), "--once"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    ref = Manifest.load(tmp_path / "ref" / "shards" / "manifest.json")
+    cfg = write_config(tmp_path / "run", end="2024-01-12", window=5, jobs=2, modes={"*": "slow:0.2"})
+    for delay in (0.3, 0.9, 1.6):
+        w = watchers(cfg, "--interval", "0.2")
+        time.sleep(delay)
+        w.kill()
+    w = watchers(cfg, "--interval", "0.2")
+    store = tmp_path / "run" / "shards"
+    wait_for(lambda: published(store) == [s.date for s in ref.shards], timeout=60, what="convergence")
+    assert w.stop()[0] == 0
+    m = Manifest.load(store / "manifest.json")
+    assert m.shards == ref.shards and m.window == ref.window  # same files, same checksums
+    # Dates older than a window the killed runs had already filled are not produced at all
+    # (they would be retired at once), so `retired` may list fewer: never others.
+    assert {r.date for r in m.retired} <= {r.date for r in ref.retired}
+    assert verify_store(store)[1] == []
+    assert not [p for p in store.iterdir() if ".tmp-" in p.name]
+
+
+# -- garbage collection and leases ---------------------------------------------------------
+
+
+def test_reader_mid_epoch_keeps_its_files_through_gc(tmp_path):
+    store = tmp_path / "s"
+    make_store(store, {"2024-01-02": 30, "2024-01-03": 30}, window=2)
+    it = ShardIter(store, 4, shuffle=True, cache_dir=tmp_path / "c")
+    ids = batch_ids(it.next())
+    assert live_lease_generations(store, 60) == [1]
+    make_store(store, {"2024-01-04": 5, "2024-01-05": 5}, window=2, base_id=100)  # both old dates retire
+    assert collect(store, grace_s=0, lease_ttl_s=60) == []  # the reader still uses generation 1
+    assert (store / "2024-01-02.rec").exists()
+    for b in it:
+        ids += batch_ids(b)
+    assert sorted(ids) == list(range(60))  # the epoch completed with every record
+    assert live_lease_generations(store, 60) == []  # released at the end of the epoch
+    assert collect(store, grace_s=0, lease_ttl_s=60) == ["2024-01-02", "2024-01-03"]
+    assert not (store / "2024-01-02.rec").exists() and (store / "2024-01-04.rec").exists()
+    assert Manifest.load(store / "manifest.json").retired == ()
+    it.reset()
+    assert sorted(i for b in it for i in batch_ids(b)) == list(range(100, 110))
+    it.close()
+
+
+def test_gc_in_a_watcher_process_while_a_reader_reads(tmp_path, watchers):
+    """The real thing: watcher subprocess with grace_s = 0 retiring and collecting under a reader."""
+    cfg = write_config(tmp_path / "p", end="2024-01-03", window=2, grace=0, rows=400)
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg)], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    store = tmp_path / "p" / "shards"
+    it = ShardIter(store, 16, cache_dir=tmp_path / "c")
+    first = it.next()
+    cfg.write_text(cfg.read_text().replace('end = "2024-01-03"', 'end = "2024-01-05"'))
+    w = watchers(cfg, "--interval", "0.2")
+    wait_for(lambda: published(store) == ["2024-01-04", "2024-01-05"], what="new window")
+    time.sleep(0.6)  # several gc passes while the reader is mid-epoch
+    assert (store / "2024-01-02.rec").exists()
+    n = 16 - first.pad + sum(16 - b.pad for b in it)
+    assert n == 2 * 396
+    wait_for(lambda: not (store / "2024-01-02.rec").exists(), what="gc after the epoch")
+    assert w.stop()[0] == 0
+
+
+def test_dead_and_stale_leases_do_not_count(tmp_path):
+    store = tmp_path / "s"
+    make_store(store, {"2024-01-02": 10}, window=1)  # generation 1 lists 2024-01-02
+    make_store(store, {"2024-01-03": 10}, window=1, base_id=10)  # generation 2 retires it
+    (store / LEASE_DIR).mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    import socket
+
+    (store / LEASE_DIR / "dead.json").write_text(json.dumps({"generation": 1, "host": socket.gethostname(),
+                                                              "pid": dead.pid}))
+    stale = store / LEASE_DIR / "stale.json"
+    stale.write_text(json.dumps({"generation": 1, "host": "elsewhere", "pid": 1}))
+    old = time.time() - 600
+    os.utime(stale, (old, old))
+    live = store / LEASE_DIR / "live.json"
+    live.write_text(json.dumps({"generation": 1, "host": "elsewhere", "pid": 1}))
+    assert collect(store, grace_s=0, lease_ttl_s=60) == []  # the live one (another host) protects
+    assert not (store / LEASE_DIR / "dead.json").exists() and not stale.exists()
+    live.unlink()
+    assert collect(store, grace_s=0, lease_ttl_s=60) == ["2024-01-02"]
+
+
+def test_grace_period_and_gc_command(tmp_path):
+    cfg_path = write_config(tmp_path / "p", end="2024-01-05", window=2, grace=3600)
+    cfg = load_config(cfg_path)
+    from shardgen.build import build
+
+    build(cfg)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "gc", "-c", str(cfg_path)], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 0 and "deleted 0 retired shards" in r.stdout
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=3601)
+    assert collect(cfg.store.dir, grace_s=3600, lease_ttl_s=60, now=later) == ["2024-01-02", "2024-01-03"]
+    # Gone from disk and from the manifest; a later build does not bring them back.
+    report = build(cfg)
+    assert not report.published and published(cfg.store.dir) == ["2024-01-04", "2024-01-05"]
+
+
+def test_adopts_complete_shards_from_other_producers(tmp_path):
+    from shardgen.build import build
+    from shardgen.watch import Watcher
+
+    other = load_config(write_config(tmp_path / "other", end="2024-01-04"))
+    build(other)
+    mine = load_config(write_config(tmp_path / "mine", start="2024-01-02", end="2024-01-02"))
+    build(mine)
+    for name in ("2024-01-03", "2024-01-04"):
+        for ext in ("rec", "idx", "json"):
+            shutil.copy(other.store.dir / f"{name}.{ext}", mine.store.dir / f"{name}.{ext}")
+    with open(mine.store.dir / "2024-01-04.rec", "r+b") as fh:  # corrupt one, same size
+        fh.seek(40)
+        fh.write(b"\xff\xff\xff\xff")
+    with Watcher(mine) as w:
+        report = w.cycle()
+        assert [e.date for e in report.adopted] == ["2024-01-03"]
+        assert w.cycle().adopted == []  # the bad one is reported once, left alone
+    assert published(mine.store.dir) == ["2024-01-02", "2024-01-03"]
