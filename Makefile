@@ -27,6 +27,10 @@ test: install
 train: install
 	$(PY) -m loader.train --manifest shards/manifest.json --epochs 2 --val-from 2024-01-29
 
+bench: install
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m loader.bench
+
 lint: install
 	$(VENV)/bin/ruff check shardgen loader tests
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import queue
 import re
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -50,9 +52,18 @@ def to_datetime64(days: Any) -> np.ndarray:
     return arr.astype(np.int64).astype("datetime64[D]")
 
 
+_STDERR_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _quiet_native_info():
     """Drop the INFO line MXNet's C++ prints at each iterator creation; keep anything else."""
+    with _STDERR_LOCK, _redirected_stderr():
+        yield
+
+
+@contextlib.contextmanager
+def _redirected_stderr():
     try:
         saved = os.dup(2)
     except OSError:  # no stderr to guard
@@ -107,6 +118,9 @@ class ShardIter(mx.io.DataIter):
         unknown = [n for n in self.label_names if n not in known]
         if unknown or not self.label_names:
             raise LoaderError(f"label_names {list(self.label_names)!r}: choose among {known}")
+        self._describe()
+        self._ahead: Optional[tuple] = None  # (plan, epoch, thread, holder): next epoch's native iterator
+        self._producer: Optional[threading.Thread] = None
         self._start_epoch(make_plan(self.manifest_path, manifest_obj, select_shards(manifest_obj, self.dates),
                                     self.cache_dir))
 
@@ -119,14 +133,18 @@ class ShardIter(mx.io.DataIter):
 
     @property
     def provide_data(self) -> list:
-        s = self.schema
-        return [mx.io.DataDesc(s.data_name, (self.batch_size, s.time_steps, s.num_inputs), layout="NTC")]
+        return list(self._provide_data)
 
     @property
     def provide_label(self) -> list:
-        return [mx.io.DataDesc(lab.name, (self.batch_size,), layout="N") if lab.width == 1
-                else mx.io.DataDesc(lab.name, (self.batch_size, lab.width), layout="NC")
-                for lab in self._labels]
+        return list(self._provide_label)
+
+    def _describe(self) -> None:
+        s, b = self.schema, self.batch_size
+        self._provide_data = [mx.io.DataDesc(s.data_name, (b, s.time_steps, s.num_inputs), layout="NTC")]
+        self._provide_label = [mx.io.DataDesc(lab.name, (b,), layout="N") if lab.width == 1
+                               else mx.io.DataDesc(lab.name, (b, lab.width), layout="NC")
+                               for lab in self._labels]
 
     @property
     def _labels(self) -> list:
@@ -156,7 +174,7 @@ class ShardIter(mx.io.DataIter):
         same = manifest.generation == self.plan.generation or shards == self.plan.shards
         plan = self.plan if same else make_plan(self.manifest_path, manifest, shards, self.cache_dir)
         self.epoch += 1
-        self._start_epoch(plan)
+        self._start_epoch(plan, self._take_ahead(plan, self.epoch))
 
     def next(self) -> mx.io.DataBatch:
         t0 = time.perf_counter()
@@ -165,22 +183,13 @@ class ShardIter(mx.io.DataIter):
         if self._cursor >= self._batches:
             self._lease.release()  # the epoch's files are no longer needed
             raise StopIteration
-        valid = min(self.batch_size, self._part_records - self._cursor * self.batch_size)
-        if valid > 0:
-            try:
-                native = self._native.next()
-            except StopIteration:
-                raise LoaderError(f"MXNet's iterator ended after {self._cursor} of {self._batches} batches "
-                                  f"(generation {self.plan.generation})") from None
-            payload = native.label[0]
-            if valid < self.batch_size:
-                # MXNet leaves stale or uninitialised memory (even NaN) in the rest of the last
-                # batch; fill it with this batch's real rows so padding is always valid data.
-                payload = mx.nd.take(payload, mx.nd.array(np.arange(self.batch_size) % valid))
-            arrays = self._split(payload)
-        else:  # a part shorter than the longest: a whole batch of declared padding
-            valid, arrays = 0, self._last_arrays
-        self._last_arrays = arrays
+        if self._producer is None:
+            self._start_producer()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self._stop_producer()
+            raise item
+        arrays, valid = item
         self._cursor += 1
         pad = self.batch_size - valid if self.last_batch == "pad" else 0
         self._samples += valid if self.last_batch == "pad" else self.batch_size
@@ -188,7 +197,59 @@ class ShardIter(mx.io.DataIter):
         self._blocked += t1 - t0
         self._epoch_t1 = t1
         return mx.io.DataBatch(data=arrays[:1], label=arrays[1:], pad=pad,
-                               provide_data=self.provide_data, provide_label=self.provide_label)
+                               provide_data=self._provide_data, provide_label=self._provide_label)
+
+    # -- the producer: per-batch Python work off the caller's thread ----------------------------
+
+    def _start_producer(self) -> None:
+        """One thread pulls native batches and splits them, ``prefetch_buffer`` batches ahead: the
+        caller's ``next()`` only takes a ready batch, and this work runs while the caller waits on
+        its own step (which releases the GIL)."""
+        self._queue = queue.Queue(maxsize=self.prefetch_buffer)
+        self._halt = threading.Event()
+        first, stop, q, halt = self._cursor, self._batches, self._queue, self._halt
+
+        def produce() -> None:
+            try:
+                for index in range(first, stop):
+                    item = self._fetch(index)
+                    while not halt.is_set():
+                        try:
+                            q.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if halt.is_set():
+                        return
+            except BaseException as exc:  # handed to the caller's next()
+                q.put(exc)
+
+        self._producer = threading.Thread(target=produce, name="shardgen-batches", daemon=True)
+        self._producer.start()
+
+    def _stop_producer(self) -> None:
+        if self._producer is not None:
+            self._halt.set()
+            self._producer.join()
+            self._producer = None
+
+    def _fetch(self, index: int) -> tuple[list, int]:
+        """Batch ``index`` of this epoch, split into named arrays (asynchronously), and its real rows."""
+        valid = min(self.batch_size, self._part_records - index * self.batch_size)
+        if valid <= 0:  # a part shorter than the longest: a whole batch of declared padding
+            return self._last_arrays, 0
+        try:
+            native = self._native.next()
+        except StopIteration:
+            raise LoaderError(f"MXNet's iterator ended after {index} of {self._batches} batches "
+                              f"(generation {self.plan.generation})") from None
+        payload = native.label[0]
+        if valid < self.batch_size:
+            # MXNet leaves stale or uninitialised memory (even NaN) in the rest of the last
+            # batch; fill it with this batch's real rows so padding is always valid data.
+            payload = mx.nd.take(payload, mx.nd.array(np.arange(self.batch_size) % valid))
+        self._last_arrays = self._split(payload)
+        return self._last_arrays, valid
 
     def iter_next(self) -> bool:  # what PrefetchingIter and friends call
         try:
@@ -259,6 +320,7 @@ class ShardIter(mx.io.DataIter):
         if state["fingerprint"] != self.schema.fingerprint:
             raise LoaderError("state_dict was saved for another schema")
         self._close_epoch()
+        self._take_ahead(self.plan, -1)
         manifest = load_manifest(self.manifest_path)
         shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
         plan = make_plan(self.manifest_path, manifest, shards, self.cache_dir)
@@ -271,7 +333,7 @@ class ShardIter(mx.io.DataIter):
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _start_epoch(self, plan: EpochPlan) -> None:
+    def _start_epoch(self, plan: EpochPlan, native: Optional[mx.io.DataIter] = None) -> None:
         sizes = part_sizes(plan.records, self.num_parts)
         smallest = min(sizes)
         if smallest < self.batch_size:
@@ -289,15 +351,47 @@ class ShardIter(mx.io.DataIter):
         self._cursor, self._samples, self._blocked = 0, 0, 0.0
         self._epoch_t0 = self._epoch_t1 = None
         self._last_arrays = None
-        epoch_seed = (self.seed * 1_000_003 + self.epoch * 7919) % (2**31 - 1)
+        self._native = native if native is not None else self._open_native(plan, self.epoch)
+        self._prepare_ahead()
+
+    def _open_native(self, plan: EpochPlan, epoch: int) -> mx.io.DataIter:
+        """MXNet's C++ iterator for one epoch of ``plan``; its order depends on (seed, epoch) alone."""
+        epoch_seed = (self.seed * 1_000_003 + epoch * 7919) % (2**31 - 1)
         with _quiet_native_info():
-            self._native = mx.io.ImageRecordIter(
+            return mx.io.ImageRecordIter(
                 path_imgrec=plan.rec_paths, path_imgidx=str(plan.index), data_shape=(1, 1, 1),
                 label_width=self.schema.record_floats, batch_size=self.batch_size, shuffle=self.shuffle,
                 seed=epoch_seed, num_parts=self.num_parts, part_index=self.part_index, round_batch=False,
                 preprocess_threads=self.preprocess_threads, prefetch_buffer=self.prefetch_buffer)
 
+    def _prepare_ahead(self) -> None:
+        """Open the next epoch's native iterator now, in the background (ctypes releases the GIL):
+        it fills its prefetch buffer and waits, so ``reset()`` costs nothing when the manifest has
+        not changed. A new generation at ``reset()`` discards it."""
+        plan, epoch, holder = self.plan, self.epoch + 1, {}
+
+        def work() -> None:
+            try:
+                holder["it"] = self._open_native(plan, epoch)
+            except Exception as exc:  # surfaces at reset(), where the plan is opened again
+                holder["error"] = exc
+
+        thread = threading.Thread(target=work, name="shardgen-next-epoch", daemon=True)
+        thread.start()
+        self._ahead = (plan, epoch, thread, holder)
+
+    def _take_ahead(self, plan: EpochPlan, epoch: int) -> Optional[mx.io.DataIter]:
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        ahead_plan, ahead_epoch, thread, holder = ahead
+        thread.join()
+        if ahead_plan is plan and ahead_epoch == epoch:
+            return holder.get("it")
+        return None  # a new generation: the prepared iterator is dropped
+
     def _close_epoch(self) -> None:
+        self._stop_producer()
         if self._native is not None:
             if self._cursor:
                 self.history.append(self.stats)
@@ -316,6 +410,7 @@ class ShardIter(mx.io.DataIter):
     def close(self) -> None:
         """Stop the native threads and drop the reader lease now rather than at garbage collection."""
         self._close_epoch()
+        self._take_ahead(self.plan, -1)
         self._lease.release()
 
     def __enter__(self) -> ShardIter:

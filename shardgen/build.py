@@ -27,7 +27,7 @@ from .writer import shard_paths, write_shard
 __all__ = ["DateResult", "BuildReport", "produce", "build", "complete_shard", "wanted"]
 
 log = logging.getLogger(__name__)
-PUBLISH_EVERY_S = 10.0  # during a long build, finished shards reach the manifest this often
+PUBLISH_EVERY_S = 5.0  # during a long build, finished shards reach the manifest this often
 
 
 @dataclass(frozen=True)
@@ -135,12 +135,14 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
           jobs: Optional[int] = None, force: bool = False, today: Optional[dt.date] = None,
           dates: Optional[list[dt.date]] = None, raw_dates: Iterable[dt.date] = (),
           progress: Optional[Callable[[int], object]] = None,
-          should_stop: Callable[[], bool] = lambda: False) -> BuildReport:
+          should_stop: Callable[[], bool] = lambda: False,
+          publish_every_s: float = PUBLISH_EVERY_S) -> BuildReport:
     """Produce every due date and publish the finished shards; failures are collected, not raised.
 
     ``raw_dates`` are processed from their raw file only (never generated). ``progress(total)``
     returns a tqdm-like bar (``update``, ``set_postfix``, ``close``) or None. Once
     ``should_stop()`` is true no further result is waited for; what finished is published.
+    Finished shards are published at least every ``publish_every_s`` (0: each one at once).
     """
     t0 = time.perf_counter()
     store = cfg.store.dir
@@ -185,7 +187,7 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(done=len(report.published), failed=len(report.failed), refresh=False)
-            if time.monotonic() - last_publish > PUBLISH_EVERY_S:
+            if time.monotonic() - last_publish >= publish_every_s:
                 flush()
             if should_stop():
                 log.info("stopping: not waiting for the remaining dates")

@@ -95,7 +95,8 @@ class Watcher:
         due = [d for d in due if d not in unsettled]  # someone is still writing it
         arrivals = [d for d in wanted(manifest, raw) if d not in set(due)]
         if due or arrivals:
-            report.build = build(cfg, dates=due, raw_dates=arrivals, jobs=self.jobs, should_stop=lambda: self._stop)
+            report.build = build(cfg, dates=due, raw_dates=arrivals, jobs=self.jobs, publish_every_s=0.0,
+                                 should_stop=lambda: self._stop)  # readers see each date at once
             self._note_results(report, arrivals, raw)
         if self._stop:
             return report
