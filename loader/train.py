@@ -92,12 +92,16 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     net = build_net(args.hidden, ctx, args.seed)
     trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": args.lr},
                             kvstore=kv if kv is not None else "device")
-    history = []
+    history, seen = [], []
     for epoch in range(args.epochs):
         if epoch:
             train.reset()
         total, count, batches, t0 = 0.0, 0.0, 0, time.perf_counter()
+        seen.append([])
         for batch in train:
+            if args.record_log:
+                values = batch.label[target].asnumpy()
+                seen[-1] += values[: len(values) - batch.pad].tolist()
             xs = gluon.utils.split_and_load(batch.data[0], ctx, even_split=False)
             ys = gluon.utils.split_and_load(batch.label[target], ctx, even_split=False)
             ws = gluon.utils.split_and_load(_row_weights(batch), ctx, even_split=False)
@@ -119,12 +123,15 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
         if val is not None:
             row["val_mse"] = _evaluate(net, val, ctx, target)
         history.append(row)
-        rank = f"[worker {kv.rank}] " if kv is not None and kv.num_workers > 1 else ""
+        rank = f"[rank {kv.rank}] " if kv is not None and kv.num_workers > 1 else ""
         val_text = f", val mse {row['val_mse']:.4f}" if "val_mse" in row else ""
         print(f"{rank}epoch {epoch}: train mse {row['train_mse']:.4f}{val_text} | {batches} batches, "
               f"{row['samples_per_s']:,.0f} samples/s, data stall {row['stall_pct']:.1f}%", flush=True)
+    rank = kv.rank if kv is not None else 0
     if args.params_out:
-        net.save_parameters(str(args.params_out))
+        net.save_parameters(str(args.params_out).format(rank=rank))
+    if args.record_log:
+        Path(str(args.record_log).format(rank=rank)).write_text(json.dumps(seen))
     return history
 
 
@@ -167,8 +174,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batches", type=int, default=0, help="stop each epoch after this many batches")
     p.add_argument("--kvstore", default=None, help="e.g. dist_sync (under loader.launch); default: local")
     p.add_argument("--module", action="store_true", help="use mx.mod.Module.fit instead of Gluon")
-    p.add_argument("--params-out", type=Path, help="save the trained parameters here")
-    p.add_argument("--history-out", type=Path, help="write per-epoch figures as JSON here")
+    p.add_argument("--params-out", help="save the trained parameters here ({rank} is the worker's rank)")
+    p.add_argument("--history-out", help="write per-epoch figures as JSON here ({rank} as above)")
+    p.add_argument("--record-log", help=argparse.SUPPRESS)  # tests: the target values seen, per epoch
     return p
 
 
@@ -183,7 +191,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"loader: error: {exc}", file=sys.stderr)
         return 2
     if args.history_out:
-        args.history_out.write_text(json.dumps(history, indent=1))
+        rank = kv.rank if kv is not None else 0
+        Path(args.history_out.format(rank=rank)).write_text(json.dumps(history, indent=1))
     return 0
 
 

@@ -124,11 +124,20 @@ def wanted(manifest: Manifest, dates: Iterable[dt.date], *, force: bool = False)
 def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = False,
               raw_dates: frozenset = frozenset()) -> Iterable[DateResult]:
     """Results of ``produce`` for every date, in completion order."""
+    tasks = (delayed(produce)(cfg, d, force=force, raw_only=d in raw_dates) for d in dates)
+    if cfg.run.backend == "dask":
+        from .cluster import dask_parallel
+
+        def on_cluster() -> Iterable[DateResult]:
+            with dask_parallel(cfg.run.scheduler or "local", jobs) as (parallel, _client):
+                yield from parallel(tasks)
+
+        return on_cluster()
     if jobs == 1 or len(dates) <= 1:
         return (produce(cfg, d, force=force, raw_only=d in raw_dates) for d in dates)
     parallel = Parallel(n_jobs=min(jobs, len(dates)), backend=cfg.run.backend,
                         return_as="generator_unordered")
-    return parallel(delayed(produce)(cfg, d, force=force, raw_only=d in raw_dates) for d in dates)
+    return parallel(tasks)
 
 
 def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date] = None,

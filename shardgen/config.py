@@ -276,6 +276,8 @@ def load_config(path: Path) -> Config:
     run_t = _Table(top.get("run", dict, {}), "run")
     run = RunConfig(_integer(run_t, "jobs", 1, 1), run_t.get("backend", str, "loky"),
                     run_t.get("scheduler", str, None))
+    if run.scheduler is not None and run.backend != "dask":
+        raise ConfigError("run.scheduler is only used with run.backend = 'dask'")
     run_t.done()
     top.done()
     return Config(path, generator, DatesConfig(start, end, calendar), schema, process, store, run)

@@ -1,0 +1,176 @@
+"""Run an MXNet ``dist_*`` kvstore job on this machine: scheduler, servers and workers as local
+processes with the ``DMLC_*`` environment, like MXNet's ``tools/launch.py`` local mode (which the
+pip wheel does not ship).
+
+    python -m loader.launch -n 2 -s 1 -- python -m loader.train --kvstore dist_sync ...
+
+Workers run the command; the scheduler and servers run ``python -c "import mxnet"`` (importing
+MXNet with ``DMLC_ROLE`` = server/scheduler runs its loop). Every line a process prints is shown
+with its role and rank. The first process to fail stops the job: the others are killed (whole
+process groups) and the exit code is non-zero, never a hang. Ctrl-C / SIGTERM do the same.
+
+On several machines, start the same roles with the same variables yourself (ssh, mpirun,
+Kubernetes): ``DMLC_PS_ROOT_URI``/``DMLC_PS_ROOT_PORT`` name the scheduler, ``DMLC_NUM_WORKER``
+and ``DMLC_NUM_SERVER`` the job's size, ``DMLC_ROLE`` each process's role, ``DMLC_NODE_HOST`` its
+own address. The shard store must be on a filesystem every worker can read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+__all__ = ["main", "dmlc_env", "Job"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dmlc_env(role: str, *, workers: int, servers: int, host: str, port: int) -> dict:
+    """The environment MXNet's parameter-server processes need."""
+    return {"DMLC_ROLE": role, "DMLC_PS_ROOT_URI": host, "DMLC_PS_ROOT_PORT": str(port),
+            "DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": str(servers), "DMLC_NODE_HOST": host,
+            "PS_VERBOSE": os.environ.get("PS_VERBOSE", "0")}
+
+
+@dataclass
+class Member:
+    name: str
+    proc: subprocess.Popen
+    worker: bool
+
+
+class Job:
+    """The processes of one job; ``wait()`` returns the exit code of the whole job."""
+
+    def __init__(self, command: Sequence[str], *, workers: int, servers: int, host: str = "127.0.0.1",
+                 port: Optional[int] = None, grace_s: float = 30.0):
+        self.command, self.workers, self.servers, self.host = list(command), workers, servers, host
+        self.port = port or free_port()
+        self.grace_s = grace_s
+        self.members: list[Member] = []
+        self._print = threading.Lock()
+        self._pumps: list[threading.Thread] = []
+
+    def _spawn(self, name: str, role: str, argv: list, rank: Optional[int] = None) -> None:
+        env = {**os.environ, **dmlc_env(role, workers=self.workers, servers=self.servers, host=self.host,
+                                         port=self.port)}
+        if rank is not None:
+            env["SHARDGEN_WORKER_RANK"] = str(rank)  # a hint for logs; MXNet assigns kv.rank itself
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        self.members.append(Member(name, proc, role == "worker"))
+        pump = threading.Thread(target=self._pump, args=(name, proc), daemon=True)
+        pump.start()
+        self._pumps.append(pump)
+
+    def _pump(self, name: str, proc: subprocess.Popen) -> None:
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self._print:
+                print(f"[{name}] {line}", flush=True)
+
+    def start(self) -> None:
+        boot = [sys.executable, "-c", "import mxnet"]
+        self._spawn("scheduler", "scheduler", boot)
+        for i in range(self.servers):
+            self._spawn(f"server {i}", "server", boot)
+        for i in range(self.workers):
+            self._spawn(f"worker {i}", "worker", self.command, rank=i)
+
+    def kill(self) -> None:
+        for m in self.members:
+            if m.proc.poll() is None:
+                try:
+                    os.killpg(m.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for m in self.members:
+            m.proc.wait()
+        for pump in self._pumps:
+            pump.join(timeout=5)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """0 when every worker exits 0; otherwise the first failure's code (all others killed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                for m in self.members:
+                    code = m.proc.poll()
+                    if code not in (None, 0):
+                        what = f"exited with code {code}" if code > 0 else f"was killed by signal {-code}"
+                        self._say(f"launch: {m.name} {what}; stopping the job")
+                        self.kill()
+                        return code if code > 0 else 1
+                if not self._workers_running():
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    self._say(f"launch: timed out after {timeout:g}s; stopping the job")
+                    self.kill()
+                    return 124
+                time.sleep(0.05)
+            # Workers are done: scheduler and servers shut down on their own, or are stopped.
+            end = time.monotonic() + self.grace_s
+            while any(m.proc.poll() is None for m in self.members) and time.monotonic() < end:
+                time.sleep(0.05)
+            self.kill()
+            return 0
+        except BaseException:
+            self.kill()
+            raise
+
+    def _workers_running(self) -> bool:
+        return any(m.worker and m.proc.poll() is None for m in self.members)
+
+    def _say(self, text: str) -> None:
+        with self._print:
+            print(text, file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        own, command = argv[:cut], argv[cut + 1:]
+    else:
+        own, command = argv, []
+    p = argparse.ArgumentParser(prog="python -m loader.launch", usage="%(prog)s [-n N] [-s S] -- COMMAND ...",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("-n", "--num-workers", type=int, default=2)
+    p.add_argument("-s", "--num-servers", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1", help="scheduler address (default: loopback)")
+    p.add_argument("--port", type=int, help="scheduler port (default: a free one)")
+    p.add_argument("--timeout", type=float, help="stop the job after this many seconds")
+    args = p.parse_args(own)
+    if not command:
+        p.error("give the worker command after --, e.g. -- python -m loader.train --kvstore dist_sync")
+    if args.num_workers < 1 or args.num_servers < 1:
+        p.error("need at least one worker and one server")
+    job = Job(command, workers=args.num_workers, servers=args.num_servers, host=args.host, port=args.port)
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        job.start()
+        return job.wait(args.timeout)
+    except KeyboardInterrupt:
+        print("launch: interrupted; all processes stopped", file=sys.stderr)
+        job.kill()
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
