@@ -9,11 +9,15 @@ partitioning is by record: part ``p`` of ``P`` gets records ``[p*s, (p+1)*s)`` w
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import hashlib
 import json
 import math
 import os
+import shutil
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -21,14 +25,14 @@ from typing import Optional, Sequence
 import numpy as np
 
 from shardgen.errors import ManifestError, ShardError
-from shardgen.fsutil import atomic_write
+from shardgen.fsutil import pid_alive
 from shardgen.manifest import MANIFEST_NAME, Manifest, ShardEntry
 from shardgen.store import read_idx_offsets
 
 from .errors import LoaderError
 
 __all__ = ["EpochPlan", "load_manifest", "select_shards", "make_plan", "part_sizes", "default_cache_dir",
-           "manifest_path_of"]
+           "manifest_path_of", "normalize_dates", "hold", "drop"]
 
 DateRange = Optional[Sequence[Optional[str]]]
 
@@ -54,16 +58,23 @@ def _bound(value: object, what: str) -> Optional[dt.date]:
         raise LoaderError(f"dates: {what} {value!r} is not YYYY-MM-DD") from None
 
 
-def select_shards(manifest: Manifest, dates: DateRange) -> tuple[ShardEntry, ...]:
-    """The manifest's shards with ``start <= date <= end`` (either end None = open)."""
+def normalize_dates(dates: DateRange) -> Optional[tuple]:
+    """A checked ``(start, end)`` pair of ISO dates (either None), or None for all dates."""
     if dates is None:
-        return manifest.shards
+        return None
     if isinstance(dates, str) or len(dates) != 2:
         raise LoaderError(f"dates must be a (start, end) pair, got {dates!r}")
-    start, end = _bound(dates[0], "start"), _bound(dates[1], "end")
-    return tuple(s for s in manifest.shards
-                 if (start is None or dt.date.fromisoformat(s.date) >= start)
-                 and (end is None or dt.date.fromisoformat(s.date) <= end))
+    bounds = (_bound(dates[0], "start"), _bound(dates[1], "end"))
+    return tuple(None if b is None else b.isoformat() for b in bounds)
+
+
+def select_shards(manifest: Manifest, dates: DateRange) -> tuple[ShardEntry, ...]:
+    """The manifest's shards with ``start <= date <= end`` (either end None = open)."""
+    dates = normalize_dates(dates)
+    if dates is None:
+        return manifest.shards
+    start, end = dates
+    return tuple(s for s in manifest.shards if (start is None or s.date >= start) and (end is None or s.date <= end))
 
 
 def part_sizes(n: int, num_parts: int) -> list[int]:
@@ -80,12 +91,16 @@ class EpochPlan:
     generation: int
     fingerprint: str
     shards: tuple[ShardEntry, ...]
-    index: Path  # the combined .idx
+    folder: Path  # this process's private folder for the plan: the combined index, links to the .rec files
     records: int
 
     @property
+    def index(self) -> Path:
+        return self.folder / "index.idx"
+
+    @property
     def rec_paths(self) -> str:
-        return ";".join(str(self.store / s.rec) for s in self.shards)
+        return ";".join(str(self.folder / f"{i:06d}.rec") for i in range(len(self.shards)))
 
 
 def _check_files(store: Path, shards: Sequence[ShardEntry]) -> None:
@@ -119,30 +134,72 @@ def _combined_index(store: Path, shards: Sequence[ShardEntry]) -> bytes:
 
 def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry, ...],
               cache_dir: Path) -> EpochPlan:
-    """Check the shards' files and return a plan, building the combined index unless cached."""
+    """Check the shards' files and return a plan, building its folder unless this process has it.
+
+    dmlc resolves each ``.rec`` path (and the index) by listing its folder and ``stat``-ing every
+    entry there, which fails if a file is renamed meanwhile -- as the watcher's temp files are in
+    the store. So MXNet only ever sees the plan's own folder: written once, then left unchanged,
+    holding the combined index and a symlink to each shard file.
+    """
     store = Path(manifest_path).resolve().parent
     if not shards:
         raise LoaderError(f"{manifest_path}: no shards selected (generation {manifest.generation})")
-    if ";" in str(store):
-        raise LoaderError(f"{store}: a store path may not contain ';' (MXNet joins .rec paths with it)")
+    mine = Path(cache_dir).resolve() / f"{_HOST}-{os.getpid()}"
+    if ";" in str(store) or ";" in str(mine):
+        raise LoaderError(f"{store if ';' in str(store) else mine}: a path given to MXNet may not contain ';' "
+                          "(it joins .rec paths with it)")
     _check_files(store, shards)
     key_src = json.dumps([str(store)] + [s.to_json() for s in shards], sort_keys=True)
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:24]
-    index = Path(cache_dir) / f"{key}.idx"
-    if index.exists():
-        os.utime(index)  # recently used: kept by _trim_cache
-    else:
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        atomic_write(index, _combined_index(store, shards), fsync=False)
-        _trim_cache(Path(cache_dir))
-    return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, index,
+    folder = mine / hashlib.sha256(key_src.encode()).hexdigest()[:24]
+    if not folder.is_dir():
+        _clean_dead_processes(Path(cache_dir))
+        if mine.is_dir():
+            _trim(mine)
+        tmp = mine / f".tmp-{folder.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / "index.idx").write_bytes(_combined_index(store, shards))
+        for i, s in enumerate(shards):
+            os.symlink(store / s.rec, tmp / f"{i:06d}.rec")
+        os.rename(tmp, folder)
+    return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, folder,
                      sum(s.records for s in shards))
 
 
-def _trim_cache(cache_dir: Path, keep: int = 16) -> None:
-    files = sorted(cache_dir.glob("*.idx"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in files[keep:]:
-        old.unlink(missing_ok=True)
+_HOST = socket.gethostname().replace(".", "_").replace("-", "_")
+
+
+def _clean_dead_processes(cache_dir: Path) -> None:
+    """Remove plan folders of processes of this host that are gone."""
+    for entry in cache_dir.glob(f"{_HOST}-*"):
+        pid = entry.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+_HELD: collections.Counter = collections.Counter()  # plan folder -> iterators of this process using it
+_HELD_LOCK = threading.Lock()
+
+
+def hold(plan: EpochPlan) -> None:
+    with _HELD_LOCK:
+        _HELD[plan.folder] += 1
+
+
+def drop(plan: EpochPlan) -> None:
+    with _HELD_LOCK:
+        _HELD[plan.folder] -= 1
+        if _HELD[plan.folder] <= 0:
+            del _HELD[plan.folder]
+
+
+def _trim(mine: Path, keep_unheld: int = 4) -> None:
+    """Remove this process's plan folders that no iterator holds, but the newest few."""
+    with _HELD_LOCK:
+        idle = [f for f in mine.glob("*") if f not in _HELD and not f.name.startswith(".tmp-")]
+        idle.sort(key=lambda f: f.stat().st_mtime, reverse=True)
+        for folder in idle[keep_unheld:]:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def manifest_path_of(path: Path) -> Path:

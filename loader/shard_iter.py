@@ -12,6 +12,7 @@ and resumable from ``state_dict()``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import queue
@@ -33,9 +34,12 @@ from .plan import (
     DateRange,
     EpochPlan,
     default_cache_dir,
+    drop,
+    hold,
     load_manifest,
     make_plan,
     manifest_path_of,
+    normalize_dates,
     part_sizes,
     select_shards,
 )
@@ -105,12 +109,12 @@ class ShardIter(mx.io.DataIter):
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.preprocess_threads, self.prefetch_buffer = int(preprocess_threads), int(prefetch_buffer)
         self.num_parts, self.part_index, self.last_batch = int(num_parts), int(part_index), last_batch
-        self.dates = None if dates is None else tuple(None if d is None else str(d) for d in dates)
+        self._dates = normalize_dates(dates)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.epoch = 0
         self.history: list[dict] = []
         self._native: Optional[mx.io.DataIter] = None
-        self._lease = Lease(self.manifest_path.parent)  # tells gc which generation we read
+        self._lease = Lease(self.manifest_path.parent)  # tells gc which generation we read, until close()
         manifest_obj = load_manifest(self.manifest_path)
         self.schema = manifest_obj.schema
         known = [lab.name for lab in self.schema.labels]
@@ -121,6 +125,7 @@ class ShardIter(mx.io.DataIter):
         self._describe()
         self._ahead: Optional[tuple] = None  # (plan, epoch, thread, holder): next epoch's native iterator
         self._producer: Optional[threading.Thread] = None
+        self._closed = False
         self._start_epoch(make_plan(self.manifest_path, manifest_obj, select_shards(manifest_obj, self.dates),
                                     self.cache_dir))
 
@@ -151,6 +156,15 @@ class ShardIter(mx.io.DataIter):
         return [lab for lab in self.schema.labels if lab.name in self.label_names]
 
     @property
+    def dates(self) -> Optional[tuple]:
+        """The ``(start, end)`` date selection; setting it takes effect at the next ``reset()``."""
+        return self._dates
+
+    @dates.setter
+    def dates(self, value: DateRange) -> None:
+        self._dates = normalize_dates(value)
+
+    @property
     def generation(self) -> int:
         return self.plan.generation
 
@@ -171,8 +185,12 @@ class ShardIter(mx.io.DataIter):
             raise LoaderError(f"{self.manifest_path}: the store's schema changed (fingerprint "
                               f"{self.schema.fingerprint} -> {manifest.schema.fingerprint}); make a new ShardIter")
         shards = select_shards(manifest, self.dates)
-        same = manifest.generation == self.plan.generation or shards == self.plan.shards
-        plan = self.plan if same else make_plan(self.manifest_path, manifest, shards, self.cache_dir)
+        if shards != self.plan.shards:
+            plan = make_plan(self.manifest_path, manifest, shards, self.cache_dir)
+        elif manifest.generation != self.plan.generation:  # same files: only the generation moves on
+            plan = dataclasses.replace(self.plan, generation=manifest.generation)
+        else:
+            plan = self.plan
         self.epoch += 1
         self._start_epoch(plan, self._take_ahead(plan, self.epoch))
 
@@ -181,7 +199,6 @@ class ShardIter(mx.io.DataIter):
         if self._epoch_t0 is None:
             self._epoch_t0 = t0
         if self._cursor >= self._batches:
-            self._lease.release()  # the epoch's files are no longer needed
             raise StopIteration
         if self._producer is None:
             self._start_producer()
@@ -238,12 +255,10 @@ class ShardIter(mx.io.DataIter):
         valid = min(self.batch_size, self._part_records - index * self.batch_size)
         if valid <= 0:  # a part shorter than the longest: a whole batch of declared padding
             return self._last_arrays, 0
-        try:
-            native = self._native.next()
-        except StopIteration:
+        payload = self._native_label()
+        if payload is None:
             raise LoaderError(f"MXNet's iterator ended after {index} of {self._batches} batches "
-                              f"(generation {self.plan.generation})") from None
-        payload = native.label[0]
+                              f"(generation {self.plan.generation})")
         if valid < self.batch_size:
             # MXNet leaves stale or uninitialised memory (even NaN) in the rest of the last
             # batch; fill it with this batch's real rows so padding is always valid data.
@@ -324,7 +339,7 @@ class ShardIter(mx.io.DataIter):
         manifest = load_manifest(self.manifest_path)
         shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
         plan = make_plan(self.manifest_path, manifest, shards, self.cache_dir)
-        plan = EpochPlan(plan.store, state["generation"], plan.fingerprint, plan.shards, plan.index, plan.records)
+        plan = EpochPlan(plan.store, state["generation"], plan.fingerprint, plan.shards, plan.folder, plan.records)
         self.epoch = int(state["epoch"])
         self._start_epoch(plan)
         for _ in range(int(state["batches"])):
@@ -341,7 +356,11 @@ class ShardIter(mx.io.DataIter):
             raise LoaderError(
                 f"batch_size {self.batch_size} is larger than part {which} of {self.num_parts} "
                 f"({smallest} of {plan.records} records in generation {plan.generation})")
-        self.plan = plan
+        previous, self.plan = getattr(self, "plan", None), plan
+        if previous is None or previous.folder != plan.folder:
+            hold(plan)
+            if previous is not None:
+                drop(previous)
         self._lease.renew(plan.generation)
         self._part_records = sizes[self.part_index]
         if self.last_batch == "pad":
@@ -353,6 +372,7 @@ class ShardIter(mx.io.DataIter):
         self._last_arrays = None
         self._native = native if native is not None else self._open_native(plan, self.epoch)
         self._prepare_ahead()
+        self._start_producer()  # batches get ready while the caller does other things
 
     def _open_native(self, plan: EpochPlan, epoch: int) -> mx.io.DataIter:
         """MXNet's C++ iterator for one epoch of ``plan``; its order depends on (seed, epoch) alone."""
@@ -381,14 +401,19 @@ class ShardIter(mx.io.DataIter):
         self._ahead = (plan, epoch, thread, holder)
 
     def _take_ahead(self, plan: EpochPlan, epoch: int) -> Optional[mx.io.DataIter]:
+        """The iterator prepared for (plan, epoch), or None. Any other is freed here and now: it
+        reads the files of the generation our lease still names, so it must be gone before the
+        lease moves on (gc may then delete those files)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
         ahead_plan, ahead_epoch, thread, holder = ahead
         thread.join()
-        if ahead_plan is plan and ahead_epoch == epoch:
-            return holder.get("it")
-        return None  # a new generation: the prepared iterator is dropped
+        native = holder.pop("it", None)
+        if ahead_plan.folder == plan.folder and ahead_epoch == epoch:
+            return native
+        del native  # MXDataIterFree: stops its threads
+        return None
 
     def _close_epoch(self) -> None:
         self._stop_producer()
@@ -396,6 +421,15 @@ class ShardIter(mx.io.DataIter):
             if self._cursor:
                 self.history.append(self.stats)
             self._native = None  # frees the native iterator and its threads
+
+    def _native_label(self) -> Optional[mx.nd.NDArray]:
+        """The next native batch's label array only (MXDataIter.next() would also fetch data, pad
+        and index through ctypes, and build a DataBatch), or None at the end."""
+        native = self._native
+        if native.first_batch is not None:  # MXDataIter reads one batch when it is created
+            label, native.first_batch = native.first_batch.label[0], None
+            return label
+        return native.getlabel() if native.iter_next() else None
 
     def _split(self, payload: mx.nd.NDArray) -> list:
         s, b = self.schema, self.batch_size
@@ -412,6 +446,9 @@ class ShardIter(mx.io.DataIter):
         self._close_epoch()
         self._take_ahead(self.plan, -1)
         self._lease.release()
+        if not self._closed:
+            self._closed = True
+            drop(self.plan)
 
     def __enter__(self) -> ShardIter:
         return self

@@ -70,7 +70,16 @@ class Watcher:
     def __enter__(self) -> Watcher:
         self.cfg.store.dir.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
+        self._warm_workers()
         return self
+
+    def _warm_workers(self) -> None:
+        """Start the worker processes now, so the first date that falls due does not wait for them."""
+        jobs = self.jobs or self.cfg.run.jobs
+        if jobs > 1 and self.cfg.run.backend == "loky":
+            from joblib import Parallel, delayed
+
+            Parallel(n_jobs=jobs, backend="loky")(delayed(abs)(i) for i in range(jobs))
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()

@@ -253,3 +253,15 @@ def test_records_split_by_the_magic_word_read_back_exactly(tmp_path, cache):
     b = ShardIter(tmp_path, 10, shuffle=False, cache_dir=cache).next()
     np.testing.assert_array_equal(b.data[0].asnumpy(), x)
     np.testing.assert_array_equal(b.label[0].asnumpy(), labels["a"])
+
+
+def test_date_selection_changes_at_the_next_reset(store, cache):
+    it = ShardIter(store, 2, shuffle=False, dates=(None, "2024-01-02"), cache_dir=cache)
+    it.next()
+    it.dates = ("2024-01-04", None)
+    assert sorted(i for b in it for i in batch_ids(b)) == list(range(2, 7))  # this epoch: unchanged
+    it.reset()
+    assert sorted(i for b in it for i in batch_ids(b)) == list(range(20, 41))
+    with pytest.raises(LoaderError, match="not YYYY-MM-DD"):
+        it.dates = ("soon", None)
+    assert it.dates == ("2024-01-04", None)

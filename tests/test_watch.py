@@ -210,13 +210,16 @@ def test_reader_mid_epoch_keeps_its_files_through_gc(tmp_path):
     for b in it:
         ids += batch_ids(b)
     assert sorted(ids) == list(range(60))  # the epoch completed with every record
-    assert live_lease_generations(store, 60) == []  # released at the end of the epoch
+    # Between epochs the reader still holds generation 1 (its next epoch is being prepared).
+    assert collect(store, grace_s=0, lease_ttl_s=60) == []
+    it.reset()  # the next epoch: the newest generation, and the lease moves with it
+    assert live_lease_generations(store, 60) == [2]
     assert collect(store, grace_s=0, lease_ttl_s=60) == ["2024-01-02", "2024-01-03"]
     assert not (store / "2024-01-02.rec").exists() and (store / "2024-01-04.rec").exists()
     assert Manifest.load(store / "manifest.json").retired == ()
-    it.reset()
     assert sorted(i for b in it for i in batch_ids(b)) == list(range(100, 110))
     it.close()
+    assert live_lease_generations(store, 60) == []  # released when the reader closes
 
 
 def test_gc_in_a_watcher_process_while_a_reader_reads(tmp_path, watchers):
@@ -235,7 +238,8 @@ def test_gc_in_a_watcher_process_while_a_reader_reads(tmp_path, watchers):
     assert (store / "2024-01-02.rec").exists()
     n = 16 - first.pad + sum(16 - b.pad for b in it)
     assert n == 2 * 396
-    wait_for(lambda: not (store / "2024-01-02.rec").exists(), what="gc after the epoch")
+    it.close()
+    wait_for(lambda: not (store / "2024-01-02.rec").exists(), what="gc once the reader is done")
     assert w.stop()[0] == 0
 
 
