@@ -505,7 +505,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log("bench: writer")
         wn = min(n, 20 * PER_DATE)
         res["writer"] = writer_bandwidth(workdir, x[:wn], [a[:wn] for a in labels], repeats=1 if args.quick else 3)
-        res["build"] = build_speedup(workdir, 3 if args.quick else 20)
+        res["build"] = build_speedup(workdir, 3 if args.quick else 60)
         res["targets"] = targets(res)
     finally:
         if args.workdir is None:
