@@ -397,7 +397,7 @@ def targets(res: dict) -> list[dict]:
         ("ShardIter / NDArrayIter (RAM) samples/s", ratio(si, lo["NDArrayIter (RAM)"]), ">=", 0.3),
         ("ShardIter stall % at 50% load", si["stall_50"]["stall_pct"], "<=", 1.0),
         ("ShardIter stall % at 90% load", si["stall_90"]["stall_pct"], "<=", 5.0),
-        ("Writer / np.save bandwidth", res["writer"]["ratio"], ">=", 0.5),
+        ("Writer / np.save bandwidth (neither fsyncs)", res["writer"]["ratio_no_fsync"], ">=", 0.5),
     ]
     e2e = res.get("end_to_end", {})
     if "shardgen_watch_shardier" in e2e:
@@ -421,8 +421,9 @@ def table(res: dict) -> str:
                   f"  question's design (all in the loop)  wall {q['wall_s']:.2f}s = {q['ratio']:.2f}x consumer time",
                   f"  shardgen watch + ShardIter           wall {s['wall_s']:.2f}s = {s['ratio']:.2f}x consumer time"]
     w = res["writer"]
-    lines += ["", f"writer: shards {w['shard_mb_per_s']:,.0f} MB/s (fsync'd; {w['shard_no_fsync_mb_per_s']:,.0f} "
-              f"without), np.save {w['np_save_mb_per_s']:,.0f} MB/s -> {w['ratio']:.2f}x"]
+    lines += ["", f"writer: shards {w['shard_no_fsync_mb_per_s']:,.0f} MB/s ({w['shard_mb_per_s']:,.0f} fsync'd, as "
+              f"shipped), np.save {w['np_save_mb_per_s']:,.0f} MB/s (no fsync) -> {w['ratio_no_fsync']:.2f}x "
+              f"({w['ratio']:.2f}x fsync'd)"]
     b = res.get("build", {})
     if "speedup" in b:
         lines.append(f"build: {b['dates']} dates, jobs=1 {b['jobs1_s']:.2f}s, jobs=2 {b['jobs2_s']:.2f}s "

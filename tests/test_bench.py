@@ -35,6 +35,7 @@ def test_quick_bench_writes_results(tmp_path):
     assert side["samples"] == side["expected_samples"] > 0
     assert res["writer"]["shard_mb_per_s"] > 0 and res["writer"]["np_save_mb_per_s"] > 0
     assert res["build"]["speedup"] > 0
-    assert {t["name"] for t in res["targets"]} >= {"Writer / np.save bandwidth", "ShardIter stall % at 90% load"}
+    names = {t["name"] for t in res["targets"]}
+    assert {"Writer / np.save bandwidth (neither fsyncs)", "ShardIter stall % at 90% load"} <= names
     assert all(isinstance(t["met"], bool) for t in res["targets"])
     assert "targets:" in r.stdout and "ShardIter" in r.stdout

@@ -18,12 +18,12 @@ MAGIC_F = np.frombuffer(struct.pack("<I", MAGIC), np.float32)[0]
 DATE = dt.date(2024, 1, 2)
 
 
-def golden_inputs(n=6):
+def golden_inputs(n=6, magic_rows=(2, 4)):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, 3, 2)).astype(np.float32)
-    x[2, 1, 1] = MAGIC_F  # dmlc splits these records; the writer must too
-    x[4, 0, 0] = MAGIC_F
-    x[4, 2, 1] = MAGIC_F
+    x[magic_rows[0], 1, 1] = MAGIC_F  # dmlc splits these records; the writer must too
+    x[magic_rows[1], 0, 0] = MAGIC_F
+    x[magic_rows[1], 2, 1] = MAGIC_F
     labels = {"a": rng.standard_normal(n).astype(np.float32),
               "b": rng.standard_normal((n, 2)).astype(np.float32)}
     return x, labels
@@ -40,14 +40,18 @@ def mxnet_reference(tmp_path, x, labels):
     return (tmp_path / "ref.rec").read_bytes(), (tmp_path / "ref.idx").read_text()
 
 
-def test_shard_is_byte_identical_to_mxnet_writer(tmp_path):
-    x, labels = golden_inputs()
+@pytest.mark.parametrize("n, magic_rows", [(6, (2, 4)), (700, (10, 600)), (700, (300, 301)), (700, None)])
+def test_shard_is_byte_identical_to_mxnet_writer(tmp_path, n, magic_rows):
+    """Several packing blocks, magic words in the first or a later block, or none at all."""
+    x, labels = golden_inputs(n, magic_rows or (0, 0))
+    if magic_rows is None:
+        x[0] = 0.5
     sidecar = write_shard(tmp_path, DATE, x, labels, SCHEMA)
     rec, idx = mxnet_reference(tmp_path, x, labels)
     assert (tmp_path / "2024-01-02.rec").read_bytes() == rec
     assert (tmp_path / "2024-01-02.idx").read_text() == idx
     assert sidecar.sha256 == hashlib.sha256(rec).hexdigest()
-    assert sidecar.records == 6 and sidecar.bytes == len(rec)
+    assert sidecar.records == n and sidecar.bytes == len(rec)
     assert sidecar.fingerprint == SCHEMA.fingerprint
 
 
@@ -84,6 +88,14 @@ def test_nan_names_date_field_and_row(tmp_path):
     with pytest.raises(ProcessorError, match=r"'b' at window 1"):
         write_shard(tmp_path, DATE, x, labels, SCHEMA)
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_nan_in_a_later_block_names_its_window(tmp_path):
+    x, labels = golden_inputs(700, (1, 2))
+    x[555, 2, 0] = np.nan
+    with pytest.raises(ProcessorError, match=r"non-finite value in 'seq_var' at window 555"):
+        write_shard(tmp_path, DATE, x, labels, SCHEMA)
+    assert not list(tmp_path.iterdir())
 
 
 def test_empty_shard_is_refused(tmp_path):
