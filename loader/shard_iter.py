@@ -1,7 +1,9 @@
 """``ShardIter``: an ``mx.io.DataIter`` over a shardgen manifest, read by MXNet's native C++
 ``ImageRecordIter`` (``preprocess_threads`` decode threads and a ``prefetch_buffer`` of batches,
-none of them holding the GIL). Python does no per-record work: per batch it only splits the
-header-label payload into the named arrays of the schema.
+none of them holding the GIL). Python does no per-record work: per batch, a producer thread splits
+the header-label payload into the named arrays of the schema, ``prefetch_buffer`` batches ahead,
+so the caller's ``next()`` only takes a ready batch. The next epoch's native iterator is opened in
+the background while the current epoch runs, so ``reset()`` is nearly free.
 
 Epochs are exact: every record of this part once, whatever MXNet's ``round_batch`` does (it is
 wrong in 1.9.1), with ``pad`` counted here. Each epoch gets a fresh native iterator seeded from
@@ -226,20 +228,23 @@ class ShardIter(mx.io.DataIter):
         self._halt = threading.Event()
         first, stop, q, halt = self._cursor, self._batches, self._queue, self._halt
 
+        def offer(item: object) -> bool:
+            """Hand an item over unless told to halt (never blocks a reset() or close())."""
+            while not halt.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def produce() -> None:
             try:
                 for index in range(first, stop):
-                    item = self._fetch(index)
-                    while not halt.is_set():
-                        try:
-                            q.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if halt.is_set():
+                    if not offer(self._fetch(index)):
                         return
             except BaseException as exc:  # handed to the caller's next()
-                q.put(exc)
+                offer(exc)
 
         self._producer = threading.Thread(target=produce, name="shardgen-batches", daemon=True)
         self._producer.start()

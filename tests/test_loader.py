@@ -265,3 +265,30 @@ def test_date_selection_changes_at_the_next_reset(store, cache):
     with pytest.raises(LoaderError, match="not YYYY-MM-DD"):
         it.dates = ("soon", None)
     assert it.dates == ("2024-01-04", None)
+
+
+def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, monkeypatch):
+    """The producer runs ahead; an error it meets while its queue is full must not block reset/close."""
+    it = ShardIter(store, 1, prefetch_buffer=1, cache_dir=cache)
+    it.next()
+    it.reset()  # the producer is parked on a full queue
+    calls = {"n": 0}
+    real = it._native_label
+
+    def failing():
+        calls["n"] += 1
+        if calls["n"] > 1:  # the first batch fills the queue, the second fails
+            raise RuntimeError("disk went away")
+        return real()
+
+    monkeypatch.setattr(it, "_native_label", failing)
+    it.reset()
+    import time
+
+    time.sleep(0.3)  # the error is raised while the queue is full
+    import threading
+
+    closer = threading.Thread(target=it.close, daemon=True)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive(), "close() hung on the producer"
