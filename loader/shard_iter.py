@@ -13,15 +13,14 @@ and resumable from ``state_dict()``.
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import dataclasses
 import math
 import os
 import queue
-import re
-import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -32,6 +31,7 @@ from shardgen.lease import Lease
 from shardgen.manifest import ShardEntry
 
 from .errors import LoaderError
+from .native import Ahead, epoch_seed, next_label, open_record_iter
 from .plan import (
     DateRange,
     EpochPlan,
@@ -49,43 +49,22 @@ from .plan import (
 __all__ = ["ShardIter", "to_datetime64"]
 
 _STATE_VERSION = 1
-_CHATTER = re.compile(rb"ImageRecordIOParser2: .* threads for decoding")
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop every iterator's threads before the interpreter (and MXNet's engine) shuts down:
+    native threads still running then crash the process ("pure virtual method called"). MXNet
+    registers its own exit hook at import, earlier, so this one runs first."""
+    for it in list(_LIVE):
+        it.close()
 
 
 def to_datetime64(days: Any) -> np.ndarray:
     """The ``date`` label (float32 days since 1970-01-01) as ``datetime64[D]``."""
     arr = days.asnumpy() if hasattr(days, "asnumpy") else np.asarray(days)
     return arr.astype(np.int64).astype("datetime64[D]")
-
-
-_STDERR_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _quiet_native_info():
-    """Drop the INFO line MXNet's C++ prints at each iterator creation; keep anything else."""
-    with _STDERR_LOCK, _redirected_stderr():
-        yield
-
-
-@contextlib.contextmanager
-def _redirected_stderr():
-    try:
-        saved = os.dup(2)
-    except OSError:  # no stderr to guard
-        yield
-        return
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            rest = [ln for ln in tmp.read().splitlines(keepends=True) if not _CHATTER.search(ln)]
-            if rest:
-                os.write(2, b"".join(rest))
 
 
 class ShardIter(mx.io.DataIter):
@@ -125,9 +104,10 @@ class ShardIter(mx.io.DataIter):
         if unknown or not self.label_names:
             raise LoaderError(f"label_names {list(self.label_names)!r}: choose among {known}")
         self._describe()
-        self._ahead: Optional[tuple] = None  # (plan, epoch, thread, holder): next epoch's native iterator
+        self._ahead: Optional[Ahead] = None  # the next epoch's native iterator, opening in the background
         self._producer: Optional[threading.Thread] = None
         self._closed = False
+        _LIVE.add(self)
         self._start_epoch(make_plan(self.manifest_path, manifest_obj, select_shards(manifest_obj, self.dates),
                                     self.cache_dir))
 
@@ -260,7 +240,7 @@ class ShardIter(mx.io.DataIter):
         valid = min(self.batch_size, self._part_records - index * self.batch_size)
         if valid <= 0:  # a part shorter than the longest: a whole batch of declared padding
             return self._last_arrays, 0
-        payload = self._native_label()
+        payload = next_label(self._native)
         if payload is None:
             raise LoaderError(f"MXNet's iterator ended after {index} of {self._batches} batches "
                               f"(generation {self.plan.generation})")
@@ -376,49 +356,23 @@ class ShardIter(mx.io.DataIter):
         self._epoch_t0 = self._epoch_t1 = None
         self._last_arrays = None
         self._native = native if native is not None else self._open_native(plan, self.epoch)
-        self._prepare_ahead()
+        # The next epoch's iterator opens now, fills its prefetch buffer and waits: reset() is then
+        # nearly free when the manifest has not changed (a new generation discards it).
+        self._ahead = Ahead(plan, self.epoch + 1, self._open_native)
         self._start_producer()  # batches get ready while the caller does other things
 
     def _open_native(self, plan: EpochPlan, epoch: int) -> mx.io.DataIter:
-        """MXNet's C++ iterator for one epoch of ``plan``; its order depends on (seed, epoch) alone."""
-        epoch_seed = (self.seed * 1_000_003 + epoch * 7919) % (2**31 - 1)
-        with _quiet_native_info():
-            return mx.io.ImageRecordIter(
-                path_imgrec=plan.rec_paths, path_imgidx=str(plan.index), data_shape=(1, 1, 1),
-                label_width=self.schema.record_floats, batch_size=self.batch_size, shuffle=self.shuffle,
-                seed=epoch_seed, num_parts=self.num_parts, part_index=self.part_index, round_batch=False,
-                preprocess_threads=self.preprocess_threads, prefetch_buffer=self.prefetch_buffer)
-
-    def _prepare_ahead(self) -> None:
-        """Open the next epoch's native iterator now, in the background (ctypes releases the GIL):
-        it fills its prefetch buffer and waits, so ``reset()`` costs nothing when the manifest has
-        not changed. A new generation at ``reset()`` discards it."""
-        plan, epoch, holder = self.plan, self.epoch + 1, {}
-
-        def work() -> None:
-            try:
-                holder["it"] = self._open_native(plan, epoch)
-            except Exception as exc:  # surfaces at reset(), where the plan is opened again
-                holder["error"] = exc
-
-        thread = threading.Thread(target=work, name="shardgen-next-epoch", daemon=True)
-        thread.start()
-        self._ahead = (plan, epoch, thread, holder)
+        return open_record_iter(plan, record_floats=self.schema.record_floats, batch_size=self.batch_size,
+                                shuffle=self.shuffle, seed=epoch_seed(self.seed, epoch), num_parts=self.num_parts,
+                                part_index=self.part_index, preprocess_threads=self.preprocess_threads,
+                                prefetch_buffer=self.prefetch_buffer)
 
     def _take_ahead(self, plan: EpochPlan, epoch: int) -> Optional[mx.io.DataIter]:
-        """The iterator prepared for (plan, epoch), or None. Any other is freed here and now: it
-        reads the files of the generation our lease still names, so it must be gone before the
-        lease moves on (gc may then delete those files)."""
+        """The next epoch's iterator opened in the background, if it fits (plan, epoch). Any other
+        is freed now: it reads files of the generation our lease still names, so it must be gone
+        before the lease moves on (gc may then delete those files)."""
         ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        ahead_plan, ahead_epoch, thread, holder = ahead
-        thread.join()
-        native = holder.pop("it", None)
-        if ahead_plan.folder == plan.folder and ahead_epoch == epoch:
-            return native
-        del native  # MXDataIterFree: stops its threads
-        return None
+        return ahead.take(plan, epoch) if ahead is not None else None
 
     def _close_epoch(self) -> None:
         self._stop_producer()
@@ -426,15 +380,6 @@ class ShardIter(mx.io.DataIter):
             if self._cursor:
                 self.history.append(self.stats)
             self._native = None  # frees the native iterator and its threads
-
-    def _native_label(self) -> Optional[mx.nd.NDArray]:
-        """The next native batch's label array only (MXDataIter.next() would also fetch data, pad
-        and index through ctypes, and build a DataBatch), or None at the end."""
-        native = self._native
-        if native.first_batch is not None:  # MXDataIter reads one batch when it is created
-            label, native.first_batch = native.first_batch.label[0], None
-            return label
-        return native.getlabel() if native.iter_next() else None
 
     def _split(self, payload: mx.nd.NDArray) -> list:
         s, b = self.schema, self.batch_size

@@ -127,6 +127,9 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
         val_text = f", val mse {row['val_mse']:.4f}" if "val_mse" in row else ""
         print(f"{rank}epoch {epoch}: train mse {row['train_mse']:.4f}{val_text} | {batches} batches, "
               f"{row['samples_per_s']:,.0f} samples/s, data stall {row['stall_pct']:.1f}%", flush=True)
+    train.close()
+    if val is not None:
+        val.close()
     rank = kv.rank if kv is not None else 0
     if args.params_out:
         net.save_parameters(str(args.params_out).format(rank=rank))
@@ -154,6 +157,7 @@ def train_module(args: argparse.Namespace, ctx: list) -> list[dict]:
 
     mod.fit(it, num_epoch=args.epochs, optimizer="adam", optimizer_params={"learning_rate": args.lr},
             eval_metric="mse", epoch_end_callback=on_epoch, initializer=mx.init.Xavier())
+    it.close()
     return history
 
 

@@ -273,15 +273,17 @@ def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, mo
     it.next()
     it.reset()  # the producer is parked on a full queue
     calls = {"n": 0}
-    real = it._native_label
+    import loader.shard_iter as module
 
-    def failing():
+    real = module.next_label
+
+    def failing(native):
         calls["n"] += 1
         if calls["n"] > 1:  # the first batch fills the queue, the second fails
             raise RuntimeError("disk went away")
-        return real()
+        return real(native)
 
-    monkeypatch.setattr(it, "_native_label", failing)
+    monkeypatch.setattr(module, "next_label", failing)
     it.reset()
     import time
 
@@ -292,3 +294,23 @@ def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, mo
     closer.start()
     closer.join(timeout=10)
     assert not closer.is_alive(), "close() hung on the producer"
+
+
+def test_exiting_mid_epoch_without_close_is_clean(store, tmp_path):
+    """Native threads alive at interpreter exit abort the process unless ShardIter stops them."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = f"""
+from loader import ShardIter
+it = ShardIter({str(store)!r}, 4, cache_dir={str(tmp_path / 'cache')!r})
+for b in it:
+    pass
+it.reset()
+it.next()  # leave mid-epoch: producer, next-epoch opener and native threads all running
+"""
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]

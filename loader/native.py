@@ -1,0 +1,94 @@
+"""Plumbing around MXNet's native ``ImageRecordIter``: opening one for an epoch (quietly), opening
+the next one in the background, and taking just the label array of each batch."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+import threading
+from typing import Callable, Iterator, Optional
+
+import mxnet as mx
+
+from .plan import EpochPlan
+
+__all__ = ["open_record_iter", "epoch_seed", "next_label", "Ahead"]
+
+_CHATTER = re.compile(rb"ImageRecordIOParser2: .* threads for decoding")
+_STDERR_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def quiet_native_info() -> Iterator[None]:
+    """Drop the INFO line MXNet's C++ prints at each iterator creation; keep anything else."""
+    with _STDERR_LOCK:  # fd 2 is process-wide: one redirection at a time
+        try:
+            saved = os.dup(2)
+        except OSError:  # no stderr to guard
+            yield
+            return
+        with tempfile.TemporaryFile() as tmp:
+            os.dup2(tmp.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                tmp.seek(0)
+                rest = [ln for ln in tmp.read().splitlines(keepends=True) if not _CHATTER.search(ln)]
+                if rest:
+                    os.write(2, b"".join(rest))
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The native shuffle seed of an epoch: the order is a function of (seed, epoch) alone."""
+    return (seed * 1_000_003 + epoch * 7919) % (2**31 - 1)
+
+
+def open_record_iter(plan: EpochPlan, *, record_floats: int, batch_size: int, shuffle: bool, seed: int,
+                     num_parts: int, part_index: int, preprocess_threads: int,
+                     prefetch_buffer: int) -> mx.io.DataIter:
+    """MXNet's C++ record iterator over a plan; the whole sample rides in the header label."""
+    with quiet_native_info():
+        return mx.io.ImageRecordIter(
+            path_imgrec=plan.rec_paths, path_imgidx=str(plan.index), data_shape=(1, 1, 1),
+            label_width=record_floats, batch_size=batch_size, shuffle=shuffle, seed=seed,
+            num_parts=num_parts, part_index=part_index, round_batch=False,
+            preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer)
+
+
+def next_label(native: mx.io.DataIter) -> Optional[mx.nd.NDArray]:
+    """The next batch's label array only (``MXDataIter.next()`` would also fetch data, pad and
+    index through ctypes and build a DataBatch), or None at the end."""
+    if native.first_batch is not None:  # MXDataIter reads one batch when it is created
+        label, native.first_batch = native.first_batch.label[0], None
+        return label
+    return native.getlabel() if native.iter_next() else None
+
+
+class Ahead:
+    """A native iterator being opened in a background thread (ctypes releases the GIL)."""
+
+    def __init__(self, plan: EpochPlan, epoch: int, open_fn: Callable[[EpochPlan, int], mx.io.DataIter]):
+        self.plan, self.epoch, self._holder = plan, epoch, {}
+
+        def work() -> None:
+            try:
+                self._holder["it"] = open_fn(plan, epoch)
+            except Exception:  # the plan is opened again in the foreground, where errors surface
+                pass
+
+        self._thread = threading.Thread(target=work, name="shardgen-next-epoch", daemon=True)
+        self._thread.start()
+
+    def take(self, plan: EpochPlan, epoch: int) -> Optional[mx.io.DataIter]:
+        """The iterator if it was opened for (plan, epoch); otherwise it is freed now, in this
+        thread, and None is returned."""
+        self._thread.join()
+        native = self._holder.pop("it", None)
+        if self.plan.folder == plan.folder and self.epoch == epoch:
+            return native
+        del native  # MXDataIterFree: stops its threads
+        return None
