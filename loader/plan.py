@@ -152,16 +152,21 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
     key_src = json.dumps([str(store)] + [s.to_json() for s in shards], sort_keys=True)
     folder = mine / hashlib.sha256(key_src.encode()).hexdigest()[:24]
     if not folder.is_dir():
-        _clean_dead_processes(Path(cache_dir))
-        if mine.is_dir():
-            _trim(mine)
-        tmp = mine / f".tmp-{folder.name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        (tmp / "index.idx").write_bytes(_combined_index(store, shards))
-        for i, s in enumerate(shards):
-            os.symlink(store / s.rec, tmp / f"{i:06d}.rec")
-        os.rename(tmp, folder)
+        index = _combined_index(store, shards)
+        try:
+            _clean_dead_processes(Path(cache_dir))
+            if mine.is_dir():
+                _trim(mine)
+            tmp = mine / f".tmp-{folder.name}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            (tmp / "index.idx").write_bytes(index)
+            for i, s in enumerate(shards):
+                os.symlink(store / s.rec, tmp / f"{i:06d}.rec")
+            os.rename(tmp, folder)
+        except OSError as exc:
+            raise LoaderError(f"{mine}: cannot write the loader's index folder ({exc.strerror}); pass "
+                              "cache_dir= a writable folder (or set XDG_CACHE_HOME)") from None
     return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, folder,
                      sum(s.records for s in shards))
 

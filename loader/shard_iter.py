@@ -107,9 +107,9 @@ class ShardIter(mx.io.DataIter):
         self._ahead: Optional[Ahead] = None  # the next epoch's native iterator, opening in the background
         self._producer: Optional[threading.Thread] = None
         self._closed = False
-        _LIVE.add(self)
         self._start_epoch(make_plan(self.manifest_path, manifest_obj, select_shards(manifest_obj, self.dates),
                                     self.cache_dir))
+        _LIVE.add(self)
 
     @classmethod
     def for_kvstore(cls, kv: Any, manifest: os.PathLike | str, batch_size: int, **kwargs: Any) -> ShardIter:
@@ -394,11 +394,13 @@ class ShardIter(mx.io.DataIter):
     def close(self) -> None:
         """Stop the native threads and drop the reader lease now rather than at garbage collection."""
         self._close_epoch()
-        self._take_ahead(self.plan, -1)
+        plan = getattr(self, "plan", None)  # None when the constructor failed
+        if plan is not None:
+            self._take_ahead(plan, -1)
+            if not self._closed:
+                drop(plan)
+        self._closed = True
         self._lease.release()
-        if not self._closed:
-            self._closed = True
-            drop(self.plan)
 
     def __enter__(self) -> ShardIter:
         return self

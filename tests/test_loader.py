@@ -314,3 +314,10 @@ it.next()  # leave mid-epoch: producer, next-epoch opener and native threads all
     for _ in range(3):
         r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_unwritable_cache_dir_is_a_clear_error(store, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    with pytest.raises(LoaderError, match="cannot write the loader's index folder.*cache_dir="):
+        ShardIter(store, 4, cache_dir=blocker / "cache")
