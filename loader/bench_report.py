@@ -1,0 +1,106 @@
+"""The report side of ``loader.bench``: machine facts, the targets from the issue, the table and
+the chart (matplotlib is optional: without it there is no chart)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+from pathlib import Path
+from typing import Optional
+
+import mxnet as mx
+import numpy as np
+
+__all__ = ["machine_info", "targets", "table", "chart"]
+
+
+def machine_info() -> dict:
+    cpu = ""
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "mxnet": mx.__version__,
+            "numpy": np.__version__, "platform": platform.platform(),
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def targets(res: dict) -> list[dict]:
+    lo = res["loaders"]
+    si = lo["ShardIter"]
+
+    def ratio(a, b):
+        return a["samples_per_s"] / b["samples_per_s"]
+
+    rows = [
+        ("ShardIter / Gluon DataLoader samples/s", ratio(si, lo["Gluon DataLoader (2 workers)"]), ">=", 3.0),
+        ("ShardIter / Python DataIter samples/s", ratio(si, lo["Python DataIter"]), ">=", 1.5),
+        ("ShardIter / NDArrayIter (RAM) samples/s", ratio(si, lo["NDArrayIter (RAM)"]), ">=", 0.3),
+        ("ShardIter stall % at 50% load", si["stall_50"]["stall_pct"], "<=", 1.0),
+        ("ShardIter stall % at 90% load", si["stall_90"]["stall_pct"], "<=", 5.0),
+        ("Writer / np.save bandwidth (neither fsyncs)", res["writer"]["ratio_no_fsync"], ">=", 0.5),
+    ]
+    e2e = res.get("end_to_end", {})
+    if "shardgen_watch_shardier" in e2e:
+        rows.append(("End to end wall / consumer time (watch + ShardIter)",
+                     e2e["shardgen_watch_shardier"]["ratio"], "<=", 1.1))
+    return [{"name": n, "value": v, "target": f"{op} {t}", "met": v >= t if op == ">=" else v <= t}
+            for n, v, op, t in rows]
+
+
+def table(res: dict) -> str:
+    lines = [f"{'loader':32} {'samples/s':>11} {'GB/s':>6} {'stall@50%':>10} {'stall@90%':>10}"]
+    for name, r in res["loaders"].items():
+        lines.append(f"{name:32} {r['samples_per_s']:>11,.0f} {r['payload_gb_per_s']:>6.2f} "
+                     f"{r['stall_50']['stall_pct']:>9.1f}% {r['stall_90']['stall_pct']:>9.1f}%")
+    c = res["shardier_cold_epoch"]
+    lines.append(f"{'ShardIter, first (cold) epoch':32} {c['samples_per_s']:>11,.0f} {c['payload_gb_per_s']:>6.2f}")
+    e2e = res.get("end_to_end", {})
+    if "question_design" in e2e:
+        q, s = e2e["question_design"], e2e["shardgen_watch_shardier"]
+        lines += ["", f"end to end, {e2e['dates']} dates, {e2e['step_ms']:.0f} ms per batch of {e2e['batch_size']}:",
+                  f"  question's design (all in the loop)  wall {q['wall_s']:.2f}s = {q['ratio']:.2f}x consumer time",
+                  f"  shardgen watch + ShardIter           wall {s['wall_s']:.2f}s = {s['ratio']:.2f}x consumer time"]
+    w = res["writer"]
+    lines += ["", f"writer: shards {w['shard_no_fsync_mb_per_s']:,.0f} MB/s ({w['shard_mb_per_s']:,.0f} fsync'd, as "
+              f"shipped), np.save {w['np_save_mb_per_s']:,.0f} MB/s (no fsync) -> {w['ratio_no_fsync']:.2f}x "
+              f"({w['ratio']:.2f}x fsync'd)"]
+    b = res.get("build", {})
+    if "speedup" in b:
+        lines.append(f"build: {b['dates']} dates, jobs=1 {b['jobs1_s']:.2f}s, jobs=2 {b['jobs2_s']:.2f}s "
+                     f"-> {b['speedup']:.2f}x")
+    lines += ["", "targets:"]
+    lines += [f"  [{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['value']:.2f} (target {t['target']})"
+              for t in res["targets"]]
+    return "\n".join(lines)
+
+
+def chart(res: dict, path: Path) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed (pip install '.[bench]'): no chart"
+    names = list(res["loaders"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    a1.barh(names, [res["loaders"][n]["samples_per_s"] / 1e3 for n in names], color="tab:blue")
+    a1.set_xlabel("thousand samples/s (T=60, C=32)")
+    a1.set_title("throughput")
+    a1.invert_yaxis()
+    y = np.arange(len(names))
+    a2.barh(y - 0.2, [res["loaders"][n]["stall_50"]["stall_pct"] for n in names], 0.4, label="50% load")
+    a2.barh(y + 0.2, [res["loaders"][n]["stall_90"]["stall_pct"] for n in names], 0.4, label="90% load")
+    a2.set_yticks(y, [""] * len(names))
+    a2.invert_yaxis()
+    a2.set_xlabel("% of wall time waiting for data")
+    a2.set_title("data stall (consumer at 50% / 90% of each loader's max rate)")
+    a2.legend()
+    fig.suptitle(f"loader.bench on {res['machine']['nproc']} cores, {res['machine']['date']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
