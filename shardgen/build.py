@@ -18,7 +18,7 @@ from joblib import Parallel, delayed
 from .config import Config
 from .errors import Interrupted, ShardgenError
 from .fsutil import atomic_write, clean_temp_files
-from .generator import load_raw, obtain_raw
+from .generator import obtain_raw
 from .manifest import Manifest, ShardEntry, Sidecar
 from .process import run_processor
 from .store import check_sidecar, open_manifest, publish
@@ -88,11 +88,7 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
                 entry = sidecar.entry() if sidecar.records else None
                 return DateResult(date, status, entry, "no windows", time.perf_counter() - t0)
         schema = cfg.schema
-        if raw_only:
-            min_cols = schema.num_inputs + sum(lab.width for lab in schema.labels[:-1])
-            raw = load_raw(cfg.raw_path(date), date, min_cols)
-        else:
-            raw = obtain_raw(cfg, date, force=force)
+        raw = obtain_raw(cfg, date, force=force, generate=not raw_only)
         x, labels = run_processor(cfg.process.load(), raw, date, schema, dict(cfg.process.options))
         if x.shape[0] == 0:
             marker = Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", "")

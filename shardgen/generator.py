@@ -113,10 +113,13 @@ def run_generator(cfg: Config, date: dt.date) -> None:
                                  f"stderr: {_tail(err.read().decode(errors='replace'))}")
 
 
-def obtain_raw(cfg: Config, date: dt.date, *, force: bool = False) -> np.ndarray:
-    """The raw array for ``date``: the existing output if it loads, else from the generator."""
+def obtain_raw(cfg: Config, date: dt.date, *, force: bool = False, generate: bool = True) -> np.ndarray:
+    """The raw array for ``date``: the existing output if it loads, else from the generator
+    (``generate=False``: the existing output or a RawDataError, e.g. for dropped-in files)."""
     path = cfg.raw_path(date)
     min_cols = cfg.schema.num_inputs + sum(lab.width for lab in cfg.schema.labels[:-1])
+    if not generate:
+        return load_raw(path, date, min_cols)
     if not force and path.exists():
         try:
             return load_raw(path, date, min_cols)

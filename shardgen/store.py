@@ -121,23 +121,24 @@ def _check_records(data: memoryview, offsets: np.ndarray, schema: Schema) -> Opt
     return None
 
 
-def verify_shard(store: Path, entry: ShardEntry, schema: Schema) -> Optional[str]:
-    """What is wrong with a published shard (size, sha256, index, framing), or None."""
+def verify_shard(store: Path, entry: ShardEntry, schema: Schema, *, source: str = "the manifest") -> Optional[str]:
+    """What is wrong with a shard (size, sha256, index, framing) against ``entry``, or None;
+    ``source`` names where ``entry`` came from in the messages."""
     rec = Path(store) / entry.rec
     try:
         data = rec.read_bytes()
     except OSError as exc:
         return f"{rec}: cannot read ({exc.strerror})"
     if len(data) != entry.bytes:
-        return f"{rec}: {len(data)} bytes, the manifest says {entry.bytes}"
+        return f"{rec}: {len(data)} bytes, {source} says {entry.bytes}"
     if hashlib.sha256(data).hexdigest() != entry.sha256:
-        return f"{rec}: sha256 differs from the manifest"
+        return f"{rec}: sha256 differs from {source}"
     try:
         offsets = read_idx_offsets(Path(store) / entry.idx)
     except ShardError as exc:
         return str(exc)
     if len(offsets) != entry.records:
-        return f"{entry.idx}: {len(offsets)} records, the manifest says {entry.records}"
+        return f"{entry.idx}: {len(offsets)} records, {source} says {entry.records}"
     problem = _check_records(memoryview(data), offsets, schema)
     return f"{rec}: {problem}" if problem else None
 

@@ -16,7 +16,6 @@ exponential backoff; it never holds up other dates.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from .errors import ShardError
 from .gc import collect
 from .lock import WATCH_LOCK, StoreLock
 from .manifest import Sidecar
-from .store import check_sidecar, open_manifest, publish
+from .store import check_sidecar, open_manifest, publish, verify_shard
 
 __all__ = ["Watcher", "CycleReport"]
 
@@ -171,9 +170,9 @@ class Watcher:
                 sidecar, problem = None, str(exc)
             if sidecar is not None and sidecar.records == 0:
                 continue  # an empty-date marker
-            if sidecar is not None:
+            if sidecar is not None:  # checked as `shardgen verify` checks a published shard
                 problem = (check_sidecar(cfg.store.dir, sidecar, cfg.schema.fingerprint)
-                           or _checksum(cfg.store.dir, sidecar))
+                           or verify_shard(cfg.store.dir, sidecar.entry(), cfg.schema, source="its sidecar"))
             if problem:
                 self._bad_files.add(key)
                 log.warning("%s: not adopting the shard in the store: %s", date, problem)
@@ -181,11 +180,3 @@ class Watcher:
             log.info("adopted %s (%d records, written by another producer)", date, sidecar.records)
             entries.append(sidecar.entry())
         return entries
-
-
-def _checksum(store: Path, sidecar: Sidecar) -> Optional[str]:
-    digest = hashlib.sha256()
-    with open(Path(store) / sidecar.rec, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(chunk)
-    return None if digest.hexdigest() == sidecar.sha256 else f"{sidecar.rec}: sha256 differs from its sidecar"

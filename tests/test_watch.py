@@ -283,7 +283,7 @@ def test_grace_period_and_gc_command(tmp_path):
     assert not report.published and published(cfg.store.dir) == ["2024-01-04", "2024-01-05"]
 
 
-def test_adopts_complete_shards_from_other_producers(tmp_path):
+def test_adopts_complete_shards_from_other_producers(tmp_path, caplog):
     from shardgen.build import build
     from shardgen.watch import Watcher
 
@@ -298,7 +298,9 @@ def test_adopts_complete_shards_from_other_producers(tmp_path):
         fh.seek(40)
         fh.write(b"\xff\xff\xff\xff")
     with Watcher(mine) as w:
-        report = w.cycle()
+        with caplog.at_level("WARNING"):
+            report = w.cycle()
         assert [e.date for e in report.adopted] == ["2024-01-03"]
+        assert "2024-01-04: not adopting" in caplog.text and "sha256 differs from its sidecar" in caplog.text
         assert w.cycle().adopted == []  # the bad one is reported once, left alone
     assert published(mine.store.dir) == ["2024-01-02", "2024-01-03"]
