@@ -67,7 +67,6 @@ def _row_weights(batch: mx.io.DataBatch) -> mx.nd.NDArray:
 
 def _evaluate(net, it: ShardIter, ctx: list, target: int) -> float:
     total, count = 0.0, 0
-    it.reset()
     for batch in it:
         xs = gluon.utils.split_and_load(batch.data[0], ctx, even_split=False)
         ys = gluon.utils.split_and_load(batch.label[target], ctx, even_split=False)
@@ -75,6 +74,7 @@ def _evaluate(net, it: ShardIter, ctx: list, target: int) -> float:
         for x, y, w in zip(xs, ys, ws):
             total += float((((net(x) - y) ** 2) * w).sum().asscalar())
             count += float(w.sum().asscalar())
+    it.reset()  # ready for the next evaluation, on the newest generation
     return total / max(count, 1.0)
 
 

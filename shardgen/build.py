@@ -19,7 +19,7 @@ from .config import Config
 from .errors import Interrupted, ShardgenError
 from .fsutil import atomic_write, clean_temp_files
 from .generator import obtain_raw
-from .manifest import Manifest, ShardEntry, Sidecar
+from .manifest import MANIFEST_NAME, Manifest, ShardEntry, Sidecar
 from .process import run_processor
 from .store import check_sidecar, open_manifest, publish
 from .writer import shard_paths, write_shard
@@ -201,8 +201,8 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
         flush()
         if bar is not None:
             bar.close()
-    if report.manifest is None and (store / "manifest.json").exists():
-        report.manifest = Manifest.load(store / "manifest.json")
+    if report.manifest is None and (store / MANIFEST_NAME).exists():
+        report.manifest = Manifest.load(store / MANIFEST_NAME)
     report.seconds = time.perf_counter() - t0
     return report
 

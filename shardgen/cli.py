@@ -136,7 +136,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     with watcher:
-        log.info("watching %s every %gs (pid lock %s)", cfg.store.dir, args.interval, watcher._lock.path)
+        log.info("watching %s every %gs (pid lock %s)", cfg.store.dir, args.interval, watcher.lock_path)
         if args.once:
             report = watcher.cycle()
             return 0 if report.ok else 1

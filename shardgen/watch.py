@@ -59,6 +59,10 @@ class Watcher:
         self._bad_files: set[tuple[str, float, int]] = set()  # reported once per file version
         self._lock = StoreLock(cfg.store.dir / WATCH_LOCK, timeout=0, what="watch")
 
+    @property
+    def lock_path(self) -> Path:
+        return self._lock.path
+
     def stop(self) -> None:
         self._stop = True
 
