@@ -16,7 +16,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from shardgen.errors import ManifestError, ShardError
-from shardgen.fsutil import pid_alive
+from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.manifest import MANIFEST_NAME, Manifest, ShardEntry
 from shardgen.store import read_idx_offsets
 
@@ -144,7 +143,7 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
     store = Path(manifest_path).resolve().parent
     if not shards:
         raise LoaderError(f"{manifest_path}: no shards selected (generation {manifest.generation})")
-    mine = Path(cache_dir).resolve() / f"{_HOST}-{os.getpid()}"
+    mine = Path(cache_dir).resolve() / f"{HOST_TOKEN}-{os.getpid()}"
     if ";" in str(store) or ";" in str(mine):
         raise LoaderError(f"{store if ';' in str(store) else mine}: a path given to MXNet may not contain ';' "
                           "(it joins .rec paths with it)")
@@ -171,12 +170,9 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
                      sum(s.records for s in shards))
 
 
-_HOST = socket.gethostname().replace(".", "_").replace("-", "_")
-
-
 def _clean_dead_processes(cache_dir: Path) -> None:
     """Remove plan folders of processes of this host that are gone."""
-    for entry in cache_dir.glob(f"{_HOST}-*"):
+    for entry in cache_dir.glob(f"{HOST_TOKEN}-*"):
         pid = entry.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)

@@ -10,17 +10,25 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Iterator, Union
 
-__all__ = ["temp_name", "atomic_write", "atomic_writer", "fsync_dir", "clean_temp_files", "pid_alive"]
+__all__ = ["temp_name", "atomic_write", "atomic_writer", "fsync_dir", "clean_temp_files", "pid_alive",
+           "host_token", "HOST_TOKEN"]
 
 Buffer = Union[bytes, bytearray, memoryview]
-_HOST = socket.gethostname().replace(".", "_")
+
+
+def host_token(hostname: str) -> str:
+    """A host name safe inside file names that use '-' and '.' as separators."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", hostname)
+
+
+HOST_TOKEN = host_token(socket.gethostname())  # names this host in temp files, leases, loader folders
 # .<final name>.tmp-<host>-<pid>-<random>: who wrote it, so a dead writer's leftovers can go.
-_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>\w+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 
 def temp_name(path: Path) -> Path:
     """A unique hidden temp path next to ``path``, naming this host and process."""
-    return path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return path.with_name(f".{path.name}.tmp-{HOST_TOKEN}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def fsync_dir(folder: Path) -> None:
@@ -78,7 +86,7 @@ def clean_temp_files(folder: Path) -> list[Path]:
         return removed
     for entry in os.scandir(folder):
         m = _TEMP_RE.match(entry.name)
-        if m and m["host"] == _HOST and not pid_alive(int(m["pid"])):
+        if m and m["host"] == HOST_TOKEN and not pid_alive(int(m["pid"])):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from .fsutil import atomic_write, pid_alive
+from .fsutil import HOST_TOKEN, atomic_write, pid_alive
 
 __all__ = ["LEASE_DIR", "DEFAULT_TTL_S", "Lease", "live_lease_generations"]
 
@@ -34,7 +34,7 @@ class Lease:
     """Holds one lease file naming a generation; ``renew(generation)``, ``release()``."""
 
     def __init__(self, store: Path, *, refresh_s: float = DEFAULT_TTL_S / 6):
-        self.path = Path(store) / LEASE_DIR / f"{_HOST.replace('.', '_')}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+        self.path = Path(store) / LEASE_DIR / f"{HOST_TOKEN}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
         self.refresh_s = refresh_s
         self.generation: Optional[int] = None
         self._stop = threading.Event()

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, write_config
 
 from shardgen.config import load_config
-from shardgen.fsutil import clean_temp_files
+from shardgen.fsutil import HOST_TOKEN, clean_temp_files, host_token, temp_name
 from shardgen.manifest import Manifest
 from shardgen.store import verify_store
 
@@ -62,15 +62,29 @@ def test_dead_writers_temp_files_are_cleaned(cfg_dir):
     cfg.store.dir.mkdir(parents=True)
     dead = subprocess.Popen(["true"])
     dead.wait()
-    import socket
-
-    host = socket.gethostname().replace(".", "_")
-    stale = cfg.store.dir / f".2024-01-02.rec.tmp-{host}-{dead.pid}-0123abcd"
-    live = cfg.store.dir / f".2024-01-03.rec.tmp-{host}-{os.getpid()}-0123abcd"
+    stale = cfg.store.dir / f".2024-01-02.rec.tmp-{HOST_TOKEN}-{dead.pid}-0123abcd"
+    live = cfg.store.dir / f".2024-01-03.rec.tmp-{HOST_TOKEN}-{os.getpid()}-0123abcd"
     stale.write_bytes(b"half")
     live.write_bytes(b"in progress")
     assert clean_temp_files(cfg.store.dir) == [stale]
     assert live.exists()
+
+
+def test_temp_names_parse_whatever_the_host_name(tmp_path, monkeypatch):
+    """A host like gpu-node-3.example.com must still get its dead writers' temp files cleaned."""
+    import shardgen.fsutil as fsutil
+
+    token = host_token("gpu-node-3.example.com")
+    assert token == "gpu_node_3_example_com"
+    monkeypatch.setattr(fsutil, "HOST_TOKEN", token)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    monkeypatch.setattr(os, "getpid", lambda: dead.pid)
+    tmp = temp_name(tmp_path / "2024-01-02.rec")
+    monkeypatch.undo()
+    monkeypatch.setattr(fsutil, "HOST_TOKEN", token)
+    tmp.write_bytes(b"half")
+    assert clean_temp_files(tmp_path) == [tmp]
 
 
 def test_concurrent_builds_serialise_on_the_lock(cfg_dir):
