@@ -3,7 +3,6 @@ the chart (matplotlib is optional: without it there is no chart)."""
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import platform
 from pathlib import Path
@@ -11,6 +10,8 @@ from typing import Optional
 
 import mxnet as mx
 import numpy as np
+
+from shardgen.manifest import utc_now
 
 __all__ = ["machine_info", "targets", "table", "chart"]
 
@@ -23,7 +24,7 @@ def machine_info() -> dict:
         pass
     return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "mxnet": mx.__version__,
             "numpy": np.__version__, "platform": platform.platform(),
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+            "date": utc_now()}
 
 
 def targets(res: dict) -> list[dict]:

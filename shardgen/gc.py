@@ -11,7 +11,7 @@ from typing import Optional
 
 from .lease import live_lease_generations
 from .lock import MANIFEST_LOCK, StoreLock
-from .manifest import MANIFEST_NAME, Manifest, RetiredEntry
+from .manifest import MANIFEST_NAME, Manifest, RetiredEntry, parse_utc
 
 __all__ = ["collect", "deletable"]
 
@@ -19,8 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def _age_s(entry: RetiredEntry, now: dt.datetime) -> float:
-    retired = dt.datetime.strptime(entry.retired_at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
-    return (now - retired).total_seconds()
+    return (now - parse_utc(entry.retired_at)).total_seconds()
 
 
 def deletable(entry: RetiredEntry, live: list[int], grace_s: float, now: dt.datetime) -> bool:

@@ -16,14 +16,24 @@ from .errors import ManifestError, ShardError
 from .fsutil import atomic_write
 from .layout import Schema
 
-__all__ = ["FORMAT", "MANIFEST_NAME", "ShardEntry", "RetiredEntry", "Manifest", "Sidecar", "utc_now"]
+__all__ = ["FORMAT", "MANIFEST_NAME", "ShardEntry", "RetiredEntry", "Manifest", "Sidecar", "utc_now",
+           "parse_utc"]
 
 FORMAT = "shardgen/1"
 MANIFEST_NAME = "manifest.json"
 
 
+_STAMP = "%Y-%m-%dT%H:%M:%SZ"
+
+
 def utc_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """Now, as the manifest writes times."""
+    return dt.datetime.now(dt.timezone.utc).strftime(_STAMP)
+
+
+def parse_utc(stamp: str) -> dt.datetime:
+    """A time the manifest wrote, back as an aware datetime."""
+    return dt.datetime.strptime(stamp, _STAMP).replace(tzinfo=dt.timezone.utc)
 
 
 def _check_date(value: object, where: str) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 from .errors import ConfigError, ShardError
 from .layout import MAGIC, Schema
 from .lock import MANIFEST_LOCK, StoreLock
-from .manifest import MANIFEST_NAME, Manifest, RetiredEntry, ShardEntry, Sidecar, utc_now
+from .manifest import MANIFEST_NAME, Manifest, RetiredEntry, ShardEntry, Sidecar, parse_utc, utc_now
 
 __all__ = ["open_manifest", "publish", "verify_shard", "verify_store", "status", "read_idx_offsets",
            "check_sidecar"]
@@ -161,8 +161,7 @@ def status(store: Path, *, today: Optional[dt.date] = None) -> dict:
     today = today or dt.date.today()
     age = None
     if m.updated:
-        updated = dt.datetime.strptime(m.updated, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
-        age = round((dt.datetime.now(dt.timezone.utc) - updated).total_seconds(), 1)
+        age = round((dt.datetime.now(dt.timezone.utc) - parse_utc(m.updated)).total_seconds(), 1)
     last = m.shards[-1].date if m.shards else None
     return {
         "manifest": str(path),
