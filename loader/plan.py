@@ -10,23 +10,25 @@ partitioning is by record: part ``p`` of ``P`` gets records ``[p*s, (p+1)*s)`` w
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime as dt
 import hashlib
+import itertools
 import json
 import math
 import os
 import shutil
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
 from shardgen.errors import ManifestError, ShardError
+from shardgen.frames import VERIFY_MODES, check_shard
 from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.manifest import MANIFEST_NAME, Manifest, ShardEntry
-from shardgen.store import read_idx_offsets
 
 from .errors import LoaderError
 
@@ -82,6 +84,27 @@ def part_sizes(n: int, num_parts: int) -> list[int]:
     return [max(0, min((p + 1) * step, n) - p * step) for p in range(num_parts)]
 
 
+class PlanFiles:
+    """The shard files a plan reads, held open: MXNet opens them through ``/proc/self/fd``, so a
+    file deleted or replaced in the store mid-epoch is still the one checked and read."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.folder: Optional[Path] = None
+
+    def close(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
 @dataclass(frozen=True)
 class EpochPlan:
     """An immutable description of what an epoch reads."""
@@ -92,6 +115,8 @@ class EpochPlan:
     shards: tuple[ShardEntry, ...]
     folder: Path  # this process's private folder for the plan: the combined index, links to the .rec files
     records: int
+    counts: np.ndarray = field(compare=False, repr=False, default=None)  # samples per record, global order
+    files: Optional[PlanFiles] = field(compare=False, repr=False, default=None)
 
     @property
     def index(self) -> Path:
@@ -101,73 +126,82 @@ class EpochPlan:
     def rec_paths(self) -> str:
         return ";".join(str(self.folder / f"{i:06d}.rec") for i in range(len(self.shards)))
 
-
-def _check_files(store: Path, shards: Sequence[ShardEntry]) -> None:
-    for s in shards:
-        rec = store / s.rec
-        try:
-            size = rec.stat().st_size
-        except OSError:
-            raise LoaderError(f"{rec}: shard file is missing (listed in the manifest for {s.date})") from None
-        if size != s.bytes:
-            raise LoaderError(f"{rec}: {size} bytes, the manifest says {s.bytes} (truncated or rewritten?)")
-        if not (store / s.idx).is_file():
-            raise LoaderError(f"{store / s.idx}: index file is missing (shard {s.date})")
+    @property
+    def samples(self) -> int:
+        return int(self.counts.sum())
 
 
-def _combined_index(store: Path, shards: Sequence[ShardEntry]) -> bytes:
-    parts, base = [], 0
-    for s in shards:
-        try:
-            offsets = read_idx_offsets(store / s.idx)
-        except ShardError as exc:
-            raise LoaderError(str(exc)) from None
-        if len(offsets) != s.records or (len(offsets) and (offsets[0] != 0 or offsets[-1] >= s.bytes)):
-            raise LoaderError(f"{store / s.idx}: {len(offsets)} records within {s.bytes} bytes do not match "
-                              f"the manifest ({s.records} records)")
-        parts.append(offsets + base)
-        base += s.bytes
-    offsets = np.concatenate(parts)
-    return "".join(f"{i}\t{o}\n" for i, o in enumerate(offsets.tolist())).encode()
+def _open_shard(store: Path, s: ShardEntry) -> int:
+    rec = store / s.rec
+    try:
+        return os.open(rec, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise LoaderError(f"{rec}: shard file is missing (listed in the manifest for {s.date})") from None
+    except OSError as exc:
+        raise LoaderError(f"{rec}: cannot open the shard of {s.date} ({exc.strerror})") from None
 
 
-def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry, ...],
-              cache_dir: Path) -> EpochPlan:
-    """Check the shards' files and return a plan, building its folder unless this process has it.
+def _index_text(offsets: np.ndarray) -> bytes:
+    """MXNet's text index; dmlc ignores keys and line order (it sorts offsets), so keys are 0."""
+    return ("0\t" + "\n0\t".join(map(str, offsets.tolist())) + "\n").encode() if len(offsets) else b""
+
+
+_SEQ = itertools.count()
+
+
+def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry, ...], cache_dir: Path, *,
+              verify: str = "frame") -> EpochPlan:
+    """Open and check the shards' files and return a plan with its own folder for MXNet.
 
     dmlc resolves each ``.rec`` path (and the index) by listing its folder and ``stat``-ing every
     entry there, which fails if a file is renamed meanwhile -- as the watcher's temp files are in
     the store. So MXNet only ever sees the plan's own folder: written once, then left unchanged,
-    holding the combined index and a symlink to each shard file.
+    holding the combined index and one link per shard to the file this process holds open.
     """
+    if verify not in VERIFY_MODES:
+        raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
     store = Path(manifest_path).resolve().parent
     if not shards:
         raise LoaderError(f"{manifest_path}: no shards selected (generation {manifest.generation})")
     mine = Path(cache_dir).resolve() / f"{HOST_TOKEN}-{os.getpid()}"
-    if ";" in str(store) or ";" in str(mine):
-        raise LoaderError(f"{store if ';' in str(store) else mine}: a path given to MXNet may not contain ';' "
-                          "(it joins .rec paths with it)")
-    _check_files(store, shards)
-    key_src = json.dumps([str(store)] + [s.to_json() for s in shards], sort_keys=True)
-    folder = mine / hashlib.sha256(key_src.encode()).hexdigest()[:24]
-    if not folder.is_dir():
-        index = _combined_index(store, shards)
+    if ";" in str(mine):
+        raise LoaderError(f"{mine}: a path given to MXNet may not contain ';' (it joins .rec paths with it)")
+    files = PlanFiles()
+    try:
+        parts, counts, base = [], [], 0
+        for s in shards:
+            fd = _open_shard(store, s)
+            files.fds.append(fd)
+            if not (store / s.idx).is_file():
+                raise LoaderError(f"{store / s.idx}: index file is missing (shard {s.date})")
+            try:
+                frames = check_shard(fd, str(store / s.rec), str(store / s.idx), s, manifest.schema, verify=verify)
+            except ShardError as exc:
+                raise LoaderError(str(exc)) from None
+            parts.append(frames.offsets + base)
+            counts.append(frames.counts)
+            base += s.bytes
+        offsets, counts = np.concatenate(parts), np.concatenate(counts)
+        proc_fd = Path("/proc/self/fd")
+        key = hashlib.sha256(json.dumps([str(store)] + [s.to_json() for s in shards]).encode()).hexdigest()[:12]
+        folder = mine / f"{next(_SEQ):05d}-{key}"
         try:
             _clean_dead_processes(Path(cache_dir))
-            if mine.is_dir():
-                _trim(mine)
-            tmp = mine / f".tmp-{folder.name}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            (tmp / "index.idx").write_bytes(index)
-            for i, s in enumerate(shards):
-                os.symlink(store / s.rec, tmp / f"{i:06d}.rec")
-            os.rename(tmp, folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            files.folder = folder
+            (folder / "index.idx").write_bytes(_index_text(offsets))
+            for i, (s, fd) in enumerate(zip(shards, files.fds)):
+                target = proc_fd / str(fd) if proc_fd.is_dir() else store / s.rec
+                os.symlink(target, folder / f"{i:06d}.rec")
         except OSError as exc:
             raise LoaderError(f"{mine}: cannot write the loader's index folder ({exc.strerror}); pass "
                               "cache_dir= a writable folder (or set XDG_CACHE_HOME)") from None
-    return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, folder,
-                     sum(s.records for s in shards))
+    except BaseException:
+        files.close()
+        raise
+    return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, folder, len(offsets),
+                     counts, files)
 
 
 def _clean_dead_processes(cache_dir: Path) -> None:
@@ -188,19 +222,14 @@ def hold(plan: EpochPlan) -> None:
 
 
 def drop(plan: EpochPlan) -> None:
+    """One user less; the last one closes the plan's files and removes its folder."""
     with _HELD_LOCK:
         _HELD[plan.folder] -= 1
-        if _HELD[plan.folder] <= 0:
+        last = _HELD[plan.folder] <= 0
+        if last:
             del _HELD[plan.folder]
-
-
-def _trim(mine: Path, keep_unheld: int = 4) -> None:
-    """Remove this process's plan folders that no iterator holds, but the newest few."""
-    with _HELD_LOCK:
-        idle = [f for f in mine.glob("*") if f not in _HELD and not f.name.startswith(".tmp-")]
-        idle.sort(key=lambda f: f.stat().st_mtime, reverse=True)
-        for folder in idle[keep_unheld:]:
-            shutil.rmtree(folder, ignore_errors=True)
+    if last and plan.files is not None:
+        plan.files.close()
 
 
 def manifest_path_of(path: Path) -> Path:

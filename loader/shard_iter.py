@@ -1,14 +1,13 @@
 """``ShardIter``: an ``mx.io.DataIter`` over a shardgen manifest, read by MXNet's native C++
 ``ImageRecordIter`` (``preprocess_threads`` decode threads and a ``prefetch_buffer`` of batches,
-none of them holding the GIL). Python does no per-record work: per batch, a producer thread splits
-the header-label payload into the named arrays of the schema, ``prefetch_buffer`` batches ahead,
-so the caller's ``next()`` only takes a ready batch. The next epoch's native iterator is opened in
-the background while the current epoch runs, so ``reset()`` is nearly free.
+none of them holding the GIL). Records carry a pack of windows or a run of rows; a producer
+thread mixes them in a shuffle buffer and cuts the caller's batches (:mod:`loader.stream`), so
+``next()`` only takes a ready batch. The next epoch's stream starts before this one ends, so
+``reset()`` is nearly free. Every shard is checked (:mod:`loader.frames`) before MXNet reads it.
 
-Epochs are exact: every record of this part once, whatever MXNet's ``round_batch`` does (it is
-wrong in 1.9.1), with ``pad`` counted here. Each epoch gets a fresh native iterator seeded from
-``(seed, epoch)``, so the order is a function of seed, epoch and selection alone: reproducible,
-and resumable from ``state_dict()``.
+Epochs are exact: every sample of this part once, with ``pad`` counted here. The order is a
+function of seed, epoch and selection alone: reproducible, and resumable from ``state_dict()``
+without re-reading what was consumed.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import atexit
 import dataclasses
 import math
 import os
-import queue
 import threading
 import time
 import weakref
@@ -27,11 +25,11 @@ from typing import Any, Optional, Sequence
 import mxnet as mx
 import numpy as np
 
+from shardgen.frames import VERIFY_MODES
 from shardgen.lease import Lease
 from shardgen.manifest import ShardEntry
 
 from .errors import LoaderError
-from .native import Ahead, epoch_seed, next_label, open_record_iter
 from .plan import (
     DateRange,
     EpochPlan,
@@ -42,13 +40,14 @@ from .plan import (
     make_plan,
     manifest_path_of,
     normalize_dates,
-    part_sizes,
     select_shards,
 )
+from .pool import default_capacity
+from .stream import EpochStream, StreamParams
 
 __all__ = ["ShardIter", "to_datetime64"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -67,16 +66,61 @@ def to_datetime64(days: Any) -> np.ndarray:
     return arr.astype(np.int64).astype("datetime64[D]")
 
 
+
+
+def _default_native_batch(pack: int) -> int:
+    """Records per native batch: about 2048 samples, within [8, 256] records."""
+    return max(8, min(256, math.ceil(2048 / pack)))
+
+
+class _Resources:
+    """What an iterator holds that must be let go even if the iterator is dropped without
+    ``close()``: its streams (threads, native iterators), its plans (open files) and its lease.
+    Threads reference this, never the iterator, so garbage collection can release it."""
+
+    def __init__(self, lease: Lease):
+        self.lease = lease
+        self.stream: Optional[EpochStream] = None
+        self.ahead: Optional[EpochStream] = None
+        self.plan: Optional[EpochPlan] = None
+        self.lock = threading.Lock()
+
+    def close_streams(self) -> None:
+        for name in ("stream", "ahead"):
+            stream = getattr(self, name)
+            setattr(self, name, None)
+            if stream is not None:
+                stream.close()
+
+    def close(self) -> None:
+        with self.lock:
+            self.close_streams()
+            if self.plan is not None:
+                drop(self.plan)
+                self.plan = None
+            self.lease.release()
+
+
 class ShardIter(mx.io.DataIter):
-    """Batches of a shard store: ``data = [x (B, T, C)]``, ``label = [each label..., date]``."""
+    """Batches of a shard store: ``data = [x (B, T, C)]``, ``label = [each label..., date]``.
+
+    ``verify``: ``"frame"`` (default) checks every record's framing before MXNet reads it,
+    ``"sha256"`` also checks content against the manifest, ``"none"`` trusts the files.
+    ``readers``: native iterators per part (each with its own I/O thread). ``shuffle_buffer``:
+    records held for mixing (default: 128 MB of them). ``native_batch``: records per native batch.
+    """
 
     def __init__(self, manifest: os.PathLike | str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  preprocess_threads: int = 4, prefetch_buffer: int = 4, num_parts: int = 1,
                  part_index: int = 0, last_batch: str = "pad", dates: DateRange = None,
-                 label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None):
+                 label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
+                 verify: str = "frame", readers: int = 2, shuffle_buffer: Optional[int] = None,
+                 native_batch: Optional[int] = None):
         for name, value, low in (("batch_size", batch_size, 1), ("num_parts", num_parts, 1),
                                  ("preprocess_threads", preprocess_threads, 1),
-                                 ("prefetch_buffer", prefetch_buffer, 1)):
+                                 ("prefetch_buffer", prefetch_buffer, 1), ("readers", readers, 1),
+                                 ("shuffle_buffer", 1 if shuffle_buffer is None else shuffle_buffer, 1),
+                                 ("native_batch", 1 if native_batch is None else native_batch, 1)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
                 raise LoaderError(f"{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(part_index, (int, np.integer)) or not 0 <= part_index < num_parts:
@@ -85,17 +129,21 @@ class ShardIter(mx.io.DataIter):
             raise LoaderError(f"last_batch must be 'pad' or 'discard', got {last_batch!r}")
         if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**31:
             raise LoaderError(f"seed must be an integer in [0, 2^31), got {seed!r}")
+        if verify not in VERIFY_MODES:
+            raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
         super().__init__(int(batch_size))
         self.manifest_path = manifest_path_of(Path(manifest))
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.preprocess_threads, self.prefetch_buffer = int(preprocess_threads), int(prefetch_buffer)
         self.num_parts, self.part_index, self.last_batch = int(num_parts), int(part_index), last_batch
+        self.verify = verify
         self._dates = normalize_dates(dates)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.epoch = 0
         self.history: list[dict] = []
-        self._native: Optional[mx.io.DataIter] = None
-        self._lease = Lease(self.manifest_path.parent)  # tells gc which generation we read, until close()
+        self._closed = False
+        self._res = _Resources(Lease(self.manifest_path.parent))  # tells gc which generation we read
+        self._finalizer = weakref.finalize(self, self._res.close)
         manifest_obj = load_manifest(self.manifest_path)
         self.schema = manifest_obj.schema
         known = [lab.name for lab in self.schema.labels]
@@ -103,12 +151,16 @@ class ShardIter(mx.io.DataIter):
         unknown = [n for n in self.label_names if n not in known]
         if unknown or not self.label_names:
             raise LoaderError(f"label_names {list(self.label_names)!r}: choose among {known}")
+        nb = int(native_batch) if native_batch is not None else _default_native_batch(self.schema.pack)
+        buffer = int(shuffle_buffer) if shuffle_buffer else default_capacity(self.schema, nb)
+        self._params = StreamParams(
+            schema=self.schema, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
+            num_parts=self.num_parts, part_index=self.part_index, last_batch=last_batch, readers=int(readers),
+            native_batch=nb, buffer_records=buffer,
+            preprocess_threads=self.preprocess_threads, prefetch_buffer=self.prefetch_buffer,
+            label_names=tuple(lab.name for lab in self._labels))
         self._describe()
-        self._ahead: Optional[Ahead] = None  # the next epoch's native iterator, opening in the background
-        self._producer: Optional[threading.Thread] = None
-        self._closed = False
-        self._start_epoch(make_plan(self.manifest_path, manifest_obj, select_shards(manifest_obj, self.dates),
-                                    self.cache_dir))
+        self._start_epoch(self._plan_for(manifest_obj, select_shards(manifest_obj, self.dates)))
         _LIVE.add(self)
 
     @classmethod
@@ -147,6 +199,10 @@ class ShardIter(mx.io.DataIter):
         self._dates = normalize_dates(value)
 
     @property
+    def plan(self) -> EpochPlan:
+        return self._res.plan
+
+    @property
     def generation(self) -> int:
         return self.plan.generation
 
@@ -156,11 +212,17 @@ class ShardIter(mx.io.DataIter):
 
     @property
     def records_per_epoch(self) -> int:
-        """Real (not padding) records this part yields per epoch."""
-        return self._part_records if self.last_batch == "pad" else self._batches * self.batch_size
+        """Real (not padding) samples this part yields per epoch."""
+        return self._part_samples if self.last_batch == "pad" else self._batches * self.batch_size
+
+    @property
+    def readers(self) -> int:
+        """Native iterators reading this part (fewer than asked when the plan is small)."""
+        return self._res.stream.readers if self._res.stream else 0
 
     def reset(self) -> None:
         """Start the next epoch on the newest manifest generation."""
+        self._check_open()
         self._close_epoch()
         manifest = load_manifest(self.manifest_path)
         if manifest.schema.fingerprint != self.schema.fingerprint:
@@ -168,13 +230,13 @@ class ShardIter(mx.io.DataIter):
                               f"{self.schema.fingerprint} -> {manifest.schema.fingerprint}); make a new ShardIter")
         shards = select_shards(manifest, self.dates)
         if shards != self.plan.shards:
-            plan = make_plan(self.manifest_path, manifest, shards, self.cache_dir)
+            plan = self._plan_for(manifest, shards)
         elif manifest.generation != self.plan.generation:  # same files: only the generation moves on
             plan = dataclasses.replace(self.plan, generation=manifest.generation)
         else:
             plan = self.plan
         self.epoch += 1
-        self._start_epoch(plan, self._take_ahead(plan, self.epoch))
+        self._start_epoch(plan)
 
     def next(self) -> mx.io.DataBatch:
         t0 = time.perf_counter()
@@ -182,14 +244,12 @@ class ShardIter(mx.io.DataIter):
             self._epoch_t0 = t0
         if self._cursor >= self._batches:
             raise StopIteration
-        if self._producer is None:
-            self._start_producer()
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            self._stop_producer()
-            raise item
-        arrays, valid = item
+        self._check_open()
+        res = self._res
+        arrays, valid = res.stream.get()
         self._cursor += 1
+        if res.ahead is None and self._batches - self._cursor <= self.prefetch_buffer + 1:
+            self._open_ahead()
         pad = self.batch_size - valid if self.last_batch == "pad" else 0
         self._samples += valid if self.last_batch == "pad" else self.batch_size
         t1 = time.perf_counter()
@@ -197,59 +257,6 @@ class ShardIter(mx.io.DataIter):
         self._epoch_t1 = t1
         return mx.io.DataBatch(data=arrays[:1], label=arrays[1:], pad=pad,
                                provide_data=self._provide_data, provide_label=self._provide_label)
-
-    # -- the producer: per-batch Python work off the caller's thread ----------------------------
-
-    def _start_producer(self) -> None:
-        """One thread pulls native batches and splits them, ``prefetch_buffer`` batches ahead: the
-        caller's ``next()`` only takes a ready batch, and this work runs while the caller waits on
-        its own step (which releases the GIL)."""
-        self._queue = queue.Queue(maxsize=self.prefetch_buffer)
-        self._halt = threading.Event()
-        first, stop, q, halt = self._cursor, self._batches, self._queue, self._halt
-
-        def offer(item: object) -> bool:
-            """Hand an item over unless told to halt (never blocks a reset() or close())."""
-            while not halt.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def produce() -> None:
-            try:
-                for index in range(first, stop):
-                    if not offer(self._fetch(index)):
-                        return
-            except BaseException as exc:  # handed to the caller's next()
-                offer(exc)
-
-        self._producer = threading.Thread(target=produce, name="shardgen-batches", daemon=True)
-        self._producer.start()
-
-    def _stop_producer(self) -> None:
-        if self._producer is not None:
-            self._halt.set()
-            self._producer.join()
-            self._producer = None
-
-    def _fetch(self, index: int) -> tuple[list, int]:
-        """Batch ``index`` of this epoch, split into named arrays (asynchronously), and its real rows."""
-        valid = min(self.batch_size, self._part_records - index * self.batch_size)
-        if valid <= 0:  # a part shorter than the longest: a whole batch of declared padding
-            return self._last_arrays, 0
-        payload = next_label(self._native)
-        if payload is None:
-            raise LoaderError(f"MXNet's iterator ended after {index} of {self._batches} batches "
-                              f"(generation {self.plan.generation})")
-        if valid < self.batch_size:
-            # MXNet leaves stale or uninitialised memory (even NaN) in the rest of the last
-            # batch; fill it with this batch's real rows so padding is always valid data.
-            payload = mx.nd.take(payload, mx.nd.array(np.arange(self.batch_size) % valid))
-        self._last_arrays = self._split(payload)
-        return self._last_arrays, valid
 
     def iter_next(self) -> bool:  # what PrefetchingIter and friends call
         try:
@@ -276,7 +283,7 @@ class ShardIter(mx.io.DataIter):
     def stats(self) -> dict:
         """This epoch so far: samples/s, payload MB/s and the data-stall fraction."""
         wall = (self._epoch_t1 or 0) - (self._epoch_t0 or 0)
-        payload = self._samples * self.schema.record_floats * 4
+        payload = self._samples * (self.schema.x_floats + self.schema.label_floats + 1) * 4
         return {
             "epoch": self.epoch,
             "generation": self.plan.generation,
@@ -307,10 +314,14 @@ class ShardIter(mx.io.DataIter):
             "part_index": self.part_index,
             "shuffle": self.shuffle,
             "last_batch": self.last_batch,
+            "readers": self._params.readers,
+            "native_batch": self._params.native_batch,
+            "shuffle_buffer": self._params.buffer_records,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state``: same shards, same epoch order, the same remaining batches."""
+        """Continue from ``state``: same shards, same epoch order, the same remaining batches. The
+        consumed batches are not assembled again: the stream passes over them."""
         if state.get("version") != _STATE_VERSION:
             raise LoaderError(f"state_dict version {state.get('version')!r}, expected {_STATE_VERSION}")
         for key in ("batch_size", "num_parts", "part_index", "shuffle", "last_batch", "seed"):
@@ -319,88 +330,77 @@ class ShardIter(mx.io.DataIter):
                                   f"{getattr(self, key)!r}")
         if state["fingerprint"] != self.schema.fingerprint:
             raise LoaderError("state_dict was saved for another schema")
+        self._check_open()
         self._close_epoch()
-        self._take_ahead(self.plan, -1)
+        self._params = dataclasses.replace(self._params, readers=int(state["readers"]),
+                                           native_batch=int(state["native_batch"]),
+                                           buffer_records=int(state["shuffle_buffer"]))
         manifest = load_manifest(self.manifest_path)
         shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
-        plan = make_plan(self.manifest_path, manifest, shards, self.cache_dir)
-        plan = EpochPlan(plan.store, state["generation"], plan.fingerprint, plan.shards, plan.folder, plan.records)
+        plan = dataclasses.replace(self._plan_for(manifest, shards), generation=state["generation"])
         self.epoch = int(state["epoch"])
-        self._start_epoch(plan)
-        for _ in range(int(state["batches"])):
-            self.next()
-        self._samples, self._blocked, self._epoch_t0, self._epoch_t1 = 0, 0.0, None, None
+        self._start_epoch(plan, skip=int(state["batches"]))
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _start_epoch(self, plan: EpochPlan, native: Optional[mx.io.DataIter] = None) -> None:
-        sizes = part_sizes(plan.records, self.num_parts)
-        smallest = min(sizes)
-        if smallest < self.batch_size:
-            which = sizes.index(smallest)
-            raise LoaderError(
-                f"batch_size {self.batch_size} is larger than part {which} of {self.num_parts} "
-                f"({smallest} of {plan.records} records in generation {plan.generation})")
-        previous, self.plan = getattr(self, "plan", None), plan
-        if previous is None or previous.folder != plan.folder:
-            hold(plan)
-            if previous is not None:
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LoaderError(f"{self.manifest_path}: this ShardIter is closed")
+
+    def _plan_for(self, manifest: Any, shards: tuple) -> EpochPlan:
+        return make_plan(self.manifest_path, manifest, shards, self.cache_dir, verify=self.verify)
+
+    def _start_epoch(self, plan: EpochPlan, *, skip: int = 0) -> None:
+        res = self._res
+        with res.lock:
+            previous = res.plan
+            if previous is None or previous.folder != plan.folder:
+                hold(plan)
+            res.plan = plan
+            ahead, res.ahead = res.ahead, None
+            if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != self.epoch or skip):
+                ahead.close()  # reads files of the old plan: gone before its files are let go
+                ahead = None
+            if previous is not None and previous.folder != plan.folder:
                 drop(previous)
-        self._lease.renew(plan.generation)
-        self._part_records = sizes[self.part_index]
-        if self.last_batch == "pad":
-            self._batches = math.ceil(max(sizes) / self.batch_size)
-        else:
-            self._batches = smallest // self.batch_size
-        self._cursor, self._samples, self._blocked = 0, 0, 0.0
+            res.lease.renew(plan.generation)
+            res.stream = ahead if ahead is not None else EpochStream(plan, self.epoch, self._params, skip=skip)
+        stream = res.stream
+        self._part_samples, self._batches = stream.samples, stream.batches
+        self._cursor, self._samples, self._blocked = skip, 0, 0.0
         self._epoch_t0 = self._epoch_t1 = None
-        self._last_arrays = None
-        self._native = native if native is not None else self._open_native(plan, self.epoch)
-        # The next epoch's iterator opens now, fills its prefetch buffer and waits: reset() is then
-        # nearly free when the manifest has not changed (a new generation discards it).
-        self._ahead = Ahead(plan, self.epoch + 1, self._open_native)
-        self._start_producer()  # batches get ready while the caller does other things
+        if self._batches - self._cursor <= self.prefetch_buffer + 1:
+            self._open_ahead()
 
-    def _open_native(self, plan: EpochPlan, epoch: int) -> mx.io.DataIter:
-        return open_record_iter(plan, record_floats=self.schema.record_floats, batch_size=self.batch_size,
-                                shuffle=self.shuffle, seed=epoch_seed(self.seed, epoch), num_parts=self.num_parts,
-                                part_index=self.part_index, preprocess_threads=self.preprocess_threads,
-                                prefetch_buffer=self.prefetch_buffer)
-
-    def _take_ahead(self, plan: EpochPlan, epoch: int) -> Optional[mx.io.DataIter]:
-        """The next epoch's iterator opened in the background, if it fits (plan, epoch). Any other
-        is freed now: it reads files of the generation our lease still names, so it must be gone
-        before the lease moves on (gc may then delete those files)."""
-        ahead, self._ahead = self._ahead, None
-        return ahead.take(plan, epoch) if ahead is not None else None
+    def _open_ahead(self) -> None:
+        """The next epoch's stream, on this plan, starts filling while this epoch ends (a new
+        generation at ``reset()`` discards it)."""
+        res = self._res
+        if res.ahead is None and res.plan is not None:
+            try:
+                res.ahead = EpochStream(res.plan, self.epoch + 1, self._params)
+            except LoaderError:
+                res.ahead = None
 
     def _close_epoch(self) -> None:
-        self._stop_producer()
-        if self._native is not None:
+        res = self._res
+        if res.stream is not None:
             if self._cursor:
                 self.history.append(self.stats)
-            self._native = None  # frees the native iterator and its threads
-
-    def _split(self, payload: mx.nd.NDArray) -> list:
-        s, b = self.schema, self.batch_size
-        out = [mx.nd.slice_axis(payload, axis=1, begin=0, end=s.x_floats).reshape((b, s.time_steps, s.num_inputs))]
-        slices = s.label_slices()
-        for lab in self._labels:
-            sl = slices[lab.name]
-            part = mx.nd.slice_axis(payload, axis=1, begin=sl.start, end=sl.stop)
-            out.append(part.reshape((b,)) if lab.width == 1 else part)
-        return out
+            stream, res.stream = res.stream, None
+            stream.close()
 
     def close(self) -> None:
-        """Stop the native threads and drop the reader lease now rather than at garbage collection."""
-        self._close_epoch()
-        plan = getattr(self, "plan", None)  # None when the constructor failed
-        if plan is not None:
-            self._take_ahead(plan, -1)
-            if not self._closed:
-                drop(plan)
+        """Stop the native threads, let go of the files and drop the reader lease now rather than
+        at garbage collection. Safe to call more than once, and after an error."""
+        if self._closed:
+            return
         self._closed = True
-        self._lease.release()
+        res = getattr(self, "_res", None)
+        if res is not None:
+            if getattr(self, "_cursor", 0) and res.stream is not None:
+                self.history.append(self.stats)
+            res.close()
 
     def __enter__(self) -> ShardIter:
         return self

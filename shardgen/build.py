@@ -48,16 +48,17 @@ class BuildReport:
     empty: list = field(default_factory=list)
     failed: list = field(default_factory=list)  # (date, message)
     records: int = 0
+    windows: int = 0
     bytes: int = 0
     seconds: float = 0.0
     manifest: Optional[Manifest] = None
 
     def summary(self) -> str:
         mb = self.bytes / 1e6
-        rate = self.records / self.seconds if self.seconds else 0.0
+        rate = self.windows / self.seconds if self.seconds else 0.0
         return (f"published {len(self.published)} dates, skipped {self.skipped}, empty {len(self.empty)}, "
-                f"failed {len(self.failed)}; {self.records} records, {mb:.1f} MB in {self.seconds:.1f}s "
-                f"({rate:,.0f} records/s)")
+                f"failed {len(self.failed)}; {self.windows} windows in {self.records} records, {mb:.1f} MB "
+                f"in {self.seconds:.1f}s ({rate:,.0f} windows/s)")
 
 
 def complete_shard(cfg: Config, date: dt.date) -> Optional[Sidecar]:
@@ -89,14 +90,14 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
                 return DateResult(date, status, entry, "no windows", time.perf_counter() - t0)
         schema = cfg.schema
         raw = obtain_raw(cfg, date, force=force, generate=not raw_only)
-        x, labels = run_processor(cfg.process.load(), raw, date, schema, dict(cfg.process.options))
-        if x.shape[0] == 0:
+        windows = run_processor(cfg.process.load(), raw, date, schema, dict(cfg.process.options))
+        if windows.n == 0:
             marker = Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", "")
             atomic_write(shard_paths(cfg.store.dir, date)["json"], json.dumps(marker.to_json()).encode())
             return DateResult(date, "empty", None,
                               f"{raw.shape[0]} rows, fewer than time_steps={schema.time_steps}: no windows",
                               time.perf_counter() - t0)
-        sidecar = write_shard(cfg.store.dir, date, x, labels, schema)
+        sidecar = write_shard(cfg.store.dir, date, windows, None, schema)
         return DateResult(date, "written", sidecar.entry(), seconds=time.perf_counter() - t0)
     except Interrupted as exc:
         return DateResult(date, "abandoned", message=str(exc), seconds=time.perf_counter() - t0)
@@ -187,8 +188,9 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
                 pending.append(res.entry)
                 report.published.append(res.date)
                 report.records += res.entry.records
+                report.windows += res.entry.samples
                 report.bytes += res.entry.bytes
-                log.info("published %s (%s shard, %d records)", res.date, res.status, res.entry.records)
+                log.info("published %s (%s shard, %d windows)", res.date, res.status, res.entry.samples)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(done=len(report.published), failed=len(report.failed), refresh=False)

@@ -163,7 +163,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 0
     mb = info["bytes"] / 1e6
     print(f"{info['manifest']}: generation {info['generation']}, {info['shards']} shards, "
-          f"{info['records']} records, {mb:.1f} MB")
+          f"{info['windows']} windows, {mb:.1f} MB ({info['bytes_per_window']} bytes per window, layout "
+          f"{info['layout']['kind']})")
     print(f"dates {info['first_date']} .. {info['last_date']} (lag {info['lag_days']} days), "
           f"window {info['window']}, retired {info['retired']}, updated {info['age_s']}s ago")
     print(f"newest raw file {info['newest_raw']} (lag {info['raw_lag_days']} days)")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .errors import ConfigError
-from .layout import LabelSpec, Schema
+from .layout import KINDS, LabelSpec, Layout, Schema
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -208,6 +208,30 @@ def _integer(table: _Table, key: str, default: int, minimum: int) -> int:
     return value
 
 
+DEFAULT_PACK = {"samples": 1, "windows": 8, "runs": 64}
+
+
+def _layout(sto: _Table, process: ProcessConfig, time_steps: object) -> Layout:
+    """``[store] layout``, ``pack``, ``run_rows``. The default layout is ``runs`` for the default
+    processor (each row stored once) and ``windows`` for a plug-in (which may return windows)."""
+    default = "runs" if process.function == ProcessConfig.function else "windows"
+    kind = sto.get("layout", str, default)
+    if kind not in KINDS:
+        raise ConfigError(f"store.layout must be one of {', '.join(repr(k) for k in KINDS)}, got {kind!r}")
+    pack = _integer(sto, "pack", DEFAULT_PACK[kind], 1)
+    stride = dict(process.options).get("stride", 1)
+    stride = stride if isinstance(stride, int) and stride >= 1 else 1
+    run_rows = 0
+    if kind == "runs":
+        run_rows = _integer(sto, "run_rows", int(time_steps) + (pack - 1) * stride, 1)
+    elif "run_rows" in sto.data:
+        raise ConfigError("store.run_rows is only used with store.layout = 'runs'")
+    try:
+        return Layout(kind, pack, run_rows)
+    except ValueError as exc:
+        raise ConfigError(f"store: {exc}") from None
+
+
 def load_config(path: Path) -> Config:
     """Read and validate a config file; every problem is a ConfigError naming the key."""
     path = Path(path).resolve()
@@ -254,11 +278,8 @@ def load_config(path: Path) -> Config:
         except ValueError as exc:
             raise ConfigError(f"schema.labels[{i}]: {exc}") from None
         lt.done()
-    try:
-        schema = Schema.create(time_steps=sch.get("time_steps", int), num_inputs=sch.get("num_inputs", int),
-                               data_name=sch.get("data_name", str, "seq_var"), labels=labels)
-    except ValueError as exc:
-        raise ConfigError(f"schema: {exc}") from None
+    schema_args = dict(time_steps=sch.get("time_steps", int), num_inputs=sch.get("num_inputs", int),
+                       data_name=sch.get("data_name", str, "seq_var"), labels=labels)
     sch.done()
 
     pro = _Table(top.get("process", dict, {}), "process")
@@ -271,7 +292,12 @@ def load_config(path: Path) -> Config:
     sto = _Table(top.get("store", dict), "store")
     store = StoreConfig((path.parent / sto.get("dir", str)).resolve(), _integer(sto, "window", 0, 0),
                         _number(sto, "grace_s", 3600.0, 0.0), _number(sto, "lease_ttl_s", 60.0, 30.0))
+    layout = _layout(sto, process, schema_args["time_steps"])
     sto.done()
+    try:
+        schema = Schema.create(**schema_args, layout=layout)
+    except ValueError as exc:
+        raise ConfigError(f"schema: {exc}") from None
 
     run_t = _Table(top.get("run", dict, {}), "run")
     run = RunConfig(_integer(run_t, "jobs", 1, 1), run_t.get("backend", str, "loky"),

@@ -54,6 +54,7 @@ class ShardEntry:
     records: int
     bytes: int
     sha256: str
+    windows: int = 0  # samples in the shard (0 in format 1 manifests: one per record)
 
     def __post_init__(self) -> None:
         _check_date(self.date, "shard")
@@ -63,13 +64,20 @@ class ShardEntry:
         if self.records < 1 or self.bytes < 1:
             raise ValueError(f"shard {self.date}: records and bytes must be >= 1")
 
+    @property
+    def samples(self) -> int:
+        return self.windows or self.records
+
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        if not self.windows:
+            del out["windows"]
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> ShardEntry:
         return cls(str(obj["date"]), str(obj["rec"]), str(obj["idx"]), int(obj["records"]),
-                   int(obj["bytes"]), str(obj["sha256"]))
+                   int(obj["bytes"]), str(obj["sha256"]), int(obj.get("windows", 0)))
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,10 @@ class Manifest:
     @property
     def bytes(self) -> int:
         return sum(s.bytes for s in self.shards)
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards)
 
     def to_json(self) -> dict:
         return {
@@ -179,19 +191,20 @@ class Sidecar:
     fingerprint: str
     rec: str
     idx: str
+    windows: int = 0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
 
     def entry(self) -> ShardEntry:
-        return ShardEntry(self.date, self.rec, self.idx, self.records, self.bytes, self.sha256)
+        return ShardEntry(self.date, self.rec, self.idx, self.records, self.bytes, self.sha256, self.windows)
 
     @classmethod
     def load(cls, path: Path) -> Optional[Sidecar]:
         """The sidecar at ``path``, or None if there is none; ShardError if it is malformed."""
         try:
             obj = json.loads(Path(path).read_text())
-            return cls(**{k: obj[k] for k in cls.__dataclass_fields__})
+            return cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k in obj or k != "windows"})
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Optional
@@ -13,7 +13,8 @@ from typing import Iterable, Optional
 import numpy as np
 
 from .errors import ConfigError, ShardError
-from .layout import MAGIC, Schema
+from .frames import check_shard
+from .layout import Schema
 from .lock import MANIFEST_LOCK, StoreLock
 from .manifest import MANIFEST_NAME, Manifest, RetiredEntry, ShardEntry, Sidecar, parse_utc, utc_now
 
@@ -90,57 +91,21 @@ def check_sidecar(store: Path, sidecar: Sidecar, fingerprint: str) -> Optional[s
     return None
 
 
-def _check_records(data: memoryview, offsets: np.ndarray, schema: Schema) -> Optional[str]:
-    """Every record framed right and of ``record_floats`` floats; None when all are."""
-    size = len(data)
-    ends = np.append(offsets[1:], size)
-    if len(offsets) and (offsets[0] != 0 or (np.diff(offsets) <= 0).any() or offsets[-1] >= size):
-        return "index offsets are not increasing within the file"
-    rb = schema.record_bytes
-    if (ends - offsets == rb).all() and size == rb * len(offsets):
-        words = np.frombuffer(data, dtype="<u4").reshape(len(offsets), rb // 4)
-        bad = np.flatnonzero((words[:, 0] != MAGIC) | (words[:, 2] != schema.record_floats))
-        return f"record {bad[0]} is not a {schema.record_floats}-float record" if bad.size else None
-    buf = bytes(data)
-    for i, (start, end) in enumerate(zip(offsets.tolist(), ends.tolist())):
-        pos, body = start, b""
-        while True:
-            magic, lrec = np.frombuffer(buf, "<u4", 2, pos)
-            cflag, length = int(lrec) >> 29, int(lrec) & ((1 << 29) - 1)
-            if magic != MAGIC:
-                return f"record {i}: bad magic at byte {pos}"
-            body += buf[pos + 8: pos + 8 + length]
-            pos += 8 + length + (-length % 4)
-            if cflag in (0, 3):
-                break
-            body += np.uint32(MAGIC).tobytes()
-        if pos != end:
-            return f"record {i} spans {pos - start} bytes, the index says {end - start}"
-        if int(np.frombuffer(body, "<u4", 1)[0]) != schema.record_floats:
-            return f"record {i} has a header flag other than {schema.record_floats}"
-    return None
-
-
 def verify_shard(store: Path, entry: ShardEntry, schema: Schema, *, source: str = "the manifest") -> Optional[str]:
     """What is wrong with a shard (size, sha256, index, framing) against ``entry``, or None;
     ``source`` names where ``entry`` came from in the messages."""
     rec = Path(store) / entry.rec
     try:
-        data = rec.read_bytes()
+        fd = os.open(rec, os.O_RDONLY)
     except OSError as exc:
         return f"{rec}: cannot read ({exc.strerror})"
-    if len(data) != entry.bytes:
-        return f"{rec}: {len(data)} bytes, {source} says {entry.bytes}"
-    if hashlib.sha256(data).hexdigest() != entry.sha256:
-        return f"{rec}: sha256 differs from {source}"
     try:
-        offsets = read_idx_offsets(Path(store) / entry.idx)
+        check_shard(fd, str(rec), str(Path(store) / entry.idx), entry, schema, verify="sha256", cache=False)
     except ShardError as exc:
-        return str(exc)
-    if len(offsets) != entry.records:
-        return f"{entry.idx}: {len(offsets)} records, {source} says {entry.records}"
-    problem = _check_records(memoryview(data), offsets, schema)
-    return f"{rec}: {problem}" if problem else None
+        return str(exc).replace("the manifest", source)
+    finally:
+        os.close(fd)
+    return None
 
 
 def verify_store(store: Path) -> tuple[Manifest, list[tuple[str, str]]]:
@@ -168,6 +133,9 @@ def status(store: Path, *, today: Optional[dt.date] = None) -> dict:
         "generation": m.generation,
         "shards": len(m.shards),
         "records": m.records,
+        "windows": m.samples,
+        "bytes_per_window": round(m.bytes / m.samples, 1) if m.samples else None,
+        "layout": m.schema.layout.to_json(),
         "bytes": m.bytes,
         "first_date": m.shards[0].date if m.shards else None,
         "last_date": last,

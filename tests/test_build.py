@@ -12,6 +12,7 @@ from conftest import expected_windows, runs, write_config
 
 from shardgen.build import build
 from shardgen.config import load_config
+from shardgen.layout import unpack_samples
 from shardgen.manifest import Manifest
 from shardgen.store import verify_store
 
@@ -19,17 +20,20 @@ DATES = ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05"]
 
 
 def read_store(store):
-    """Every record of every published shard, with the stock MXNet reader."""
+    """Every sample of every published shard in date order, with the stock MXNet reader, as one
+    row ``[x, labels, date]`` each (whatever the store's layout)."""
     manifest = Manifest.load(store / "manifest.json")
     out = {}
     for s in manifest.shards:
         r = mx.recordio.MXIndexedRecordIO(str(store / s.idx), str(store / s.rec), "r")
-        rows = []
+        rows, where = [], []
         for k in r.keys:
             header, _ = mx.recordio.unpack(r.read_idx(k))
-            rows.append(header.label)
+            x, labels, days, position = unpack_samples(header.label, manifest.schema)
+            rows.append(np.concatenate([x.reshape(len(x), -1), labels, days[:, None]], axis=1))
+            where.append(position)
         r.close()
-        out[s.date] = np.array(rows)
+        out[s.date] = np.concatenate(rows)[np.argsort(np.concatenate(where), kind="stable")]
     return manifest, out
 
 
@@ -46,7 +50,7 @@ def test_round_trip_equals_independent_windows(cfg_dir, stride, jobs):
         np.testing.assert_array_equal(got[:, :-1], want)
         day = (dt.date.fromisoformat(date) - dt.date(1970, 1, 1)).days
         assert (got[:, -1] == day).all()
-    assert report.records == sum(len(v) for v in data.values())
+    assert report.windows == sum(len(v) for v in data.values())
     assert verify_store(cfg.store.dir)[1] == []
 
 

@@ -17,10 +17,10 @@ def test_build_status_verify(cfg_dir):
     assert "Traceback" not in r.stderr
     r = shardgen_cli("status", "-c", cfg, "--json")
     info = json.loads(r.stdout)
-    assert r.returncode == 0 and info["shards"] == 3 and info["records"] == 3 * 26
+    assert r.returncode == 0 and info["shards"] == 3 and info["windows"] == 3 * 26
     assert info["first_date"] == "2024-01-02" and info["last_date"] == "2024-01-05"
     r = shardgen_cli("status", "-c", cfg)
-    assert "generation 1, 3 shards, 78 records" in r.stdout
+    assert "generation 1, 3 shards, 78 windows" in r.stdout
     r = shardgen_cli("verify", "-c", cfg)
     assert r.returncode == 0 and "verified 3 shards" in r.stdout
 
@@ -130,5 +130,6 @@ def test_demo_config_is_valid():
     from shardgen.config import load_config
 
     cfg = load_config(ROOT / "shardgen.toml")
-    assert cfg.schema.record_floats == 60 * 32 + 1 + 4 + 1 == 1926
+    assert cfg.schema.layout.kind == "runs" and cfg.schema.pack == 64 and cfg.schema.layout.run_rows == 60 + 63
+    assert cfg.schema.record_floats == 4 + 64 * (1 + 1 + 4) + 123 * 32 == 4324
     assert cfg.argv(cfg.dates.start)[:3] == [str(ROOT / "build/seqgen"), "--date", "2024-01-02"]

@@ -1,0 +1,113 @@
+"""The shuffle buffer: records as MXNet returns them go in, caller batches of single samples come
+out, drawn uniformly from every sample the buffer holds (tf.data / WebDataset style), so one batch
+spans many records and dates even though each read brings a whole pack or run.
+
+Records are kept compact (a run's rows, not its windows) in preallocated slots; a batch is one
+gather over the slots. Exact: every sample of every record added is drawn exactly once. The
+draw order is a function of the generator passed in and the order records were added.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from shardgen.layout import HEAD_FLOATS, Schema
+
+__all__ = ["Pool", "default_capacity"]
+
+POOL_BYTES = 128 << 20  # default shuffle buffer size
+
+
+def default_capacity(schema: Schema, native_batch: int, pool_bytes: int = POOL_BYTES) -> int:
+    """Records the buffer holds by default: ``pool_bytes`` of payload, at least two native batches."""
+    return max(2 * native_batch, min(8192, pool_bytes // (4 * schema.record_floats)))
+
+
+class Pool:
+    """Slots for ``capacity`` records of ``schema``; items are ``slot * K + k``."""
+
+    def __init__(self, schema: Schema, capacity: int):
+        s, k, t, c = schema, schema.pack, schema.time_steps, schema.num_inputs
+        self.schema, self.capacity, self.k = s, capacity, k
+        self.kind = s.layout.kind
+        w = s.label_floats
+        self.data = np.empty((capacity, s.layout.run_rows, c) if self.kind == "runs" else (capacity, k, t, c),
+                             np.float32)
+        self.labels = np.empty((capacity, k, w), np.float32)
+        self.starts = np.zeros((capacity, k), np.int64)
+        self.day = np.zeros(capacity, np.float32)
+        self.remaining = np.zeros(capacity, np.int64)
+        self.free = list(range(capacity - 1, -1, -1))
+        self.live = np.empty(capacity * k, np.int64)
+        self.m = 0  # live items
+        self._steps = np.arange(t)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self.free)
+
+    def add(self, payload: np.ndarray) -> None:
+        """Records ``(m, F)`` as the native iterator returns them (their framing already checked)."""
+        s, n_rec = self.schema, len(payload)
+        slots = np.array([self.free.pop() for _ in range(n_rec)], np.int64)
+        if self.kind == "samples":
+            counts = np.ones(n_rec, np.int64)
+            self.data[slots, 0] = payload[:, :s.x_floats].reshape(n_rec, s.time_steps, s.num_inputs)
+            self.labels[slots, 0] = payload[:, s.x_floats:s.x_floats + s.label_floats]
+            self.day[slots] = payload[:, -1]
+        else:
+            counts = payload[:, 0].astype(np.int64)
+            self.day[slots] = payload[:, 1]
+            items = payload[:, s.items_slice].reshape(n_rec, self.k, s.item_floats)
+            self.labels[slots] = items[:, :, 1:]
+            self.data[slots] = payload[:, s.data_slice].reshape((n_rec,) + self.data.shape[1:])
+            if self.kind == "runs":
+                self.starts[slots] = items[:, :, 0].astype(np.int64)
+        self.remaining[slots] = counts
+        codes = (slots[:, None] * self.k + np.arange(self.k)[None, :])[np.arange(self.k)[None, :] < counts[:, None]]
+        self.live[self.m:self.m + len(codes)] = codes
+        self.m += len(codes)
+
+    def draw(self, n: int, rng: Optional[np.random.Generator]) -> np.ndarray:
+        """``n`` live items: uniformly at random, or the oldest first when ``rng`` is None."""
+        n = min(n, self.m)
+        if rng is None:
+            codes = self.live[:n].copy()
+            self.live[:self.m - n] = self.live[n:self.m]
+        else:
+            pick = rng.choice(self.m, size=n, replace=False)
+            codes = self.live[pick]
+            keep = np.ones(self.m, bool)
+            keep[pick] = False
+            self.live[:self.m - n] = self.live[:self.m][keep]
+        self.m -= n
+        return codes
+
+    def release(self, codes: np.ndarray) -> None:
+        """The items ``codes`` are used up: free the slots with nothing left."""
+        slots, used = np.unique(codes // self.k, return_counts=True)
+        self.remaining[slots] -= used
+        self.free.extend(slots[self.remaining[slots] == 0].tolist())
+
+    def gather(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``x (n, T, C)``, user labels ``(n, W)`` and days ``(n,)`` of the items, then release them."""
+        slot, k = codes // self.k, codes % self.k
+        if self.kind == "runs":
+            x = self.data[slot[:, None], self.starts[slot, k][:, None] + self._steps]
+        else:
+            x = self.data[slot, k]
+        out = x, self.labels[slot, k], self.day[slot]
+        self.release(codes)
+        return out
+
+
+def head_counts(payload: np.ndarray, schema: Schema) -> np.ndarray:
+    """Items in each record of a native batch (1 for ``samples``)."""
+    if schema.layout.kind == "samples":
+        return np.ones(len(payload), np.int64)
+    return payload[:, 0].astype(np.int64)
+
+
+assert HEAD_FLOATS == 4

@@ -1,0 +1,203 @@
+"""One epoch of one part as a stream of caller batches, produced ahead in a background thread.
+
+``readers`` native ``ImageRecordIter``s read disjoint slices of the part (dmlc part
+``part_index * readers + r`` of ``num_parts * readers``), each with its own I/O thread; the
+producer takes their record batches in a fixed round-robin order into the shuffle buffer
+(:mod:`loader.pool`), draws caller batches from it and splits them into named NDArrays, up to
+``prefetch`` batches ahead. Everything is a function of (plan, seed, epoch, part): the same
+batches in the same order every time, and ``skip`` batches can be passed over without being
+assembled (resumption). The thread holds no reference to the ``ShardIter`` that owns the stream.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from dataclasses import dataclass
+
+import mxnet as mx
+import numpy as np
+
+from shardgen.layout import Schema
+
+from .errors import LoaderError
+from .native import epoch_seed, next_label, open_record_iter
+from .plan import EpochPlan
+from .pool import Pool
+
+__all__ = ["StreamParams", "EpochStream", "part_layout", "MIN_READER_RECORDS"]
+
+MIN_READER_RECORDS = 64  # fewer records per reader: fewer readers
+
+
+@dataclass(frozen=True)
+class StreamParams:
+    """Everything about reading that does not change between epochs."""
+
+    schema: Schema
+    batch_size: int
+    shuffle: bool
+    seed: int
+    num_parts: int
+    part_index: int
+    last_batch: str
+    readers: int
+    native_batch: int
+    buffer_records: int
+    preprocess_threads: int
+    prefetch_buffer: int
+    label_names: tuple[str, ...]
+
+
+def _dmlc_parts(n: int, parts: int) -> list[tuple[int, int]]:
+    """The record ranges dmlc's ``IndexedRecordIOSplitter`` gives each of ``parts`` parts."""
+    step = math.ceil(n / parts)
+    return [(min(p * step, n), min((p + 1) * step, n)) for p in range(parts)]
+
+
+def part_layout(plan: EpochPlan, p: StreamParams) -> tuple[int, list[int], list[int]]:
+    """(readers, samples per part, records per reader of this part). Readers shrink when the
+    plan is too small to give every reader a record; every worker computes the same."""
+    readers = p.readers if p.shuffle else 1
+    while readers > 1 and min(b - a for a, b in _dmlc_parts(plan.records, p.num_parts * readers)) < MIN_READER_RECORDS:
+        readers -= 1  # a reader needs records (MXNet's iterator cannot be empty), and small parts stay balanced
+    cum = np.concatenate(([0], np.cumsum(plan.counts)))
+    ranges = _dmlc_parts(plan.records, p.num_parts * readers)
+    per_sub = [int(cum[b] - cum[a]) for a, b in ranges]
+    samples = [sum(per_sub[q * readers:(q + 1) * readers]) for q in range(p.num_parts)]
+    mine = [b - a for a, b in ranges[p.part_index * readers:(p.part_index + 1) * readers]]
+    return readers, samples, mine
+
+
+class EpochStream:
+    """Batches ``(arrays, valid)`` of one epoch; ``get()`` blocks for the next, ``close()`` stops."""
+
+    def __init__(self, plan: EpochPlan, epoch: int, params: StreamParams, *, skip: int = 0):
+        self.plan, self.epoch, self.params = plan, epoch, params
+        self.readers, self.part_samples, self._reader_records = part_layout(plan, params)
+        bs = params.batch_size
+        smallest = min(self.part_samples)
+        if smallest < bs:
+            which = self.part_samples.index(smallest)
+            raise LoaderError(f"batch_size {bs} is larger than part {which} of {params.num_parts} "
+                              f"({smallest} of {plan.samples} samples in generation {plan.generation})")
+        self.samples = self.part_samples[params.part_index]
+        if params.last_batch == "pad":
+            self.batches = math.ceil(max(self.part_samples) / bs)
+        else:
+            self.batches = smallest // bs
+        self._queue: queue.Queue = queue.Queue(maxsize=params.prefetch_buffer)
+        self._halt = threading.Event()
+        self._skip = skip
+        self._thread = threading.Thread(target=self._run, name="shardgen-batches", daemon=True)
+        self._thread.start()
+
+    # -- consumer side ----------------------------------------------------------------------------
+
+    def get(self) -> tuple[list, int]:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._halt.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    # -- producer side ----------------------------------------------------------------------------
+
+    def _offer(self, item: object) -> bool:
+        while not self._halt.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _open(self) -> list:
+        p, plan = self.params, self.plan
+        nb = p.native_batch
+        out = []
+        for r, records in enumerate(self._reader_records):
+            native = open_record_iter(
+                plan, record_floats=p.schema.record_floats, batch_size=min(nb, max(1, records)),
+                shuffle=p.shuffle, seed=epoch_seed(p.seed + r, self.epoch), num_parts=p.num_parts * self.readers,
+                part_index=p.part_index * self.readers + r, preprocess_threads=p.preprocess_threads,
+                prefetch_buffer=p.prefetch_buffer)
+            out.append([native, records])
+        return out
+
+    def _run(self) -> None:
+        natives: list = []
+        try:
+            natives = self._open()
+            self._produce(natives)
+        except BaseException as exc:  # handed to the caller's next()
+            if isinstance(exc, StopIteration):  # an empty native iterator; never the caller's end
+                exc = LoaderError(f"MXNet's reader found no records (generation {self.plan.generation})")
+            if isinstance(exc, mx.base.MXNetError):
+                exc = LoaderError(f"MXNet's reader failed on generation {self.plan.generation} "
+                                  f"({len(self.plan.shards)} shards in {self.plan.store}): {str(exc).splitlines()[0]}")
+            self._offer(exc)
+        finally:
+            natives.clear()  # frees the native iterators (their threads stop) in this thread
+
+    def _produce(self, natives: list) -> None:
+        p, schema = self.params, self.params.schema
+        bs = p.batch_size
+        pool = Pool(schema, max(p.buffer_records, 2 * p.native_batch) if p.shuffle else 2 * p.native_batch + bs)
+        rng = np.random.default_rng([p.seed, self.epoch, p.part_index]) if p.shuffle else None
+        turn, last = 0, None
+        for index in range(self.batches):
+            if self._halt.is_set():
+                return
+            valid = min(bs, self.samples - index * bs)
+            if valid <= 0:  # a part shorter than the longest: a whole batch of declared padding
+                if index >= self._skip and not self._offer((last, 0)):
+                    return
+                continue
+            # Fill: shuffling, until the buffer is full; in order, until the batch is there.
+            while any(r[1] for r in natives) and (pool.free_slots >= p.native_batch if p.shuffle else pool.m < valid):
+                reader = natives[turn % len(natives)]
+                turn += 1
+                if not reader[1]:
+                    continue
+                label = next_label(reader[0])
+                if label is None:
+                    raise LoaderError(f"MXNet's reader ended {reader[1]} records early (generation "
+                                      f"{self.plan.generation})")
+                rows = label.asnumpy()[:reader[1]]
+                reader[1] -= len(rows)
+                pool.add(rows)
+            if pool.m < valid:
+                raise LoaderError(f"the part has {pool.m} samples left for a batch of {valid} (generation "
+                                  f"{self.plan.generation})")
+            codes = pool.draw(valid, rng)
+            if index < self._skip:
+                pool.release(codes)
+                continue
+            last = self._arrays(*pool.gather(codes))
+            if not self._offer((last, valid)):
+                return
+
+    def _arrays(self, x: np.ndarray, labels: np.ndarray, days: np.ndarray) -> list:
+        """The caller's named arrays; a short batch is filled with its own rows (MXNet would leave
+        uninitialised memory there, and padding must always be valid data)."""
+        p, s = self.params, self.params.schema
+        n = len(x)
+        if n < p.batch_size:
+            fill = np.arange(p.batch_size) % n
+            x, labels, days = x[fill], labels[fill], days[fill]
+        out = [mx.nd.from_numpy(np.ascontiguousarray(x), zero_copy=True)]
+        col = 0
+        for lab in s.labels[:-1]:
+            if lab.name in p.label_names:
+                part = labels[:, col:col + lab.width]
+                out.append(mx.nd.array(part[:, 0] if lab.width == 1 else part, dtype=np.float32))
+            col += lab.width
+        if "date" in p.label_names:
+            out.append(mx.nd.array(days, dtype=np.float32))
+        return out

@@ -1,0 +1,199 @@
+"""Check a shard's framing before MXNet's native reader meets it, and learn each record's count.
+Shared by ``shardgen verify`` and the loader (which checks every shard before MXNet reads it).
+
+dmlc aborts the whole process (``dmlc::Error`` thrown in a native thread) on a bad magic or length
+word, and MXNet fails without naming the file on a bad header flag or image. So every shard is
+checked here first, once per process and file version (inode, size, mtime): the framing of every
+record (magic, length, cflag, header flag == record_floats, id == the date's day, the constant
+image and padding) and what the reader relies on inside the payload (items used, day, runs' row
+counts and window starts). The check reads a few words per record through a memory map; the
+common case (no record split by dmlc's magic word) is vectorised. ``verify="sha256"`` also hashes
+the whole file against the manifest, so a flipped payload byte is an error, not wrong data.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .errors import ShardError
+from .layout import HEADER_BYTES, MAGIC, Schema, day_number
+from .manifest import ShardEntry
+
+__all__ = ["VERIFY_MODES", "ShardFrames", "check_shard"]
+
+VERIFY_MODES = ("frame", "sha256", "none")
+_P0 = 2 + HEADER_BYTES // 4  # first payload word of a record
+_CACHE: dict = {}
+_CACHE_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ShardFrames:
+    """What the loader needs of one checked shard: record offsets and the samples in each."""
+
+    offsets: np.ndarray  # int64, one per record
+    counts: np.ndarray  # int64 samples per record
+
+    @property
+    def samples(self) -> int:
+        return int(self.counts.sum())
+
+
+class _Bad(Exception):
+    def __init__(self, record: int, what: str):
+        super().__init__(what)
+        self.record, self.what = record, what
+
+
+def _payload_checks(payload: np.ndarray, schema: Schema, day: int, first: int = 0) -> np.ndarray:
+    """Counts per record from the payloads ``(m, F)``; _Bad names the first record that is off."""
+    kind = schema.layout.kind
+
+    def fail(mask: np.ndarray, what: str) -> None:
+        if mask.any():
+            raise _Bad(first + int(np.flatnonzero(mask)[0]), what)
+
+    if kind == "samples":
+        fail(payload[:, -1] != day, f"date field is not day {day}")
+        return np.ones(len(payload), np.int64)
+    k, t = schema.pack, schema.time_steps
+    n = payload[:, 0]
+    fail((n != np.floor(n)) | (n < 1) | (n > k), f"items used is not an integer in [1, {k}]")
+    fail(payload[:, 1] != day, f"day field is not {day}")
+    counts = n.astype(np.int64)
+    if kind == "runs":
+        rows = payload[:, 3]
+        fail((rows != np.floor(rows)) | (rows < t) | (rows > schema.layout.run_rows),
+             f"rows used is not an integer in [{t}, {schema.layout.run_rows}]")
+        starts = payload[:, schema.items_slice].reshape(len(payload), k, -1)[:, :, 0]
+        used = np.arange(k)[None, :] < counts[:, None]
+        bad = used & ((starts != np.floor(starts)) | (starts < 0) | (starts + t > rows[:, None]))
+        fail(bad.any(axis=1), "a window start lies outside the run's rows")
+    return counts
+
+
+def _fixed_size(words: np.ndarray, schema: Schema, day: int) -> np.ndarray:
+    """All records of exactly ``record_bytes``: checked column-wise."""
+    f = schema.record_floats
+    length = HEADER_BYTES + 4 * f + len(schema.image)
+    tail = np.frombuffer(schema.image + b"\0" * (schema.record_bytes - 8 - length), "<u4")
+    for col, want, what in ((0, MAGIC, "bad magic word"), (1, length, "bad length word"),
+                            (2, f, f"header flag is not {f}"), (3, 0, "header label is not 0"),
+                            (4, day, f"id is not day {day}"), (5, 0, f"id is not day {day}")):
+        bad = words[:, col] != want
+        if bad.any():
+            raise _Bad(int(np.flatnonzero(bad)[0]), what)
+    bad = (words[:, _P0 + f:] != tail).any(axis=1)
+    if bad.any():
+        raise _Bad(int(np.flatnonzero(bad)[0]), "image bytes differ from the constant image")
+    return _payload_checks(words[:, _P0:_P0 + f].view("<f4"), schema, day)
+
+
+def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int) -> np.ndarray:
+    """The general case (some record split at a magic word): record by record."""
+    size, f = len(buf), schema.record_floats
+    ends = np.append(offsets[1:], size)
+    payloads = np.empty((len(offsets), f), np.float32)
+    data = bytes(buf)
+    for i, (start, end) in enumerate(zip(offsets.tolist(), ends.tolist())):
+        pos, body = start, b""
+        while True:
+            if pos + 8 > end:
+                raise _Bad(i, "record runs past its index entry")
+            magic, lrec = np.frombuffer(data, "<u4", 2, pos)
+            cflag, length = int(lrec) >> 29, int(lrec) & ((1 << 29) - 1)
+            if magic != MAGIC:
+                raise _Bad(i, f"bad magic word at byte {pos}")
+            if (cflag == 0 and body) or (cflag in (2, 3) and pos == start) or (cflag == 1 and pos != start):
+                raise _Bad(i, f"bad continuation flag {cflag} at byte {pos}")
+            body += data[pos + 8: pos + 8 + length]
+            pos += 8 + length + (-length % 4)
+            if cflag in (0, 3):
+                break
+            body += np.uint32(MAGIC).tobytes()
+        if pos != end:
+            raise _Bad(i, f"record spans {pos - start} bytes, the index says {end - start}")
+        want = HEADER_BYTES + 4 * f + len(schema.image)
+        if len(body) != want:
+            raise _Bad(i, f"record has {len(body)} data bytes, expected {want}")
+        flag, _label, rid = np.frombuffer(body, "<u4", 3)
+        if flag != f or rid != day:
+            raise _Bad(i, f"header flag is not {f} or id is not day {day}")
+        if body[HEADER_BYTES + 4 * f:] != schema.image:
+            raise _Bad(i, "image bytes differ from the constant image")
+        payloads[i] = np.frombuffer(body, "<f4", f, HEADER_BYTES)
+    return _payload_checks(payloads, schema, day)
+
+
+def _read_offsets(idx_path: str, entry: ShardEntry) -> np.ndarray:
+    try:
+        with open(idx_path, "rb") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ShardError(f"{idx_path}: cannot read the index of {entry.date} ({exc.strerror})") from None
+    try:
+        pairs = np.array(text.split(), dtype=np.int64).reshape(-1, 2)
+    except ValueError:
+        raise ShardError(f"{idx_path}: malformed index of {entry.date} (expected 'key<TAB>offset' lines)") from None
+    offsets = pairs[:, 1]
+    if len(offsets) != entry.records:
+        raise ShardError(f"{idx_path}: {len(offsets)} records, the manifest says {entry.records} ({entry.date})")
+    if len(offsets) and (offsets[0] != 0 or (np.diff(offsets) <= 0).any() or offsets[-1] >= entry.bytes):
+        raise ShardError(f"{idx_path}: offsets are not increasing within the {entry.bytes}-byte file ({entry.date})")
+    return offsets
+
+
+def check_shard(fd: int, rec_path: str, idx_path: str, entry: ShardEntry, schema: Schema, *,
+                verify: str = "frame", cache: bool = True) -> ShardFrames:
+    """Check the open shard file ``fd`` (what MXNet will read) once per file version; ShardError
+    names the file, the date and the record. ``verify="none"`` only reads counts and sizes."""
+    st = os.fstat(fd)
+    if st.st_size != entry.bytes:
+        raise ShardError(f"{rec_path}: {st.st_size} bytes, the manifest says {entry.bytes} for {entry.date} "
+                          "(truncated or rewritten?)")
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, verify, schema.fingerprint, entry.sha256)
+    with _CACHE_LOCK:
+        hit: Optional[ShardFrames] = _CACHE.get(key)
+    if hit is not None and cache:
+        return hit
+    offsets = _read_offsets(idx_path, entry)
+    day = day_number(dt.date.fromisoformat(entry.date))
+    with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mm:
+        buf = memoryview(mm)
+        try:
+            if verify == "sha256" and hashlib.sha256(buf).hexdigest() != entry.sha256:
+                raise ShardError(f"{rec_path}: sha256 differs from the manifest ({entry.date}): the file changed "
+                                  "after it was published")
+            rb = schema.record_bytes
+            try:
+                if len(offsets) * rb == st.st_size and (np.diff(offsets) == rb).all():
+                    words = np.frombuffer(buf, "<u4").reshape(len(offsets), rb // 4)
+                    if verify == "none":
+                        counts = (np.ones(len(offsets), np.int64) if schema.layout.kind == "samples"
+                                  else words[:, _P0].view("<f4").astype(np.int64))
+                        counts = np.clip(counts, 0, schema.pack)
+                    else:
+                        counts = _fixed_size(words, schema, day)
+                    del words
+                else:
+                    counts = _split_records(buf, offsets, schema, day)
+            except _Bad as bad:
+                raise ShardError(f"{rec_path}: record {bad.record} of {entry.date} is damaged ({bad.what}); "
+                                  "run `shardgen verify`, then rebuild it with `shardgen build --force`") from None
+        finally:
+            buf.release()
+    frames = ShardFrames(offsets, counts)
+    if entry.windows and frames.samples != entry.windows:
+        raise ShardError(f"{rec_path}: {frames.samples} windows in the records, the manifest says "
+                          f"{entry.windows} ({entry.date})")
+    with _CACHE_LOCK:
+        _CACHE[key] = frames
+    return frames
