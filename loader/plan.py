@@ -21,7 +21,7 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from shardgen.manifest import MANIFEST_NAME, Manifest, ShardEntry
 from .errors import LoaderError
 
 __all__ = ["EpochPlan", "load_manifest", "select_shards", "make_plan", "part_sizes", "default_cache_dir",
-           "manifest_path_of", "normalize_dates", "hold", "drop"]
+           "manifest_path_of", "normalize_dates", "hold", "drop", "recheck"]
 
 DateRange = Optional[Sequence[Optional[str]]]
 
@@ -129,6 +129,16 @@ class EpochPlan:
     @property
     def samples(self) -> int:
         return int(self.counts.sum())
+
+
+def recheck(plan: EpochPlan, schema: Any, verify: str) -> None:
+    """Check the plan's open files again if they changed since (size or mtime): a file damaged in
+    place is caught before the next epoch reads it. Unchanged files hit the check's cache."""
+    for s, fd in zip(plan.shards, plan.files.fds if plan.files else ()):
+        try:
+            check_shard(fd, str(plan.store / s.rec), str(plan.store / s.idx), s, schema, verify=verify)
+        except ShardError as exc:
+            raise LoaderError(str(exc)) from None
 
 
 def _open_shard(store: Path, s: ShardEntry) -> int:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from shardgen.layout import HEAD_FLOATS, Schema
+from shardgen.layout import Schema
 
 __all__ = ["Pool", "default_capacity"]
 
@@ -79,9 +79,10 @@ class Pool:
         else:
             pick = rng.choice(self.m, size=n, replace=False)
             codes = self.live[pick]
-            keep = np.ones(self.m, bool)
-            keep[pick] = False
-            self.live[:self.m - n] = self.live[:self.m][keep]
+            # Swap-remove: fill the holes below m - n with the tail items that were not picked.
+            tail = np.arange(self.m - n, self.m)
+            holes = pick[pick < self.m - n]
+            self.live[holes] = self.live[tail[~np.isin(tail, pick)]]
         self.m -= n
         return codes
 
@@ -93,21 +94,14 @@ class Pool:
 
     def gather(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``x (n, T, C)``, user labels ``(n, W)`` and days ``(n,)`` of the items, then release them."""
-        slot, k = codes // self.k, codes % self.k
-        if self.kind == "runs":
-            x = self.data[slot[:, None], self.starts[slot, k][:, None] + self._steps]
+        slot = codes // self.k
+        if self.kind == "runs":  # one flat take: rows of slot s start at s * run_rows
+            rows = self.data.reshape(-1, self.data.shape[-1])
+            first = slot * self.data.shape[1] + self.starts.reshape(-1)[codes]
+            x = np.take(rows, first[:, None] + self._steps, axis=0)
         else:
-            x = self.data[slot, k]
-        out = x, self.labels[slot, k], self.day[slot]
+            x = np.take(self.data.reshape((-1,) + self.data.shape[2:]), codes, axis=0)
+        out = x, np.take(self.labels.reshape(-1, self.labels.shape[-1]), codes, axis=0), self.day[slot]
         self.release(codes)
         return out
 
-
-def head_counts(payload: np.ndarray, schema: Schema) -> np.ndarray:
-    """Items in each record of a native batch (1 for ``samples``)."""
-    if schema.layout.kind == "samples":
-        return np.ones(len(payload), np.int64)
-    return payload[:, 0].astype(np.int64)
-
-
-assert HEAD_FLOATS == 4

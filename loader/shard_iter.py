@@ -40,6 +40,7 @@ from .plan import (
     make_plan,
     manifest_path_of,
     normalize_dates,
+    recheck,
     select_shards,
 )
 from .pool import default_capacity
@@ -235,6 +236,8 @@ class ShardIter(mx.io.DataIter):
             plan = dataclasses.replace(self.plan, generation=manifest.generation)
         else:
             plan = self.plan
+        if plan.folder == self.plan.folder:
+            recheck(plan, self.schema, self.verify)
         self.epoch += 1
         self._start_epoch(plan)
 

@@ -148,7 +148,9 @@ class EpochStream:
     def _produce(self, natives: list) -> None:
         p, schema = self.params, self.params.schema
         bs = p.batch_size
-        pool = Pool(schema, max(p.buffer_records, 2 * p.native_batch) if p.shuffle else 2 * p.native_batch + bs)
+        # A batch may need one record per sample (a date's last pack can hold a single window).
+        floor = bs + 2 * p.native_batch
+        pool = Pool(schema, max(p.buffer_records, floor) if p.shuffle else floor)
         rng = np.random.default_rng([p.seed, self.epoch, p.part_index]) if p.shuffle else None
         turn, last = 0, None
         for index in range(self.batches):

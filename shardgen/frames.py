@@ -151,6 +151,26 @@ def _read_offsets(idx_path: str, entry: ShardEntry) -> np.ndarray:
     return offsets
 
 
+def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify: str,
+          entry: ShardEntry) -> tuple[Optional[np.ndarray], object]:
+    """(counts, None), or (None, "sha256" | (record, what)); no view of ``buf`` outlives the call."""
+    if verify == "sha256" and hashlib.sha256(buf).hexdigest() != entry.sha256:
+        return None, "sha256"
+    rb = schema.record_bytes
+    try:
+        if len(offsets) * rb == len(buf) and (np.diff(offsets) == rb).all():
+            words = np.frombuffer(buf, "<u4").reshape(len(offsets), rb // 4)
+            if verify == "none":
+                if schema.layout.kind == "samples":
+                    return np.ones(len(offsets), np.int64), None
+                return np.clip(words[:, _P0].view("<f4").astype(np.int64), 0, schema.pack), None
+            return _fixed_size(words, schema, day), None
+        return _split_records(buf, offsets, schema, day), None
+    except _Bad as bad:
+        bad.__traceback__ = None  # its frames hold views of the map
+        return None, (bad.record, bad.what)
+
+
 def check_shard(fd: int, rec_path: str, idx_path: str, entry: ShardEntry, schema: Schema, *,
                 verify: str = "frame", cache: bool = True) -> ShardFrames:
     """Check the open shard file ``fd`` (what MXNet will read) once per file version; ShardError
@@ -169,27 +189,15 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: ShardEntry, schema
     with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mm:
         buf = memoryview(mm)
         try:
-            if verify == "sha256" and hashlib.sha256(buf).hexdigest() != entry.sha256:
-                raise ShardError(f"{rec_path}: sha256 differs from the manifest ({entry.date}): the file changed "
-                                  "after it was published")
-            rb = schema.record_bytes
-            try:
-                if len(offsets) * rb == st.st_size and (np.diff(offsets) == rb).all():
-                    words = np.frombuffer(buf, "<u4").reshape(len(offsets), rb // 4)
-                    if verify == "none":
-                        counts = (np.ones(len(offsets), np.int64) if schema.layout.kind == "samples"
-                                  else words[:, _P0].view("<f4").astype(np.int64))
-                        counts = np.clip(counts, 0, schema.pack)
-                    else:
-                        counts = _fixed_size(words, schema, day)
-                    del words
-                else:
-                    counts = _split_records(buf, offsets, schema, day)
-            except _Bad as bad:
-                raise ShardError(f"{rec_path}: record {bad.record} of {entry.date} is damaged ({bad.what}); "
-                                  "run `shardgen verify`, then rebuild it with `shardgen build --force`") from None
+            counts, problem = _scan(buf, offsets, schema, day, verify, entry)
         finally:
             buf.release()
+    if problem == "sha256":
+        raise ShardError(f"{rec_path}: sha256 differs from the manifest ({entry.date}): the file changed "
+                         "after it was published")
+    if problem is not None:
+        raise ShardError(f"{rec_path}: record {problem[0]} of {entry.date} is damaged ({problem[1]}); run "
+                         "`shardgen verify`, then rebuild it with `shardgen build --force`")
     frames = ShardFrames(offsets, counts)
     if entry.windows and frames.samples != entry.windows:
         raise ShardError(f"{rec_path}: {frames.samples} windows in the records, the manifest says "

@@ -1,0 +1,177 @@
+"""Record layouts samples / windows / runs: the same windows, exactly once per epoch, whichever
+layout stores them; parts, date selection and resumption; what stock MXNet reads back."""
+
+import datetime as dt
+from collections import Counter
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from loader import LoaderError, ShardIter
+from shardgen.layout import LabelSpec, Layout, Schema, unpack_samples
+from shardgen.manifest import Manifest
+from shardgen.process import RunSpec, sliding_windows
+from shardgen.store import publish, verify_store
+from shardgen.writer import write_shard
+
+T, C = 6, 3
+LABELS = [LabelSpec("a", 1), LabelSpec("b", 2)]
+DATES = [dt.date(2024, 1, 2) + dt.timedelta(days=i) for i in range(5)]
+ROWS = {d: 40 + 13 * i for i, d in enumerate(DATES)}  # dates of different sizes
+LAYOUTS = {"samples": Layout(), "windows": Layout("windows", 4), "runs": Layout("runs", 8, T + 7),
+           "runs_stride2": Layout("runs", 5, T + 2 * 4)}
+
+
+def raw_for(date):
+    rng = np.random.default_rng(date.toordinal())
+    return rng.standard_normal((ROWS[date], C + 3)).astype(np.float32)
+
+
+def make(store, layout, stride=1):
+    schema = Schema.create(time_steps=T, num_inputs=C, data_name="seq_var", labels=LABELS, layout=layout)
+    store.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for d in DATES:
+        spec = sliding_windows(raw_for(d), d, time_steps=T, num_inputs=C, labels=LABELS, stride=stride)
+        entries.append(write_shard(store, d, spec, None, schema, fsync=False).entry())
+    publish(store, schema, 0, entries)
+    return schema
+
+
+def keys(batch):
+    """One hashable key per real sample: its exact bytes (x, labels, date)."""
+    n = batch.data[0].shape[0] - batch.pad
+    parts = [batch.data[0].asnumpy().reshape(len(batch.data[0]), -1)] + \
+            [lab.asnumpy().reshape(len(lab), -1) for lab in batch.label]
+    rows = np.concatenate(parts, axis=1)[:n]
+    return [r.tobytes() for r in rows]
+
+
+def expected(stride=1, dates=None):
+    out = Counter()
+    for d in DATES:
+        if dates and not (dates[0] <= d.isoformat() <= dates[1]):
+            continue
+        x, labs = sliding_windows(raw_for(d), d, time_steps=T, num_inputs=C, labels=LABELS,
+                                  stride=stride).as_windows(T)
+        day = np.full((len(x), 1), (d - dt.date(1970, 1, 1)).days, np.float32)
+        rows = np.concatenate([x.reshape(len(x), -1), labs["a"], labs["b"], day], axis=1)
+        out.update(r.tobytes() for r in rows)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    base = tmp_path_factory.mktemp("layouts")
+    out = {}
+    for name, layout in LAYOUTS.items():
+        make(base / name, layout, stride=2 if name.endswith("stride2") else 1)
+        out[name] = base / name
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("parts, dates", [(1, None), (3, None), (2, ("2024-01-03", "2024-01-05"))])
+def test_every_window_once_per_epoch_bit_identical(stores, tmp_path, name, parts, dates):
+    want = expected(stride=2 if name.endswith("stride2") else 1, dates=dates)
+    iters = [ShardIter(stores[name], 16, seed=3, num_parts=parts, part_index=p, dates=dates,
+                       cache_dir=tmp_path, shuffle_buffer=8, native_batch=2) for p in range(parts)]
+    for _ in range(2):
+        seen, counts = Counter(), set()
+        for it in iters:
+            batches = list(it)
+            counts.add(len(batches))
+            for b in batches:
+                seen.update(keys(b))
+                assert np.isfinite(b.data[0].asnumpy()).all()
+            it.reset()
+        assert len(counts) == 1, "every part yields the same number of batches"
+        assert seen == want, "exactly the windows of the raw data, each once"
+    for it in iters:
+        it.close()
+
+
+def test_layouts_store_the_same_windows_and_runs_store_rows_once(stores):
+    sizes = {name: Manifest.load(stores[name] / "manifest.json") for name in ("samples", "windows", "runs")}
+    assert len({m.samples for m in sizes.values()}) == 1
+    per = {name: m.bytes / m.samples for name, m in sizes.items()}
+    assert per["runs"] < per["samples"] / 3 and per["windows"] < per["samples"]
+    for name in LAYOUTS:
+        assert verify_store(stores[name])[1] == []
+
+
+@pytest.mark.parametrize("name", ["windows", "runs"])
+def test_stock_mxnet_reads_every_layout(stores, name):
+    manifest = Manifest.load(stores[name] / "manifest.json")
+    s = manifest.shards[0]
+    r = mx.recordio.MXIndexedRecordIO(str(stores[name] / s.idx), str(stores[name] / s.rec), "r")
+    got = []
+    for k in r.keys:
+        header, _img = mx.recordio.unpack(r.read_idx(k))
+        assert header.flag == manifest.schema.record_floats
+        x, labels, days, position = unpack_samples(header.label, manifest.schema)
+        got += list(zip(position.tolist(), x))
+    r.close()
+    want, _ = sliding_windows(raw_for(DATES[0]), DATES[0], time_steps=T, num_inputs=C, labels=LABELS).as_windows(T)
+    got.sort(key=lambda p: p[0])
+    np.testing.assert_array_equal(np.stack([x for _, x in got]), want)
+
+
+def test_same_order_for_the_same_seed_and_a_new_one_per_epoch(stores, tmp_path):
+    def epochs(seed):
+        with ShardIter(stores["runs"], 16, seed=seed, cache_dir=tmp_path, shuffle_buffer=8, native_batch=2) as it:
+            first = [k for b in it for k in keys(b)]
+            it.reset()
+            second = [k for b in it for k in keys(b)]
+        return first, second
+
+    a, b = epochs(1), epochs(1)
+    assert a == b and a[0] != a[1] and sorted(a[0]) == sorted(a[1])
+    assert epochs(2)[0] != a[0]
+
+
+@pytest.mark.parametrize("name", ["samples", "runs"])
+def test_resume_continues_with_the_same_batches(stores, tmp_path, name):
+    kw = dict(seed=4, num_parts=2, part_index=1, cache_dir=tmp_path, shuffle_buffer=8, native_batch=2)
+    it = ShardIter(stores[name], 8, **kw)
+    it.reset()  # epoch 1
+    full = [keys(b) for b in it]
+    it.reset()
+    it.reset()
+    it2 = ShardIter(stores[name], 8, **kw)
+    it2.reset()
+    for _ in range(5):
+        it2.next()
+    state = it2.state_dict()
+    it2.close()
+    it3 = ShardIter(stores[name], 8, **kw)
+    it3.load_state_dict(state)
+    rest = [keys(b) for b in it3]
+    assert rest == full[5:]
+    it3.reset()
+    assert it3.epoch == 2
+    it.close()
+    it3.close()
+
+
+def test_runs_layout_needs_run_form(tmp_path):
+    from shardgen.errors import ProcessorError
+    from shardgen.process import run_processor
+
+    schema = Schema.create(time_steps=T, num_inputs=C, data_name="seq_var", labels=LABELS, layout=LAYOUTS["runs"])
+
+    def windows_only(raw, date, **kw):
+        return sliding_windows(raw, date, **kw).as_windows(T)
+
+    with pytest.raises(ProcessorError, match="store.layout = 'runs' needs RunSpec"):
+        run_processor(windows_only, raw_for(DATES[0]), DATES[0], schema, {})
+    bad = RunSpec(np.zeros((10, C), np.float32), np.array([0, 5]), {"a": np.zeros(2, np.float32),
+                                                                   "b": np.zeros((2, 2), np.float32)})
+    with pytest.raises(ProcessorError, match=r"starts must lie in \[0, 4\]"):
+        run_processor(lambda *a, **k: bad, raw_for(DATES[0]), DATES[0], schema, {})
+
+
+def test_batch_larger_than_the_store_is_a_clear_error(stores, tmp_path):
+    with pytest.raises(LoaderError, match="batch_size 100000 is larger than part 0"):
+        ShardIter(stores["runs"], 100000, cache_dir=tmp_path)
