@@ -30,11 +30,13 @@ import numpy as np
 
 from shardgen.layout import LabelSpec, Schema, day_number
 from shardgen.manifest import MANIFEST_NAME, Manifest
+from shardgen.process import sliding_windows
 from shardgen.store import publish
 from shardgen.writer import write_shard
 
 from .baselines import ListBatchIter, question_design_epoch, samples_from_arrays
 from .bench_report import chart, machine_info, table, targets
+from .bench_scale import LAYOUTS, scale_suite
 from .shard_iter import ShardIter
 
 __all__ = ["main"]
@@ -42,31 +44,46 @@ __all__ = ["main"]
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = Schema.create(time_steps=60, num_inputs=32, data_name="seq_var",
                        labels=[LabelSpec("bd_return", 1), LabelSpec("eval_y", 4)])
+RUNS_SCHEMA = Schema.create(time_steps=60, num_inputs=32, data_name="seq_var",
+                            labels=[LabelSpec("bd_return", 1), LabelSpec("eval_y", 4)], layout=LAYOUTS["runs"])
 PER_DATE = 2000  # samples per synthetic date
 
 
 # -- data ------------------------------------------------------------------------------------
 
 
-def make_data(n: int, seed: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+def _date_specs(n: int, seed: int) -> list:
+    """Stride-1 windows over random rows, PER_DATE windows per date: (date, RunSpec)."""
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, SCHEMA.time_steps, SCHEMA.num_inputs), dtype=np.float32)
-    days = day_number(dt.date(2024, 1, 1)) + np.arange(n) // PER_DATE
-    labels = [rng.standard_normal(n, dtype=np.float32), rng.standard_normal((n, 4), dtype=np.float32),
-              days.astype(np.float32)]
-    return x, labels
+    out = []
+    for start in range(0, n, PER_DATE):
+        date = dt.date(2024, 1, 1) + dt.timedelta(days=start // PER_DATE)
+        k = min(PER_DATE, n - start)
+        raw = rng.standard_normal((k + SCHEMA.time_steps - 1, SCHEMA.num_inputs + 5), dtype=np.float32)
+        out.append((date, sliding_windows(raw, date, time_steps=SCHEMA.time_steps, num_inputs=SCHEMA.num_inputs,
+                                          labels=SCHEMA.labels[:-1])))
+    return out
 
 
-def write_store(store: Path, x: np.ndarray, labels: list[np.ndarray]) -> float:
-    """Shard the synthetic samples, one date per PER_DATE samples; returns seconds spent."""
+def make_data(n: int, seed: int = 0) -> tuple[np.ndarray, list[np.ndarray], list]:
+    """The same windows as arrays in RAM (for the in-memory loaders) and as rows (for the store)."""
+    specs = _date_specs(n, seed)
+    parts = [spec.as_windows(SCHEMA.time_steps) for _, spec in specs]
+    x = np.concatenate([p[0] for p in parts])
+    days = np.concatenate([np.full(len(p[0]), day_number(d), np.float32) for (d, _), p in zip(specs, parts)])
+    labels = [np.concatenate([p[1]["bd_return"][:, 0] for p in parts]),
+              np.concatenate([p[1]["eval_y"] for p in parts]), days]
+    return x, labels, specs
+
+
+def write_store(store: Path, specs: list, schema: Schema = None) -> float:
+    """Shard the synthetic dates in the default layout (runs); returns seconds spent."""
+    schema = schema or RUNS_SCHEMA
     store.mkdir(parents=True, exist_ok=True)
     t0, entries = time.perf_counter(), []
-    for start in range(0, len(x), PER_DATE):
-        sl = slice(start, start + PER_DATE)
-        date = dt.date(2024, 1, 1) + dt.timedelta(days=start // PER_DATE)
-        entries.append(write_shard(store, date, x[sl], {"bd_return": labels[0][sl], "eval_y": labels[1][sl]},
-                                   SCHEMA).entry())
-    publish(store, SCHEMA, 0, entries)
+    for date, spec in specs:
+        entries.append(write_shard(store, date, spec, None, schema).entry())
+    publish(store, schema, 0, entries)
     return time.perf_counter() - t0
 
 
@@ -394,9 +411,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress to stderr
         log(f"bench: {n} samples of 60x32 ({n * SCHEMA.record_floats * 4 / 1e9:.2f} GB payload) ...")
-        x, labels = make_data(n)
+        x, labels, specs = make_data(n)
         store = workdir / "store"
-        write_store(store, x, labels)
+        write_store(store, specs)
+        del specs
         res["loaders"] = {}
         for loader in loaders(x, labels, store, bs, cache):
             log(f"bench: {loader.name}")
@@ -413,6 +431,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         wn = min(n, 20 * PER_DATE)
         res["writer"] = writer_bandwidth(workdir, x[:wn], [a[:wn] for a in labels], repeats=1 if args.quick else 3)
         res["build"] = build_speedup(workdir, 3 if args.quick else 60)
+        res["scale"] = scale_suite(workdir, quick=args.quick, seconds=seconds, log=log)
         res["targets"] = targets(res)
     finally:
         if args.workdir is None:

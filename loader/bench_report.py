@@ -46,6 +46,27 @@ def targets(res: dict) -> list[dict]:
     if "shardgen_watch_shardier" in e2e:
         rows.append(("End to end wall / consumer time (watch + ShardIter)",
                      e2e["shardgen_watch_shardier"]["ratio"], "<=", 1.1))
+    sc = res.get("scale")
+    if sc:
+        lay, sh, rnd = sc["layouts"], sc["shards"], sc["randomness"]
+        rows += [
+            ("ShardIter 200 shards / stock ImageRecordIter one file (shuffled)",
+             sh["200"] / sc["stock_one_file"]["samples_per_s"], ">=", 1.0),
+            ("ShardIter 400 shards / 4 shards", sh["400"] / sh["4"], ">=", 0.8),
+            ("distinct dates per batch / exact shuffle",
+             rnd["dates_per_batch"] / rnd["exact_dates_per_batch"], ">=", 0.9),
+            ("windows per run per batch / exact shuffle",
+             rnd["windows_per_run_per_batch"] / rnd["exact_windows_per_run_per_batch"], "<=", 1.5),
+            ("resume at 90% / reading to there", sc["resume"]["ratio"], "<=", 0.5),
+            ("open at 2M records / stock open", sc["open_reset"]["open_ratio"], "<=", 2.0),
+            ("reset at 2M records / stock open", sc["open_reset"]["reset_ratio"], "<=", 2.0),
+            ("bytes per window: runs / one-sample records", lay["runs"]["bytes_per_window"]
+             / lay["samples"]["bytes_per_window"], "<=", 0.05),
+            ("warm samples/s: runs / one-sample records", lay["runs"]["warm_samples_per_s"]
+             / lay["samples"]["warm_samples_per_s"], ">=", 2.0),
+            ("cold samples/s: runs / one-sample records", lay["runs"]["cold_samples_per_s"]
+             / lay["samples"]["cold_samples_per_s"], ">=", 5.0),
+        ]
     return [{"name": n, "value": v, "target": f"{op} {t}", "met": v >= t if op == ">=" else v <= t}
             for n, v, op, t in rows]
 
@@ -63,6 +84,25 @@ def table(res: dict) -> str:
         lines += ["", f"end to end, {e2e['dates']} dates, {e2e['step_ms']:.0f} ms per batch of {e2e['batch_size']}:",
                   f"  question's design (all in the loop)  wall {q['wall_s']:.2f}s = {q['ratio']:.2f}x consumer time",
                   f"  shardgen watch + ShardIter           wall {s['wall_s']:.2f}s = {s['ratio']:.2f}x consumer time"]
+    sc = res.get("scale")
+    if sc:
+        lines += ["", f"{'layout':10} {'bytes/window':>13} {'build s':>8} {'warm samples/s':>15} "
+                  f"{'cold samples/s':>15}"]
+        for name, r in sc["layouts"].items():
+            lines.append(f"{name:10} {r['bytes_per_window']:>13,.0f} {r['build_s']:>8.2f} "
+                         f"{r['warm_samples_per_s']:>15,.0f} {r['cold_samples_per_s']:>15,.0f}")
+        lines.append("shuffled samples/s by shards (runs): " + ", ".join(
+            f"{n}: {v:,.0f}" for n, v in sc["shards"].items())
+            + f"; stock ImageRecordIter, one file: {sc['stock_one_file']['samples_per_s']:,.0f}")
+        lines.append("readers: " + ", ".join(f"{n}: {v:,.0f}/s" for n, v in sc["readers"].items()))
+        r = sc["randomness"]
+        lines.append(f"dates per batch {r['dates_per_batch']:.1f} (exact shuffle {r['exact_dates_per_batch']:.1f}); "
+                     f"windows per run per batch {r['windows_per_run_per_batch']:.2f} "
+                     f"(exact {r['exact_windows_per_run_per_batch']:.2f})")
+        o, rs = sc["open_reset"], sc["resume"]
+        lines.append(f"resume at 90%: {rs['resume_s']:.2f}s vs reading there {rs['read_to_s']:.2f}s; "
+                     f"{o['records']:,} records: open {o['open_s']:.2f}s, reset {o['reset_s']:.2f}s, "
+                     f"stock open {o['stock_open_s']:.2f}s")
     w = res["writer"]
     lines += ["", f"writer: shards {w['shard_no_fsync_mb_per_s']:,.0f} MB/s ({w['shard_mb_per_s']:,.0f} fsync'd, as "
               f"shipped), np.save {w['np_save_mb_per_s']:,.0f} MB/s (no fsync) -> {w['ratio_no_fsync']:.2f}x "
