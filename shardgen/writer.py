@@ -21,7 +21,7 @@ import numpy as np
 from .errors import ProcessorError, ShardError
 from .fsutil import atomic_write
 from .layout import HEADER_BYTES, MAGIC, PNG_1X1, Schema, day_number, frame_record, record_data
-from .manifest import Sidecar
+from .manifest import Sidecar, shard_stem
 
 __all__ = ["PackedShard", "pack_records", "write_shard", "shard_paths", "BLOCK_ROWS"]
 
@@ -42,8 +42,8 @@ class PackedShard:
         return len(self.offsets)
 
 
-def shard_paths(store: Path, date: dt.date) -> dict[str, Path]:
-    name = date.isoformat()
+def shard_paths(store: Path, date: dt.date, version: int = 1) -> dict[str, Path]:
+    name = shard_stem(date.isoformat(), version)  # version 1: <date>.<ext>; k > 1: <date>.v<k>.<ext>
     return {ext: Path(store) / f"{name}.{ext}" for ext in ("rec", "idx", "json")}
 
 
@@ -124,11 +124,12 @@ def _idx_text(offsets: np.ndarray) -> bytes:
 
 
 def write_shard(store: Path, date: dt.date, x: np.ndarray, labels: Mapping[str, np.ndarray],
-                schema: Schema, *, fsync: bool = True) -> Sidecar:
-    """Pack and publish one shard's files (sidecar last); returns its sidecar."""
+                schema: Schema, *, fsync: bool = True, version: int = 1) -> Sidecar:
+    """Pack and publish one shard's files (sidecar last); returns its sidecar. ``version`` > 1
+    names the files ``<date>.v<version>.*`` (a rewrite never replaces published files)."""
     if x.shape[0] == 0:
         raise ShardError(f"{date}: no windows (fewer rows than time_steps?); no shard written")
-    paths = shard_paths(store, date)
+    paths = shard_paths(store, date, version)
     # sha256 is the slowest pass: a thread hashes each block as soon as it is packed, beside the
     # packing, the writes and the fsyncs (hashlib and file I/O release the GIL).
     digest, blocks = hashlib.sha256(), queue.SimpleQueue()
