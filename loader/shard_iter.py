@@ -31,6 +31,7 @@ from shardgen.lease import Lease
 from shardgen.manifest import ShardEntry
 
 from .errors import LoaderError
+from .generations import Choice, agreed_start
 from .native import Ahead, epoch_seed, next_label, open_record_iter
 from .plan import (
     DateRange,
@@ -73,7 +74,8 @@ class ShardIter(mx.io.DataIter):
     def __init__(self, manifest: os.PathLike | str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  preprocess_threads: int = 4, prefetch_buffer: int = 4, num_parts: int = 1,
                  part_index: int = 0, last_batch: str = "pad", dates: DateRange = None,
-                 label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None):
+                 label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
+                 generation: Optional[int] = None):
         for name, value, low in (("batch_size", batch_size, 1), ("num_parts", num_parts, 1),
                                  ("preprocess_threads", preprocess_threads, 1),
                                  ("prefetch_buffer", prefetch_buffer, 1)):
@@ -96,7 +98,8 @@ class ShardIter(mx.io.DataIter):
         self.history: list[dict] = []
         self._native: Optional[mx.io.DataIter] = None
         self._lease = Lease(self.manifest_path.parent)  # tells gc which generation we read, until close()
-        manifest_obj = load_manifest(self.manifest_path)
+        self._choice = Choice(pin=generation)  # generation=N: every epoch reads generation N exactly
+        manifest_obj = self._choice.manifest(self.manifest_path)
         self.schema = manifest_obj.schema
         known = [lab.name for lab in self.schema.labels]
         self.label_names = tuple(known if label_names is None else label_names)
@@ -113,8 +116,16 @@ class ShardIter(mx.io.DataIter):
 
     @classmethod
     def for_kvstore(cls, kv: Any, manifest: os.PathLike | str, batch_size: int, **kwargs: Any) -> ShardIter:
-        """One part per worker of a (distributed) kvstore: ``num_parts = kv.num_workers``, ``part_index = kv.rank``."""
-        return cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, **kwargs)
+        """One part per worker of a (distributed) kvstore: ``num_parts = kv.num_workers``, ``part_index = kv.rank``.
+        Every worker reads the generation rank 0 picks, here and at every ``reset()`` (see
+        ``loader.generations``); ``generation=N`` pins one instead."""
+        if kwargs.get("generation") is not None:
+            return cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, **kwargs)
+        with agreed_start(kv, manifest) as generation:
+            it = cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, generation=generation,
+                     **kwargs)
+        it._choice = Choice(kv=kv)
+        return it
 
     # -- the contract ---------------------------------------------------------------------------
 
@@ -160,9 +171,9 @@ class ShardIter(mx.io.DataIter):
         return self._part_records if self.last_batch == "pad" else self._batches * self.batch_size
 
     def reset(self) -> None:
-        """Start the next epoch on the newest manifest generation."""
+        """Start the next epoch on the newest manifest generation (or the pinned or agreed one)."""
         self._close_epoch()
-        manifest = load_manifest(self.manifest_path)
+        manifest = self._choice.manifest(self.manifest_path)
         if manifest.schema.fingerprint != self.schema.fingerprint:
             raise LoaderError(f"{self.manifest_path}: the store's schema changed (fingerprint "
                               f"{self.schema.fingerprint} -> {manifest.schema.fingerprint}); make a new ShardIter")
@@ -296,6 +307,7 @@ class ShardIter(mx.io.DataIter):
             "version": _STATE_VERSION,
             "manifest": str(self.manifest_path),
             "generation": self.plan.generation,
+            "pinned": self._choice.pin,
             "fingerprint": self.plan.fingerprint,
             "shards": [s.to_json() for s in self.plan.shards],
             "dates": list(self.dates) if self.dates else None,
@@ -321,6 +333,8 @@ class ShardIter(mx.io.DataIter):
             raise LoaderError("state_dict was saved for another schema")
         self._close_epoch()
         self._take_ahead(self.plan, -1)
+        if state.get("pinned") is not None:
+            self._choice = Choice(pin=state["pinned"])
         manifest = load_manifest(self.manifest_path)
         shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
         plan = make_plan(self.manifest_path, manifest, shards, self.cache_dir)
