@@ -121,6 +121,7 @@ class ShardIter(mx.io.DataIter):
         ``loader.generations``); ``generation=N`` pins one instead."""
         if kwargs.get("generation") is not None:
             return cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, **kwargs)
+        kwargs.pop("generation", None)
         with agreed_start(kv, manifest) as generation:
             it = cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, generation=generation,
                      **kwargs)
