@@ -30,6 +30,7 @@ from shardgen.lease import Lease
 from shardgen.manifest import ShardEntry
 
 from .errors import LoaderError
+from .generations import Choice, agreed_start
 from .plan import (
     DateRange,
     EpochPlan,
@@ -116,7 +117,7 @@ class ShardIter(mx.io.DataIter):
                  part_index: int = 0, last_batch: str = "pad", dates: DateRange = None,
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
                  verify: str = "frame", readers: int = 2, shuffle_buffer: Optional[int] = None,
-                 native_batch: Optional[int] = None):
+                 native_batch: Optional[int] = None, generation: Optional[int] = None):
         for name, value, low in (("batch_size", batch_size, 1), ("num_parts", num_parts, 1),
                                  ("preprocess_threads", preprocess_threads, 1),
                                  ("prefetch_buffer", prefetch_buffer, 1), ("readers", readers, 1),
@@ -145,7 +146,8 @@ class ShardIter(mx.io.DataIter):
         self._closed = False
         self._res = _Resources(Lease(self.manifest_path.parent))  # tells gc which generation we read
         self._finalizer = weakref.finalize(self, self._res.close)
-        manifest_obj = load_manifest(self.manifest_path)
+        self._choice = Choice(pin=generation)
+        manifest_obj = self._choice.manifest(self.manifest_path)
         self.schema = manifest_obj.schema
         known = [lab.name for lab in self.schema.labels]
         self.label_names = tuple(known if label_names is None else label_names)
@@ -166,8 +168,17 @@ class ShardIter(mx.io.DataIter):
 
     @classmethod
     def for_kvstore(cls, kv: Any, manifest: os.PathLike | str, batch_size: int, **kwargs: Any) -> ShardIter:
-        """One part per worker of a (distributed) kvstore: ``num_parts = kv.num_workers``, ``part_index = kv.rank``."""
-        return cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, **kwargs)
+        """One part per worker of a (distributed) kvstore: ``num_parts = kv.num_workers``, ``part_index = kv.rank``.
+        The workers agree on the generation (rank 0's newest) through ``kv`` at construction and at
+        every ``reset()``; ``generation=N`` pins one instead."""
+        if kwargs.get("generation") is not None:
+            return cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, **kwargs)
+        kwargs.pop("generation", None)
+        with agreed_start(kv, manifest) as generation:
+            it = cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, generation=generation,
+                     **kwargs)
+        it._choice = Choice(kv=kv)
+        return it
 
     # -- the contract ---------------------------------------------------------------------------
 
@@ -225,7 +236,7 @@ class ShardIter(mx.io.DataIter):
         """Start the next epoch on the newest manifest generation."""
         self._check_open()
         self._close_epoch()
-        manifest = load_manifest(self.manifest_path)
+        manifest = self._choice.manifest(self.manifest_path)
         if manifest.schema.fingerprint != self.schema.fingerprint:
             raise LoaderError(f"{self.manifest_path}: the store's schema changed (fingerprint "
                               f"{self.schema.fingerprint} -> {manifest.schema.fingerprint}); make a new ShardIter")
@@ -320,6 +331,7 @@ class ShardIter(mx.io.DataIter):
             "readers": self._params.readers,
             "native_batch": self._params.native_batch,
             "shuffle_buffer": self._params.buffer_records,
+            "pinned": self._choice.pin,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -335,6 +347,8 @@ class ShardIter(mx.io.DataIter):
             raise LoaderError("state_dict was saved for another schema")
         self._check_open()
         self._close_epoch()
+        if state.get("pinned") is not None:
+            self._choice = Choice(pin=state["pinned"])
         self._params = dataclasses.replace(self._params, readers=int(state["readers"]),
                                            native_batch=int(state["native_batch"]),
                                            buffer_records=int(state["shuffle_buffer"]))

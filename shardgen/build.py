@@ -21,7 +21,7 @@ from .fsutil import atomic_write, clean_temp_files
 from .generator import obtain_raw
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, Sidecar
 from .process import run_processor
-from .store import check_sidecar, open_manifest, publish
+from .store import check_sidecar, next_version, open_manifest, publish
 from .writer import shard_paths, write_shard
 
 __all__ = ["DateResult", "BuildReport", "produce", "build", "complete_shard", "wanted"]
@@ -89,15 +89,17 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
                 entry = sidecar.entry() if sidecar.records else None
                 return DateResult(date, status, entry, "no windows", time.perf_counter() - t0)
         schema = cfg.schema
+        # A forced rewrite gets new file names: published files are never written over.
+        version = next_version(cfg.store.dir, date) if force else 1
         raw = obtain_raw(cfg, date, force=force, generate=not raw_only)
         windows = run_processor(cfg.process.load(), raw, date, schema, dict(cfg.process.options))
         if windows.n == 0:
             marker = Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", "")
-            atomic_write(shard_paths(cfg.store.dir, date)["json"], json.dumps(marker.to_json()).encode())
+            atomic_write(shard_paths(cfg.store.dir, date, version)["json"], json.dumps(marker.to_json()).encode())
             return DateResult(date, "empty", None,
                               f"{raw.shape[0]} rows, fewer than time_steps={schema.time_steps}: no windows",
                               time.perf_counter() - t0)
-        sidecar = write_shard(cfg.store.dir, date, windows, None, schema)
+        sidecar = write_shard(cfg.store.dir, date, windows, None, schema, version=version)
         return DateResult(date, "written", sidecar.entry(), seconds=time.perf_counter() - t0)
     except Interrupted as exc:
         return DateResult(date, "abandoned", message=str(exc), seconds=time.perf_counter() - t0)

@@ -91,13 +91,17 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--once", action="store_true", help="one cycle, then exit (for cron)")
     w.add_argument("--jobs", type=int, help="parallel dates (default: [run] jobs)")
     w.add_argument("--today", help=argparse.SUPPRESS)  # tests: a date, or a file holding one (read each cycle)
-    sub.add_parser("gc", parents=[common], help="delete retired shards no reader uses",
-                   description="Delete retired shards older than store.grace_s that no live reader lease uses.")
+    sub.add_parser("gc", parents=[common], help="delete retired shards and snapshots no reader uses",
+                   description="Delete retired shards and superseded generation snapshots older than "
+                               "store.grace_s that no live reader lease uses.")
     s = sub.add_parser("status", parents=[common], help="summarise the manifest",
-                       description="Generation, shards, records, bytes, date range, window and age.")
+                       description="Generation, shards, records, bytes, date range, window, age and the "
+                                   "generation snapshots kept.")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     sub.add_parser("verify", parents=[common], help="check every published shard",
-                   description="Check size, sha256, index and record framing of every published shard.")
+                   description="Check size, sha256, index and record framing of every published shard "
+                                   "(also those only kept snapshots list): no published file may have "
+                                   "changed since publication.")
     return p
 
 
@@ -167,6 +171,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
           f"{info['layout']['kind']})")
     print(f"dates {info['first_date']} .. {info['last_date']} (lag {info['lag_days']} days), "
           f"window {info['window']}, retired {info['retired']}, updated {info['age_s']}s ago")
+    snaps = info["snapshots"]
+    print(f"snapshots kept: {len(snaps)}" + (f" (generations {', '.join(map(str, snaps))})" if snaps else "")
+          + f", format {info['format']}")
     print(f"newest raw file {info['newest_raw']} (lag {info['raw_lag_days']} days)")
     return 0
 

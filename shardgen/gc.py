@@ -1,5 +1,13 @@
-"""Garbage collection: delete retired shards once they are past ``grace_s`` and no live reader
-lease names a generation that still listed them. The manifest drops them (generation + 1)."""
+"""Garbage collection of retired shard files and of superseded generation snapshots.
+
+A snapshot ``generations/<N>.json`` is kept while it is the newest, while a live reader lease
+names ``N`` or an older generation (that reader may be about to open a newer one: e.g. the
+generation its dist_sync workers agree on next), or while it was superseded less than
+``grace_s`` ago. A retired shard's files are deleted once it has been retired for ``grace_s``,
+no live lease names a generation that still listed it, and no kept snapshot lists them. The
+manifest then drops them (generation + 1). Every name is checked to be a plain file name inside
+the store when the manifest is read: nothing outside the store is ever unlinked.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
+from .errors import ManifestError
 from .lease import live_lease_generations
 from .lock import MANIFEST_LOCK, StoreLock
-from .manifest import MANIFEST_NAME, Manifest, RetiredEntry, parse_utc
+from .manifest import MANIFEST_NAME, Manifest, RetiredEntry, parse_utc, snapshot_generations, snapshot_path
 
-__all__ = ["collect", "deletable"]
+__all__ = ["collect", "deletable", "kept_snapshots"]
 
 log = logging.getLogger(__name__)
 
@@ -31,26 +40,59 @@ def deletable(entry: RetiredEntry, live: list[int], grace_s: float, now: dt.date
     return all(g >= entry.retired_generation for g in live)
 
 
+def kept_snapshots(store: Path, manifest: Manifest, live: list[int], grace_s: float,
+                   now: dt.datetime) -> tuple[list[int], list[int]]:
+    """(kept, removable) snapshot generations, by the rule in the module docstring. Snapshots
+    newer than the manifest are leftovers of a writer killed before it published them."""
+    numbers = [n for n in snapshot_generations(store) if n <= manifest.generation]
+    oldest_live = min(live) if live else None
+    superseded_at = {}  # generation -> when the next published generation replaced it
+    later = manifest.updated
+    for n in sorted(numbers, reverse=True):
+        superseded_at[n] = later
+        try:
+            later = Manifest.load(snapshot_path(store, n)).updated or later
+        except ManifestError as exc:
+            log.warning("%s", exc)
+    kept, gone = [], []
+    for n in numbers:
+        recent = not superseded_at[n] or (now - parse_utc(superseded_at[n])).total_seconds() < grace_s
+        if n == manifest.generation or (oldest_live is not None and n >= oldest_live) or recent:
+            kept.append(n)
+        else:
+            gone.append(n)
+    gone += [n for n in snapshot_generations(store) if n > manifest.generation]
+    return kept, gone
+
+
 def collect(store: Path, *, grace_s: float, lease_ttl_s: float,
             now: Optional[dt.datetime] = None) -> list[str]:
-    """Delete what may go; returns the dates deleted."""
+    """Delete what may go; returns the dates whose retired files were deleted."""
     store = Path(store)
     if not (store / MANIFEST_NAME).exists():
         return []
     now = now or dt.datetime.now(dt.timezone.utc)
     with StoreLock(store / MANIFEST_LOCK, what="manifest"):
-        manifest = Manifest.load(store / MANIFEST_NAME)
+        manifest = Manifest.load(store / MANIFEST_NAME)  # refuses names outside the store
         live = live_lease_generations(store, lease_ttl_s)
-        live_dates = {s.date for s in manifest.shards}
-        gone, kept = [], []
+        kept, old_snapshots = kept_snapshots(store, manifest, live, grace_s, now)
+        in_use = manifest.files()
+        for n in kept:
+            if n != manifest.generation:
+                in_use |= Manifest.load(snapshot_path(store, n)).files()
+        gone, kept_entries = [], []
         for entry in manifest.retired:
-            if entry.date not in live_dates and deletable(entry, live, grace_s, now):
-                for name in (entry.rec, entry.idx, f"{entry.date}.json"):
+            files = [n for n in (entry.rec, entry.idx, entry.sidecar) if n]
+            if not in_use.intersection(files) and deletable(entry, live, grace_s, now):
+                for name in files:
                     (store / name).unlink(missing_ok=True)
                 gone.append(entry.date)
-                log.info("deleted retired shard %s", entry.date)
+                log.info("deleted retired shard %s (%s)", entry.date, entry.rec)
             else:
-                kept.append(entry)
+                kept_entries.append(entry)
         if gone:
-            replace(manifest, retired=tuple(kept)).save(store / MANIFEST_NAME)
+            replace(manifest, retired=tuple(kept_entries)).save(store / MANIFEST_NAME)
+        for n in old_snapshots:
+            snapshot_path(store, n).unlink(missing_ok=True)
+            log.info("removed snapshot of generation %d", n)
     return gone

@@ -1,13 +1,40 @@
-"""The rolling manifest ``<store>/manifest.json`` and the per-shard sidecar, as dataclasses.
+"""The rolling manifest, its immutable per-generation snapshots and the per-shard sidecar.
 
-Shared by the writer (shardgen) and the reader (loader). Readers never lock; the single writer
-replaces the file atomically and bumps ``generation`` on every change.
+Shared by the writer (shardgen) and the reader (loader). Format ``shardgen/2``:
+
+``<store>/generations/<N>.json``
+    The snapshot of generation ``N``: the full manifest as it was published. Written (temp,
+    fsync, rename) *before* ``manifest.json`` names ``N``, and never changed afterwards, so a
+    reader can open generation ``N`` exactly for as long as the snapshot is kept. gc removes a
+    snapshot once it is not the newest, no live reader lease names it or an older generation,
+    and it was superseded more than ``grace_s`` ago. A number is never reused: a snapshot left
+    by a writer killed before it renamed ``manifest.json`` is skipped over.
+``<store>/manifest.json``
+    A copy of the newest snapshot (simple readers only read this file)::
+
+        {"format": "shardgen/2", "generation": 7, "updated": "2026-01-01T00:00:00Z",
+         "schema": {...}, "window": 40,
+         "shards":  [{"date", "rec", "idx", "records", "bytes", "sha256"}, ...],   # sorted by date
+         "retired": [{"date", "rec", "idx", "retired_at", "retired_generation"}, ...]}
+
+    ``retired`` lists every file set that left the live list (window, or replaced by a
+    rewrite) and is not deleted yet; it may list a date more than once (one per version).
+Shard files are immutable: version 1 of a date is ``<date>.rec|.idx|.json``, a rewrite
+(``build --force``) writes version ``k`` as ``<date>.v<k>.rec|.idx|.json`` and publishes it in a
+new generation; the old files are retired like any others. Every name read from a manifest,
+snapshot or sidecar must be a plain file name inside the store (no ``/``, not starting with
+``.``, no NUL or ``;``): anything else is refused before any open or unlink.
+
+Format ``shardgen/1`` (no snapshots, ``retired`` one entry per date) is read as is and
+written as ``shardgen/2`` at the next publish. Readers never lock; the single writer (under
+the manifest lock) bumps ``generation`` on every change.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -16,11 +43,16 @@ from .errors import ManifestError, ShardError
 from .fsutil import atomic_write
 from .layout import Schema
 
-__all__ = ["FORMAT", "MANIFEST_NAME", "ShardEntry", "RetiredEntry", "Manifest", "Sidecar", "utc_now",
-           "parse_utc"]
+__all__ = ["FORMAT", "MANIFEST_NAME", "SNAPSHOT_DIR", "ShardEntry", "RetiredEntry", "Manifest", "Sidecar",
+           "utc_now", "parse_utc", "check_name", "shard_stem", "name_version", "snapshot_path",
+           "snapshot_generations", "next_generation"]
 
-FORMAT = "shardgen/1"
+FORMAT = "shardgen/2"
+READABLE_FORMATS = ("shardgen/1", FORMAT)
 MANIFEST_NAME = "manifest.json"
+SNAPSHOT_DIR = "generations"
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+_VERSION_RE = re.compile(r"^\d{4}-\d{2}-\d{2}\.v(\d+)\.[a-z]+$")
 
 
 _STAMP = "%Y-%m-%dT%H:%M:%SZ"
@@ -38,10 +70,57 @@ def parse_utc(stamp: str) -> dt.datetime:
 
 def _check_date(value: object, where: str) -> str:
     try:
+        if not _DATE_RE.match(str(value)):
+            raise ValueError
         dt.date.fromisoformat(str(value))
     except ValueError:
         raise ValueError(f"{where}: date {value!r} is not YYYY-MM-DD") from None
     return str(value)
+
+
+def check_name(name: object, where: str) -> str:
+    """``name`` if it is a plain file name inside the store; ValueError saying why not otherwise."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: file name {name!r} is empty or not a string")
+    if "/" in name or "\\" in name or "\0" in name or ";" in name or name.startswith("."):
+        raise ValueError(f"{where}: file name {name!r} is not a plain file name inside the store "
+                         "(no '/', '\\', NUL or ';', no leading '.')")
+    return name
+
+
+def shard_stem(date: str, version: int = 1) -> str:
+    """File name stem of version ``version`` of a date's shard: ``<date>`` or ``<date>.v<k>``."""
+    if version < 1:
+        raise ValueError(f"shard {date}: version must be >= 1, got {version}")
+    return date if version == 1 else f"{date}.v{version}"
+
+
+def name_version(name: str) -> int:
+    """The version a shard file name carries (1 for ``<date>.<ext>``)."""
+    m = _VERSION_RE.match(name)
+    return int(m.group(1)) if m else 1
+
+
+def _sidecar_of(rec: str) -> Optional[str]:
+    return rec[: -len(".rec")] + ".json" if rec.endswith(".rec") and len(rec) > len(".rec") else None
+
+
+def snapshot_path(store: Path, generation: int) -> Path:
+    """Where the snapshot of ``generation`` lives."""
+    return Path(store) / SNAPSHOT_DIR / f"{int(generation)}.json"
+
+
+def next_generation(store: Path, manifest: Manifest) -> int:
+    """The number the next publish of ``manifest`` gets: never one a snapshot already used."""
+    return max([manifest.generation, *snapshot_generations(store)]) + 1
+
+
+def snapshot_generations(store: Path) -> list[int]:
+    """The generations whose snapshot is on disk, ascending."""
+    folder = Path(store) / SNAPSHOT_DIR
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.stem) for p in folder.glob("*.json") if p.stem.isdigit())
 
 
 @dataclass(frozen=True)
@@ -59,14 +138,18 @@ class ShardEntry:
     def __post_init__(self) -> None:
         _check_date(self.date, "shard")
         for name in (self.rec, self.idx):
-            if not name or "/" in name or name.startswith(".") or ";" in name:
-                raise ValueError(f"shard {self.date}: bad file name {name!r}")
+            check_name(name, f"shard {self.date}")
         if self.records < 1 or self.bytes < 1:
             raise ValueError(f"shard {self.date}: records and bytes must be >= 1")
 
     @property
     def samples(self) -> int:
         return self.windows or self.records
+
+    @property
+    def sidecar(self) -> Optional[str]:
+        """The sidecar's file name (per version, next to the ``.rec``)."""
+        return _sidecar_of(self.rec)
 
     def to_json(self) -> dict:
         out = dict(self.__dict__)
@@ -89,6 +172,20 @@ class RetiredEntry:
     idx: str
     retired_at: str
     retired_generation: int = 0  # the first generation that no longer lists the shard
+
+    def __post_init__(self) -> None:
+        _check_date(self.date, "retired shard")
+        for name in (self.rec, self.idx):
+            check_name(name, f"retired shard {self.date}")
+        try:
+            parse_utc(self.retired_at)
+        except ValueError:
+            raise ValueError(f"retired shard {self.date}: retired_at {self.retired_at!r} is not "
+                             "YYYY-MM-DDTHH:MM:SSZ") from None
+
+    @property
+    def sidecar(self) -> Optional[str]:
+        return _sidecar_of(self.rec)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -114,6 +211,10 @@ class Manifest:
         dates = [s.date for s in self.shards]
         if dates != sorted(set(dates)):
             raise ValueError("manifest shards must be sorted by date without repeats")
+
+    def files(self) -> set[str]:
+        """Every file name the live shards use (``.rec``, ``.idx`` and sidecar)."""
+        return {n for s in self.shards for n in (s.rec, s.idx, s.sidecar) if n}
 
     @property
     def records(self) -> int:
@@ -142,8 +243,8 @@ class Manifest:
     def from_json(cls, obj: object, *, where: str = "manifest") -> Manifest:
         if not isinstance(obj, dict):
             raise ManifestError(f"{where}: expected a JSON object")
-        if obj.get("format") != FORMAT:
-            raise ManifestError(f"{where}: format {obj.get('format')!r}, expected {FORMAT!r}")
+        if obj.get("format") not in READABLE_FORMATS:
+            raise ManifestError(f"{where}: format {obj.get('format')!r}, expected one of {READABLE_FORMATS}")
         try:
             return cls(
                 schema=Schema.from_json(obj["schema"]),
@@ -153,7 +254,9 @@ class Manifest:
                 shards=tuple(ShardEntry.from_json(s) for s in obj["shards"]),
                 retired=tuple(RetiredEntry.from_json(r) for r in obj.get("retired", ())),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except ValueError as exc:
+            raise ManifestError(f"{where}: refused: {exc}") from None
+        except (KeyError, TypeError) as exc:
             raise ManifestError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
 
     @classmethod
@@ -172,10 +275,33 @@ class Manifest:
             raise ManifestError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_json(obj, where=str(path))
 
+    @classmethod
+    def load_generation(cls, store: Path, generation: int) -> Manifest:
+        """Generation ``generation`` exactly: its snapshot, or ``manifest.json`` if that is it (a
+        ``shardgen/1`` store has no snapshots). ManifestError when it is gone."""
+        path = snapshot_path(store, generation)
+        if path.is_file():
+            found = cls.load(path)
+        else:
+            found = cls.load(Path(store) / MANIFEST_NAME)
+            if found.generation != generation:
+                raise ManifestError(
+                    f"{path}: generation {generation} is gone (its snapshot was garbage-collected, or the "
+                    f"store predates snapshots); the newest is {found.generation}")
+        if found.generation != generation:
+            raise ManifestError(f"{path}: holds generation {found.generation}, expected {generation}")
+        return found
+
     def save(self, path: Path) -> Manifest:
-        """Write as the next generation, atomically; returns what was written."""
-        new = replace(self, generation=self.generation + 1, updated=utc_now())
-        atomic_write(Path(path), (json.dumps(new.to_json(), sort_keys=True, indent=1) + "\n").encode())
+        """Publish as the next generation: its snapshot first, then ``manifest.json`` (both
+        atomic); returns what was written. The caller holds the manifest lock."""
+        path = Path(path)
+        number = next_generation(path.parent, self)
+        new = replace(self, generation=number, updated=utc_now())
+        text = (json.dumps(new.to_json(), sort_keys=True, indent=1) + "\n").encode()
+        snapshot_path(path.parent, number).parent.mkdir(exist_ok=True)
+        atomic_write(snapshot_path(path.parent, number), text)
+        atomic_write(path, text)
         return new
 
 
@@ -192,6 +318,12 @@ class Sidecar:
     rec: str
     idx: str
     windows: int = 0
+
+    def __post_init__(self) -> None:
+        _check_date(self.date, "sidecar")
+        if self.records:  # an empty-date marker (records 0) names no files
+            for name in (self.rec, self.idx):
+                check_name(name, f"sidecar {self.date}")
 
     def to_json(self) -> dict:
         return dict(self.__dict__)

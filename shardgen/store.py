@@ -12,14 +12,26 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from .errors import ConfigError, ShardError
+from .errors import ConfigError, ManifestError, ShardError
 from .frames import check_shard
 from .layout import Schema
 from .lock import MANIFEST_LOCK, StoreLock
-from .manifest import MANIFEST_NAME, Manifest, RetiredEntry, ShardEntry, Sidecar, parse_utc, utc_now
+from .manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    RetiredEntry,
+    ShardEntry,
+    Sidecar,
+    name_version,
+    next_generation,
+    parse_utc,
+    snapshot_generations,
+    snapshot_path,
+    utc_now,
+)
 
 __all__ = ["open_manifest", "publish", "verify_shard", "verify_store", "status", "read_idx_offsets",
-           "check_sidecar"]
+           "check_sidecar", "next_version"]
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +55,23 @@ def publish(store: Path, schema: Schema, window: int, entries: Iterable[ShardEnt
     entries = list(entries)
     with StoreLock(store / MANIFEST_LOCK, what="manifest"):
         old = open_manifest(store, schema, window)
+        now, generation = utc_now(), next_generation(store, old)
+        retired = {r.rec: r for r in old.retired}  # keyed by file: a date may have several versions
         shards = {s.date: s for s in old.shards}
-        shards.update({e.date: e for e in entries})
+        for e in entries:
+            prev = shards.get(e.date)
+            if prev is not None and prev.rec != e.rec:  # a rewrite: the old files retire, unchanged
+                retired.setdefault(prev.rec, RetiredEntry(prev.date, prev.rec, prev.idx, now, generation))
+            shards[e.date] = e
         dates = sorted(shards)
         keep = dates[-window:] if window else dates
-        retired = {r.date: r for r in old.retired if r.date not in keep}
-        now = utc_now()
         for date in dates[: len(dates) - len(keep)]:
             s = shards[date]
-            if date not in retired:
-                retired[date] = RetiredEntry(date, s.rec, s.idx, now, old.generation + 1)
+            retired.setdefault(s.rec, RetiredEntry(date, s.rec, s.idx, now, generation))
+        live = {shards[d].rec for d in keep}
+        retired = {rec: r for rec, r in retired.items() if rec not in live}
         new = replace(old, window=window, shards=tuple(shards[d] for d in keep),
-                      retired=tuple(retired[d] for d in sorted(retired)))
+                      retired=tuple(sorted(retired.values(), key=lambda r: (r.date, r.rec))))
         if new.shards == old.shards and new.retired == old.retired and new.window == old.window:
             return None
         saved = new.save(store / MANIFEST_NAME)
@@ -62,6 +79,19 @@ def publish(store: Path, schema: Schema, window: int, entries: Iterable[ShardEnt
         if r.retired_generation == saved.generation:
             log.info("retired %s (left the %d-date window)", r.date, window)
     return saved
+
+
+def next_version(store: Path, date: dt.date) -> int:
+    """A version of ``date``'s shard files that no file on disk, in the manifest or in its
+    retired list uses: a rewrite never touches a published file."""
+    store, day = Path(store), date.isoformat()
+    names = [p.name for p in store.glob(f"{day}.*")]
+    try:
+        m = Manifest.load(store / MANIFEST_NAME)
+        names += [e.rec for e in (*m.shards, *m.retired) if e.date == day]
+    except ManifestError:
+        pass
+    return max((name_version(n) for n in names), default=0) + 1
 
 
 def read_idx_offsets(path: Path) -> np.ndarray:
@@ -108,12 +138,48 @@ def verify_shard(store: Path, entry: ShardEntry, schema: Schema, *, source: str 
     return None
 
 
+def _check_published_sidecar(store: Path, entry: ShardEntry) -> Optional[str]:
+    """Whether the shard's sidecar and ``.idx`` are still what was published with it."""
+    path = Path(store) / entry.sidecar if entry.sidecar else None
+    try:
+        sidecar = Sidecar.load(path) if path else None
+    except ShardError as exc:
+        return str(exc)
+    if sidecar is None:
+        return None  # adopted or older shards may have none; the .rec and .idx are checked anyway
+    if (sidecar.records, sidecar.bytes, sidecar.sha256, sidecar.rec, sidecar.idx) != \
+            (entry.records, entry.bytes, entry.sha256, entry.rec, entry.idx):
+        return f"{path}: changed since publication (differs from the manifest's entry)"
+    try:
+        size = (Path(store) / entry.idx).stat().st_size
+    except OSError as exc:
+        return f"{Path(store) / entry.idx}: cannot read ({exc.strerror})"
+    if size != sidecar.idx_bytes:
+        return f"{Path(store) / entry.idx}: changed since publication ({size} bytes, published {sidecar.idx_bytes})"
+    return None
+
+
 def verify_store(store: Path) -> tuple[Manifest, list[tuple[str, str]]]:
-    """Check every published shard; returns the manifest and (date, problem) pairs."""
-    manifest = Manifest.load(Path(store) / MANIFEST_NAME)
+    """Check every published shard of the manifest and of every kept snapshot (size, sha256,
+    index, framing, sidecar): no published file may have changed. (date, problem) pairs."""
+    store = Path(store)
+    manifest = Manifest.load(store / MANIFEST_NAME)
+    entries = {e.rec: e for e in manifest.shards}
     problems = []
-    for entry in manifest.shards:
-        problem = verify_shard(store, entry, manifest.schema)
+    for generation in snapshot_generations(store):
+        if generation == manifest.generation:
+            continue
+        try:
+            snap = Manifest.load(snapshot_path(store, generation))
+        except ManifestError as exc:
+            problems.append(("-", str(exc)))
+            continue
+        for e in snap.shards:
+            if entries.setdefault(e.rec, e) != e:
+                problems.append((e.date, f"{snapshot_path(store, generation)}: lists {e.rec} with another "
+                                         "size or sha256 than a newer generation (a published file was rewritten)"))
+    for entry in sorted(entries.values(), key=lambda e: (e.date, e.rec)):
+        problem = verify_shard(store, entry, manifest.schema) or _check_published_sidecar(store, entry)
         if problem:
             problems.append((entry.date, problem))
     return manifest, problems
@@ -142,10 +208,20 @@ def status(store: Path, *, today: Optional[dt.date] = None) -> dict:
         "lag_days": (today - dt.date.fromisoformat(last)).days if last else None,
         "window": m.window,
         "retired": len(m.retired),
+        "format": _format_of(path),
+        "snapshots": snapshot_generations(Path(store)),
         "updated": m.updated,
         "age_s": age,
         "schema": m.schema.to_json(),
     }
+
+
+def _format_of(path: Path) -> Optional[str]:
+    """The format the manifest file on disk declares (``shardgen/1`` until the next publish)."""
+    try:
+        return json.loads(path.read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def dumps(obj: dict) -> str:

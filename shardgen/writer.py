@@ -22,7 +22,7 @@ import numpy as np
 from .errors import ShardError
 from .fsutil import atomic_write
 from .layout import HEAD_FLOATS, HEADER_BYTES, MAGIC, Schema, day_number, frame_record, record_data
-from .manifest import Sidecar
+from .manifest import Sidecar, shard_stem
 from .process import RunSpec, WindowSet, as_window_set
 
 __all__ = ["PackedShard", "pack_records", "plan_records", "write_shard", "shard_paths", "BLOCK_ROWS"]
@@ -45,8 +45,8 @@ class PackedShard:
         return len(self.offsets)
 
 
-def shard_paths(store: Path, date: dt.date) -> dict[str, Path]:
-    name = date.isoformat()
+def shard_paths(store: Path, date: dt.date, version: int = 1) -> dict[str, Path]:
+    name = shard_stem(date.isoformat(), version)  # version 1: <date>.<ext>; k > 1: <date>.v<k>.<ext>
     return {ext: Path(store) / f"{name}.{ext}" for ext in ("rec", "idx", "json")}
 
 
@@ -209,16 +209,18 @@ def _idx_text(offsets: np.ndarray) -> bytes:
 
 
 def write_shard(store: Path, date: dt.date, x: Union[np.ndarray, RunSpec, WindowSet],
-                labels: Optional[Mapping[str, np.ndarray]], schema: Schema, *, fsync: bool = True) -> Sidecar:
+                labels: Optional[Mapping[str, np.ndarray]], schema: Schema, *, fsync: bool = True,
+                version: int = 1) -> Sidecar:
     """Pack and publish one shard's files (sidecar last); returns its sidecar.
 
     ``x`` is the windows ``(n, T, C)`` with ``labels``, or a ``RunSpec`` / checked ``WindowSet``
-    (then ``labels`` is None).
+    (then ``labels`` is None). ``version`` > 1 names the files ``<date>.v<version>.*`` (a rewrite
+    never replaces published files).
     """
     ws = x if isinstance(x, WindowSet) else as_window_set(x, labels, schema, date)
     if ws.n == 0:
         raise ShardError(f"{date}: no windows (fewer rows than time_steps?); no shard written")
-    paths = shard_paths(store, date)
+    paths = shard_paths(store, date, version)
     n_records, fill = plan_records(ws, schema, date)
     # sha256 is the slowest pass: a thread hashes each block as soon as it is packed, beside the
     # packing, the writes and the fsyncs (hashlib and file I/O release the GIL).

@@ -1,0 +1,278 @@
+"""Immutable generations: snapshots, pinned readers, dist_sync agreement, rewrites under a new name,
+and manifest names that would escape the store."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import mxnet as mx
+import pytest
+from conftest import ROOT, batch_ids, make_store, write_config
+
+from loader import LoaderError, ShardIter
+from loader.generations import agree
+from shardgen.build import build
+from shardgen.config import load_config
+from shardgen.errors import ManifestError, ShardError
+from shardgen.gc import collect
+from shardgen.lease import live_lease_generations
+from shardgen.manifest import Manifest, Sidecar, snapshot_generations, snapshot_path
+from shardgen.store import status, verify_store
+
+COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}  # 131 records
+
+
+def ids_of_epoch(it):
+    ids = [i for b in it for i in batch_ids(b)]
+    return sorted(ids)
+
+
+# -- snapshots ------------------------------------------------------------------------------------
+
+
+def test_every_generation_is_a_snapshot_and_manifest_json_is_the_newest(tmp_path):
+    store = tmp_path / "s"
+    make_store(store, {"2024-01-02": 5})
+    make_store(store, {"2024-01-03": 5}, base_id=5)
+    assert snapshot_generations(store) == [1, 2]
+    assert (store / "manifest.json").read_bytes() == snapshot_path(store, 2).read_bytes()
+    m1 = Manifest.load_generation(store, 1)
+    assert m1.generation == 1 and [s.date for s in m1.shards] == ["2024-01-02"]
+    assert json.loads((store / "manifest.json").read_text())["format"] == "shardgen/2"
+    info = status(store)
+    assert info["snapshots"] == [1, 2] and info["format"] == "shardgen/2"
+
+
+def test_a_snapshot_left_by_a_killed_writer_is_never_reused(tmp_path):
+    store = tmp_path / "s"
+    make_store(store, {"2024-01-02": 5})
+    orphan = snapshot_path(store, 2)
+    orphan.write_text("{}")  # written, but the writer died before manifest.json named it
+    make_store(store, {"2024-01-03": 5}, base_id=5)
+    assert Manifest.load(store / "manifest.json").generation == 3 and orphan.read_text() == "{}"
+    collect(store, grace_s=0, lease_ttl_s=60)
+    assert not orphan.exists()  # never published: gc removes it
+
+
+def test_old_store_opens_and_is_upgraded_on_the_next_publish(tmp_path):
+    store = tmp_path / "s"
+    make_store(store, COUNTS)
+    obj = json.loads((store / "manifest.json").read_text())
+    obj["format"] = "shardgen/1"
+    (store / "manifest.json").write_text(json.dumps(obj))
+    for p in (store / "generations").iterdir():
+        p.unlink()
+    (store / "generations").rmdir()
+    with ShardIter(store, 8, cache_dir=tmp_path / "c") as it:
+        assert ids_of_epoch(it) == list(range(131))
+    with ShardIter(store, 8, cache_dir=tmp_path / "c", generation=1) as it:  # manifest.json is generation 1
+        assert it.generation == 1
+    make_store(store, {"2024-01-05": 3}, base_id=131)
+    assert json.loads((store / "manifest.json").read_text())["format"] == "shardgen/2"
+    assert snapshot_generations(store) == [2]
+
+
+# -- pinned readers -------------------------------------------------------------------------------
+
+
+def test_pinned_reader_keeps_its_generation_after_the_window_retires_it(tmp_path):
+    store = tmp_path / "s"
+    make_store(store, {"2024-01-02": 30, "2024-01-03": 30}, window=2)  # generation 1
+    it = ShardIter(store, 4, cache_dir=tmp_path / "c", generation=1)
+    make_store(store, {"2024-01-04": 5, "2024-01-05": 5}, window=2, base_id=100)  # generation 2 retires both
+    assert collect(store, grace_s=0, lease_ttl_s=60) == []
+    for _ in range(2):  # epochs go on reading generation 1, its files and snapshot kept by the lease
+        assert ids_of_epoch(it) == list(range(60)) and it.generation == 1
+        it.reset()
+        assert collect(store, grace_s=0, lease_ttl_s=60) == []
+    assert it.state_dict()["pinned"] == 1 and snapshot_path(store, 1).exists()
+    it.close()  # the lease ends: gc takes the snapshot and the files only it listed
+    assert collect(store, grace_s=0, lease_ttl_s=60) == ["2024-01-02", "2024-01-03"]
+    assert not snapshot_path(store, 1).exists() and not (store / "2024-01-02.rec").exists()
+    with pytest.raises(LoaderError, match=r"cannot open generation 1 of .*generation 1 is gone"):
+        ShardIter(store, 4, cache_dir=tmp_path / "c", generation=1)
+
+
+def test_a_pinned_snapshot_that_vanishes_is_a_loader_error_at_reset(tmp_path):
+    store = tmp_path / "s"
+    make_store(store, {"2024-01-02": 10})
+    make_store(store, {"2024-01-03": 10}, base_id=10)
+    it = ShardIter(store, 4, cache_dir=tmp_path / "c", generation=1)
+    assert ids_of_epoch(it) == list(range(10))
+    snapshot_path(store, 1).unlink()
+    with pytest.raises(LoaderError, match=r"generation 1 is gone .*the newest is 2"):
+        it.reset()
+    it.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, "3", 1.5])
+def test_bad_generation_argument(store_small, tmp_path, bad):
+    with pytest.raises(LoaderError, match="generation must be an integer"):
+        ShardIter(store_small, 4, cache_dir=tmp_path / "c", generation=bad)
+
+
+@pytest.fixture
+def store_small(tmp_path):
+    make_store(tmp_path / "small", {"2024-01-02": 10})
+    return tmp_path / "small"
+
+
+def test_local_kvstore_agreement_is_this_process(store_small, tmp_path):
+    kv = mx.kv.create("local")
+    assert agree(kv, 12345678901) == 12345678901
+    with ShardIter.for_kvstore(kv, store_small, 4, cache_dir=tmp_path / "c") as it:
+        make_store(store_small, {"2024-01-03": 6}, base_id=10)
+        assert ids_of_epoch(it) == list(range(10))
+        it.reset()
+        assert it.generation == 2 and ids_of_epoch(it) == list(range(16))
+    kv.init(0, mx.nd.zeros(1))  # the loader left the kvstore's key type to the model
+
+
+# -- published files never change -----------------------------------------------------------------
+
+
+def test_force_while_a_reader_is_mid_epoch(tmp_path):
+    cfg_path = write_config(tmp_path / "p", end="2024-01-03", rows=30, grace=0)
+    cfg = load_config(cfg_path)
+    assert not build(cfg).failed
+    store = cfg.store.dir
+    old = {p.name: p.read_bytes() for p in store.glob("2024-01-02.*")}
+    it = ShardIter(store, 4, shuffle=False, cache_dir=tmp_path / "c")
+    first = it.next()
+    gen_old = it.generation
+    # The same date, rewritten from different raw data (40 rows: 36 windows instead of 26).
+    cfg_path.write_text(cfg_path.read_text().replace('"--rows", "30"', '"--rows", "40"'))
+    report = build(load_config(cfg_path), start=cfg.dates.start, end=cfg.dates.start, force=True)
+    assert report.published == [cfg.dates.start] and not report.failed
+    m = Manifest.load(store / "manifest.json")
+    assert m.shards[0].rec == "2024-01-02.v2.rec" and m.shards[0].records == 36
+    assert [(r.date, r.rec) for r in m.retired] == [("2024-01-02", "2024-01-02.rec")]
+    assert {p.name: p.read_bytes() for p in store.glob("2024-01-02.*") if ".v2." not in p.name} == old
+    assert collect(store, grace_s=0, lease_ttl_s=60) == []  # the reader still reads the old files
+    rows = [first] + list(it)  # the rest of the epoch: the old bytes, exactly
+    n = sum(4 - b.pad for b in rows)
+    assert n == 26 + 26 and it.generation == gen_old
+    it.reset()
+    assert it.generation == m.generation and sum(4 - b.pad for b in it) == 36 + 26
+    assert collect(store, grace_s=0, lease_ttl_s=60) == ["2024-01-02"]
+    assert not (store / "2024-01-02.rec").exists() and not (store / "2024-01-02.json").exists()
+    assert (store / "2024-01-02.v2.rec").exists() and verify_store(store)[1] == []
+    it.close()
+
+
+def test_force_with_the_same_inputs_gives_the_same_bytes_under_a_new_name(tmp_path):
+    cfg = load_config(write_config(tmp_path / "p", end="2024-01-02"))
+    build(cfg)
+    before = Manifest.load(cfg.store.dir / "manifest.json").shards[0]
+    build(cfg, force=True)
+    build(cfg, force=True)
+    after = Manifest.load(cfg.store.dir / "manifest.json")
+    assert after.shards[0].rec == "2024-01-02.v3.rec" and after.shards[0].sha256 == before.sha256
+    assert [r.rec for r in after.retired] == ["2024-01-02.rec", "2024-01-02.v2.rec"]
+    assert Sidecar.load(cfg.store.dir / "2024-01-02.v3.json").rec == "2024-01-02.v3.rec"
+
+
+def test_verify_names_a_published_file_that_changed(tmp_path):
+    cfg_path = write_config(tmp_path / "p", end="2024-01-03")
+    cfg = load_config(cfg_path)
+    build(cfg)
+    build(cfg, start=cfg.dates.start, end=cfg.dates.start, force=True)  # v1 stays in snapshot 1
+    with open(cfg.store.dir / "2024-01-02.rec", "r+b") as fh:  # a retired, still-kept file changes
+        fh.seek(100)
+        fh.write(b"\x01")
+    problems = verify_store(cfg.store.dir)[1]
+    assert problems == [("2024-01-02", f"{cfg.store.dir / '2024-01-02.rec'}: sha256 differs from the manifest")]
+    (cfg.store.dir / "2024-01-03.idx").write_bytes((cfg.store.dir / "2024-01-03.idx").read_bytes() + b"\n")
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "verify", "-c", str(cfg_path)], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 1 and "2024-01-03.idx: changed since publication" in r.stderr
+
+
+# -- names that escape the store (issue 10, item 4) -----------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../victim.txt", "/tmp/x", "..", ".hidden", "a/b.rec", "x\0y", "a;b.rec"])
+def test_gc_refuses_a_manifest_naming_a_file_outside_the_store(tmp_path, name):
+    cfg_path = write_config(tmp_path / "p", end="2024-01-02", grace=0)
+    cfg = load_config(cfg_path)
+    build(cfg)
+    victim = tmp_path / "p" / "victim.txt"
+    victim.write_text("keep me")
+    path = cfg.store.dir / "manifest.json"
+    obj = json.loads(path.read_text())
+    obj["retired"] = [{"date": "2023-12-01", "rec": name, "idx": "2023-12-01.idx",
+                       "retired_at": "2020-01-01T00:00:00Z", "retired_generation": 1}]
+    path.write_text(json.dumps(obj))
+    before = sorted(p.name for p in cfg.store.dir.iterdir())
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "gc", "-c", str(cfg_path)], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 1 and victim.exists() and sorted(p.name for p in cfg.store.dir.iterdir()) == before
+    assert r.stderr.count("\n") == 1 and "not a plain file name inside the store" in r.stderr, r.stderr
+    assert "retired shard 2023-12-01" in r.stderr
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("rec", "../x.rec", "not a plain file name"),
+    ("idx", "/etc/passwd", "not a plain file name"),
+    ("date", "2024-01-02/..", "is not YYYY-MM-DD"),
+])
+def test_bad_names_in_shard_entries_and_sidecars_are_refused(tmp_path, field, value, match):
+    store = tmp_path / "s"
+    make_store(store, {"2024-01-02": 5})
+    obj = json.loads((store / "manifest.json").read_text())
+    obj["shards"][0][field] = value
+    (store / "manifest.json").write_text(json.dumps(obj))
+    with pytest.raises(ManifestError, match=match):
+        Manifest.load(store / "manifest.json")
+    with pytest.raises(LoaderError, match=match):
+        ShardIter(store, 2, cache_dir=tmp_path / "c")
+    side = json.loads((store / "2024-01-02.json").read_text())
+    side[field] = value
+    (store / "2024-01-02.json").write_text(json.dumps(side))
+    with pytest.raises(ShardError, match=match):
+        Sidecar.load(store / "2024-01-02.json")
+
+
+# -- dist_sync: every worker reads the generation rank 0 picked ----------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("publish_round", [0, 1], ids=["during-construction", "between-resets"])
+def test_dist_sync_workers_agree_when_a_date_lands_mid_race(tmp_path, publish_round):
+    store, flags, out = tmp_path / "store", tmp_path / "flags", tmp_path / "out"
+    flags.mkdir()
+    out.mkdir()
+    make_store(store, COUNTS)  # generation 1: 131 records
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "loader.launch", "-n", "2", "-s", "1", "--", sys.executable,
+           str(ROOT / "tests" / "dist_race_worker.py"), "--store", str(store), "--flags", str(flags),
+           "--out", str(out), "--publish-round", str(publish_round), "--epochs", "3"]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (flags / "proposed").exists():  # rank 0 has read generation 1 for this round
+            assert job.poll() is None, job.stdout.read()
+            assert time.monotonic() < deadline, "rank 0 never reached the round"
+            time.sleep(0.02)
+        make_store(store, {"2024-01-05": 20}, base_id=131)  # generation 2: 151 records
+        (flags / "published").write_text("2")
+        output, _ = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, output
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    # Rank 1 saw generation 2 in the publish round, rank 0 had proposed 1: both read 1.
+    assert ranks[0]["proposals"][publish_round] == 1 and ranks[1]["proposals"][publish_round] == 2
+    expected = [1] * (publish_round + 1) + [2] * (2 - publish_round)
+    for epoch, generation in enumerate(expected):
+        e0, e1 = ranks[0]["epochs"][epoch], ranks[1]["epochs"][epoch]
+        assert e0["generation"] == e1["generation"] == generation
+        assert e0["batches"] == e1["batches"]
+        records = 131 if generation == 1 else 151
+        assert sorted(e0["ids"] + e1["ids"]) == list(range(records)), f"epoch {epoch}"
+    assert ranks[0]["pinned"] is None
+    assert live_lease_generations(store, 60) == []
