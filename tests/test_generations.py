@@ -147,7 +147,7 @@ def test_force_while_a_reader_is_mid_epoch(tmp_path):
     report = build(load_config(cfg_path), start=cfg.dates.start, end=cfg.dates.start, force=True)
     assert report.published == [cfg.dates.start] and not report.failed
     m = Manifest.load(store / "manifest.json")
-    assert m.shards[0].rec == "2024-01-02.v2.rec" and m.shards[0].records == 36
+    assert m.shards[0].rec == "2024-01-02.v2.rec" and m.shards[0].samples == 36
     assert [(r.date, r.rec) for r in m.retired] == [("2024-01-02", "2024-01-02.rec")]
     assert {p.name: p.read_bytes() for p in store.glob("2024-01-02.*") if ".v2." not in p.name} == old
     assert collect(store, grace_s=0, lease_ttl_s=60) == []  # the reader still reads the old files
@@ -183,7 +183,8 @@ def test_verify_names_a_published_file_that_changed(tmp_path):
         fh.seek(100)
         fh.write(b"\x01")
     problems = verify_store(cfg.store.dir)[1]
-    assert problems == [("2024-01-02", f"{cfg.store.dir / '2024-01-02.rec'}: sha256 differs from the manifest")]
+    assert problems == [("2024-01-02", f"{cfg.store.dir / '2024-01-02.rec'}: sha256 differs from the manifest "
+                                       "(2024-01-02): the file changed after it was published")]
     (cfg.store.dir / "2024-01-03.idx").write_bytes((cfg.store.dir / "2024-01-03.idx").read_bytes() + b"\n")
     r = subprocess.run([sys.executable, "-m", "shardgen.cli", "verify", "-c", str(cfg_path)], capture_output=True,
                        text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
