@@ -252,8 +252,11 @@ def test_dead_and_stale_leases_do_not_count(tmp_path):
     dead.wait()
     import socket
 
+    from shardgen.fsutil import boot_id, pid_namespace
+
     (store / LEASE_DIR / "dead.json").write_text(json.dumps({"generation": 1, "host": socket.gethostname(),
-                                                              "pid": dead.pid}))
+                                                              "pid": dead.pid, "pidns": pid_namespace(),
+                                                              "boot_id": boot_id()}))
     stale = store / LEASE_DIR / "stale.json"
     stale.write_text(json.dumps({"generation": 1, "host": "elsewhere", "pid": 1}))
     old = time.time() - 600
