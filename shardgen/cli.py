@@ -17,7 +17,6 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from . import generator
 from . import store as store_mod
 from .build import build
 from .config import load_config, parse_date
@@ -129,8 +128,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     def on_signal(signum, _frame):
         log.warning("%s: finishing up (running dates are abandoned, nothing partial is published)",
                     signal.Signals(signum).name)
-        watcher.stop()
-        generator.STOP.set()
+        watcher.stop()  # also abandons the generators running in worker processes
         wake.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):

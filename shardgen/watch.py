@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from . import generator
 from .build import BuildReport, build, wanted
 from .config import Config
 from .errors import ShardError
@@ -64,7 +65,9 @@ class Watcher:
         return self._lock.path
 
     def stop(self) -> None:
+        """Stop after this cycle; running generators (in worker processes too) are abandoned."""
         self._stop = True
+        generator.request_stop()
 
     @property
     def stopping(self) -> bool:
@@ -85,6 +88,7 @@ class Watcher:
             Parallel(n_jobs=jobs, backend="loky")(delayed(abs)(i) for i in range(jobs))
 
     def __exit__(self, *exc: object) -> None:
+        generator.clear_stop()
         self._lock.release()
 
     def run(self, sleep: Callable[[float], bool]) -> None:

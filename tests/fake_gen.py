@@ -50,7 +50,7 @@ def main() -> int:
         print("line one\nfake generator exploded for " + a.date, file=sys.stderr)
         return 3
     if mode == "hang":
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", a.modes])  # modes: for pgrep
         print("hanging", file=sys.stderr, flush=True)
         time.sleep(600)
         return 0
