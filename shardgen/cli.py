@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("gc", parents=[common], help="delete retired shards no reader uses",
                    description="Delete retired shards older than store.grace_s that no live reader lease uses.")
     s = sub.add_parser("status", parents=[common], help="summarise the manifest",
-                       description="Generation, shards, records, bytes, date range, window and age.")
+                       description="Generation, shards, records, bytes, date range, window and age, and "
+                                   "every date the watcher is failing on (last error, attempts, next retry).")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     sub.add_parser("verify", parents=[common], help="check every published shard",
                    description="Check size, sha256, index and record framing of every published shard.")
@@ -165,6 +166,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"dates {info['first_date']} .. {info['last_date']} (lag {info['lag_days']} days), "
           f"window {info['window']}, retired {info['retired']}, updated {info['age_s']}s ago")
     print(f"newest raw file {info['newest_raw']} (lag {info['raw_lag_days']} days)")
+    if info["watch_updated"]:
+        print(f"watcher: last cycle {info['watch_updated']}, {len(info['failing'])} failing dates")
+    for f in info["failing"]:
+        retry = f"next retry {f['next_retry']}" if f["next_retry"] else "retried when the file changes"
+        print(f"failing {f['date']} ({f['kind']}, {f['attempts']} attempts, {retry}): {f['error']}")
     return 0
 
 
