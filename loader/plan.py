@@ -215,7 +215,8 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
 
 
 def _clean_dead_processes(cache_dir: Path) -> None:
-    """Remove plan folders of processes of this host that are gone."""
+    """Remove plan folders of processes that are gone. ``HOST_TOKEN`` names this host, pid namespace
+    and boot, so only folders whose pid can be checked here are matched."""
     for entry in cache_dir.glob(f"{HOST_TOKEN}-*"):
         pid = entry.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not pid_alive(int(pid)):

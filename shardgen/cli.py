@@ -17,7 +17,6 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from . import generator
 from . import store as store_mod
 from .build import build
 from .config import load_config, parse_date
@@ -95,8 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                    description="Delete retired shards and superseded generation snapshots older than "
                                "store.grace_s that no live reader lease uses.")
     s = sub.add_parser("status", parents=[common], help="summarise the manifest",
-                       description="Generation, shards, records, bytes, date range, window, age and the "
-                                   "generation snapshots kept.")
+                       description="Generation, shards, windows, bytes per window, date range, window, age, "
+                                   "the generation snapshots kept, and every date the watcher is failing on "
+                                   "(last error, attempts, next retry).")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     sub.add_parser("verify", parents=[common], help="check every published shard",
                    description="Check size, sha256, index and record framing of every published shard "
@@ -133,8 +133,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     def on_signal(signum, _frame):
         log.warning("%s: finishing up (running dates are abandoned, nothing partial is published)",
                     signal.Signals(signum).name)
-        watcher.stop()
-        generator.STOP.set()
+        watcher.stop()  # also abandons the generators running in worker processes
         wake.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -175,6 +174,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"snapshots kept: {len(snaps)}" + (f" (generations {', '.join(map(str, snaps))})" if snaps else "")
           + f", format {info['format']}")
     print(f"newest raw file {info['newest_raw']} (lag {info['raw_lag_days']} days)")
+    if info["watch_updated"]:
+        print(f"watcher: last cycle {info['watch_updated']}, {len(info['failing'])} failing dates")
+    for f in info["failing"]:
+        retry = f"next retry {f['next_retry']}" if f["next_retry"] else "retried when the file changes"
+        print(f"failing {f['date']} ({f['kind']}, {f['attempts']} attempts, {retry}): {f['error']}")
     return 0
 
 

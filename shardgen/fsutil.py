@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import socket
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Union
 
 __all__ = ["temp_name", "atomic_write", "atomic_writer", "fsync_dir", "clean_temp_files", "pid_alive",
-           "host_token", "HOST_TOKEN"]
+           "host_token", "pid_namespace", "boot_id", "HOST_TOKEN"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -21,7 +22,31 @@ def host_token(hostname: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", hostname)
 
 
-HOST_TOKEN = host_token(socket.gethostname())  # names this host in temp files, leases, loader folders
+def _read(path: str, *, link: bool = False) -> str:
+    try:
+        return os.readlink(path) if link else Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace, e.g. ``pid:[4026531836]`` ('' if unknown)."""
+    return _read("/proc/self/ns/pid", link=True)
+
+
+def boot_id() -> str:
+    """The kernel's boot id ('' if unknown): a pid namespace id is only unique within one boot."""
+    return _read("/proc/sys/kernel/random/boot_id")
+
+
+def _ns_token(namespace: str, boot: str) -> str:
+    return hashlib.sha256(f"{namespace}|{boot}".encode()).hexdigest()[:8] if namespace and boot else "nons"
+
+
+# Names this host, pid namespace and boot in temp files, leases and loader folders: a pid found in a
+# name carrying this token is a pid of *our* namespace, so it may be checked with kill(pid, 0).
+# Containers that share a hostname but not a pid namespace get different tokens.
+HOST_TOKEN = f"{host_token(socket.gethostname())}_{_ns_token(pid_namespace(), boot_id())}"
 # .<final name>.tmp-<host>-<pid>-<random>: who wrote it, so a dead writer's leftovers can go.
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>\w+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 
@@ -80,7 +105,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def clean_temp_files(folder: Path) -> list[Path]:
-    """Delete temp files left in ``folder`` by dead processes of this host; return them."""
+    """Delete temp files left in ``folder`` by dead processes of this host, pid namespace and boot
+    (``HOST_TOKEN``); return them. Others' temp files are never judged by pid."""
     removed = []
     if not Path(folder).is_dir():
         return removed

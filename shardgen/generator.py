@@ -3,6 +3,10 @@
 The command is an argv (never a shell). A run past ``timeout_s`` has its whole process group
 killed. A failed run, or one whose output does not load, is retried ``retries`` times with
 exponential backoff; the final error names the date, what failed and the generator's last stderr.
+
+Stopping (``request_stop``, called by the watcher on SIGINT/SIGTERM) abandons running generators,
+killing their process groups, in this process and in its worker processes (loky workers are its
+children: they see a marker file named after their parent, since they cannot see its ``STOP``).
 """
 
 from __future__ import annotations
@@ -25,20 +29,69 @@ import numpy as np
 from .config import Config
 from .errors import GeneratorError, Interrupted, RawDataError
 
-__all__ = ["load_raw", "run_generator", "obtain_raw", "STOP"]
+__all__ = ["load_raw", "run_generator", "obtain_raw", "STOP", "request_stop", "clear_stop", "stop_marker"]
 
 log = logging.getLogger(__name__)
 _STDERR_TAIL = 5
-STOP = threading.Event()  # set (by the watcher's signal handler) to abandon running generators
+STOP = threading.Event()  # set by request_stop: abandon running generators of this process
 _POLL_S = 0.05
 
 
-def _new_session_dying_with_parent() -> None:
+def _process_key(pid: int) -> str:
+    """``pid-starttime``: names one process on this host, even after its pid is reused."""
+    try:
+        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        start = "0"
+    return f"{pid}-{start}"
+
+
+def stop_marker(pid: int) -> Path:
+    """The file whose existence tells the worker processes of process ``pid`` to stop."""
+    return Path(tempfile.gettempdir()) / f"shardgen-stopping-{_process_key(pid)}"
+
+
+def request_stop() -> None:
+    """Abandon the generators run by this process and by its worker processes."""
+    STOP.set()
+    with contextlib.suppress(OSError):
+        stop_marker(os.getpid()).touch()
+
+
+def clear_stop() -> None:
+    STOP.clear()
+    with contextlib.suppress(OSError):
+        stop_marker(os.getpid()).unlink()
+
+
+class _StopCheck:
+    """Whether to stop: ``STOP`` here, or the marker of the process that started this worker."""
+
+    def __init__(self) -> None:
+        self.marker = stop_marker(os.getppid())
+
+    def __call__(self) -> bool:
+        return STOP.is_set() or self.marker.exists()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True (at once) if a stop is requested meanwhile."""
+        deadline = time.monotonic() + seconds
+        while not self():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            STOP.wait(min(left, _POLL_S))
+        return True
+
+
+def _new_session_dying_with_parent(parent: int) -> None:
     """In the child: own process group, and SIGKILL if the worker that started it dies."""
     os.setsid()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the worker died before prctl took effect
+            os._exit(255)
 
 
 def load_raw(path: Path, date: dt.date, min_cols: int) -> np.ndarray:
@@ -77,11 +130,15 @@ def run_generator(cfg: Config, date: dt.date) -> None:
     argv = cfg.argv(date)
     Path(cfg.fields(date)["output"]).parent.mkdir(parents=True, exist_ok=True)
     timeout = cfg.generator.timeout_s
+    stopping = _StopCheck()
+    if stopping():
+        raise Interrupted(f"{date}: generator not started (stopping)")
+    parent = os.getpid()
     with tempfile.TemporaryFile() as err:
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=err, cwd=cfg.config_dir,
-                                    preexec_fn=_new_session_dying_with_parent)
+                                    preexec_fn=lambda: _new_session_dying_with_parent(parent))
         except OSError as exc:
             raise GeneratorError(f"{date}: cannot start generator {argv[0]!r} ({exc.strerror})") from None
         deadline = time.monotonic() + timeout
@@ -91,7 +148,7 @@ def run_generator(cfg: Config, date: dt.date) -> None:
                     code = proc.wait(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
                     break
                 except subprocess.TimeoutExpired:
-                    if STOP.is_set():
+                    if stopping():
                         _kill_group(proc)
                         raise Interrupted(f"{date}: generator abandoned (stopping)") from None
                     if time.monotonic() >= deadline:
@@ -126,11 +183,12 @@ def obtain_raw(cfg: Config, date: dt.date, *, force: bool = False, generate: boo
         except RawDataError as exc:
             log.warning("%s; regenerating", exc)
     attempts = cfg.generator.retries + 1
+    stopping = _StopCheck()
     for attempt in range(attempts):
         if attempt:
             delay = cfg.generator.backoff_s * 2 ** (attempt - 1)
             log.info("%s: retry %d/%d in %.1fs", date, attempt, attempts - 1, delay)
-            if STOP.wait(delay):
+            if stopping.wait(delay):
                 raise Interrupted(f"{date}: abandoned before retry (stopping)")
         with contextlib.suppress(FileNotFoundError):
             path.unlink()

@@ -1,11 +1,19 @@
 """Reader leases: a reader mid-epoch says which manifest generation it reads, so garbage
 collection never deletes a shard under it.
 
-A lease is ``<store>/leases/<host>-<pid>-<random>.json`` holding ``{"generation", "host", "pid"}``;
-its mtime is its heartbeat, refreshed by a daemon thread while the epoch runs and removed when it
-ends. A lease is dead when its mtime is older than the TTL, or when its process is gone on this
-host. Readers never need write access to read a store: if the lease cannot be written, reading
-goes on and a warning says that gc cannot see this reader.
+A lease is ``<store>/leases/<host token>-<pid>-<random>.json`` holding ``{"generation", "host",
+"pid", "pidns", "boot_id"}``; its mtime is its heartbeat, refreshed by a daemon thread (which writes
+the file again if someone deleted it) and removed when the epoch ends or the lease is garbage
+collected. A lease is dead when
+
+* its heartbeat is older than the TTL, measured against the store filesystem's own clock (gc
+  touches ``<store>/leases/.clock`` and compares mtimes with that, never with this host's clock:
+  hosts sharing a filesystem may disagree about the time), or
+* it names this host, this pid namespace and this boot, and its pid is gone. A pid from another pid
+  namespace (a container sharing the hostname) means nothing here: only the heartbeat counts then.
+
+Readers never need write access to read a store: if the lease cannot be written, reading goes on
+and a warning says that gc cannot see this reader.
 """
 
 from __future__ import annotations
@@ -17,91 +25,164 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Optional
 
-from .fsutil import HOST_TOKEN, atomic_write, pid_alive
+from .fsutil import HOST_TOKEN, atomic_write, boot_id, pid_alive, pid_namespace
 
-__all__ = ["LEASE_DIR", "DEFAULT_TTL_S", "Lease", "live_lease_generations"]
+__all__ = ["LEASE_DIR", "DEFAULT_TTL_S", "Lease", "live_lease_generations", "store_clock"]
 
 log = logging.getLogger(__name__)
 LEASE_DIR = "leases"
+CLOCK_NAME = ".clock"  # touched by gc: its mtime is "now" by the store filesystem's clock
 DEFAULT_TTL_S = 60.0
 _HOST = socket.gethostname()
+_PIDNS = pid_namespace()
+_BOOT = boot_id()
+
+
+class _Heartbeat:
+    """What the heartbeat thread needs, without a reference to the Lease (which it must not keep alive)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.generation: Optional[int] = None
+        self.stop = threading.Event()
+        self.lock = threading.RLock()  # orders a beat against release: a released lease is never rewritten
+        self.warned = False
+
+    def write(self) -> bool:
+        """Write the lease file (again); False, with one warning, if it cannot be written."""
+        info = {"generation": self.generation, "host": _HOST, "pid": os.getpid(), "pidns": _PIDNS,
+                "boot_id": _BOOT}
+        try:
+            self.path.parent.mkdir(exist_ok=True)
+            atomic_write(self.path, json.dumps(info, sort_keys=True).encode(), fsync=False)
+        except OSError as exc:
+            if not self.warned:
+                log.warning("%s: cannot write a reader lease (%s); gc cannot see this reader", self.path, exc)
+                self.warned = True
+            return False
+        return True
+
+    def beat(self) -> None:
+        with self.lock:
+            if self.stop.is_set() or self.generation is None:  # released meanwhile
+                return
+            try:
+                os.utime(self.path)  # None: the file server's "now", like gc's clock file
+            except FileNotFoundError:
+                log.warning("%s: reader lease was deleted; writing it again", self.path)
+                self.write()
+            except OSError as exc:
+                if not self.warned:
+                    log.warning("%s: cannot refresh a reader lease (%s)", self.path, exc)
+                    self.warned = True
+
+    def release(self) -> None:
+        with self.lock:
+            self.stop.set()
+            self.generation = None
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+
+
+def _beat_until_gone(owner: weakref.ref, state: _Heartbeat, stop: threading.Event, refresh_s: float) -> None:
+    while not stop.wait(refresh_s):
+        if owner() is None:  # the Lease was dropped without release(): its finalizer cleans up
+            return
+        state.beat()
 
 
 class Lease:
-    """Holds one lease file naming a generation; ``renew(generation)``, ``release()``."""
+    """Holds one lease file naming a generation; ``renew(generation)``, ``release()``.
+
+    The heartbeat thread holds only a weak reference: dropping the last reference to a Lease
+    (``del lease``) removes its file and ends the thread.
+    """
 
     def __init__(self, store: Path, *, refresh_s: float = DEFAULT_TTL_S / 6):
         self.path = Path(store) / LEASE_DIR / f"{HOST_TOKEN}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
         self.refresh_s = refresh_s
-        self.generation: Optional[int] = None
-        self._stop = threading.Event()
+        self._state = _Heartbeat(self.path)
         self._thread: Optional[threading.Thread] = None
-        self._warned = False
+        weakref.finalize(self, _Heartbeat.release, self._state)
+
+    @property
+    def generation(self) -> Optional[int]:
+        return self._state.generation
 
     def renew(self, generation: int) -> None:
         """Hold a lease on ``generation`` from now on (and keep it fresh)."""
-        self.generation = generation
-        try:
-            self.path.parent.mkdir(exist_ok=True)
-            atomic_write(self.path, json.dumps({"generation": generation, "host": _HOST,
-                                                "pid": os.getpid()}).encode(), fsync=False)
-        except OSError as exc:
-            if not self._warned:
-                log.warning("%s: cannot write a reader lease (%s); gc cannot see this reader", self.path, exc)
-                self._warned = True
-            return
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._beat, name="shardgen-lease", daemon=True)
+        state = self._state
+        with state.lock:
+            state.generation = generation
+            if not state.write():
+                return
+            if self._thread is not None and not state.stop.is_set():
+                return  # the running heartbeat keeps this one fresh
+            state.stop = threading.Event()  # a released lease's old thread keeps its own (set) event
+            self._thread = threading.Thread(target=_beat_until_gone,
+                                            args=(weakref.ref(self), state, state.stop, self.refresh_s),
+                                            name="shardgen-lease", daemon=True)
             self._thread.start()
 
-    def _beat(self) -> None:
-        while not self._stop.wait(self.refresh_s):
-            try:
-                os.utime(self.path)
-            except OSError:
-                return
-
     def release(self) -> None:
-        self._stop.set()
-        self.generation = None
-        try:
-            self.path.unlink()
-        except OSError:
-            pass
+        self._state.release()
 
-    def __del__(self) -> None:
-        self.release()
+
+def store_clock(store: Path) -> float:
+    """"Now" by the store filesystem's clock: the mtime of a file we just touched there
+    (falls back to this host's clock, with a warning, if the store is read-only)."""
+    clock = Path(store) / LEASE_DIR / CLOCK_NAME
+    try:
+        clock.touch()  # creates it, or utime(None): the file server sets its own "now"
+        return clock.stat().st_mtime
+    except OSError as exc:
+        log.warning("%s: cannot touch the store clock (%s); judging lease ages by this host's clock", clock, exc)
+        return time.time()
+
+
+def _pid_is_checkable(info: dict) -> bool:
+    """Whether the lease's pid is a pid of this host, pid namespace and boot."""
+    return (info.get("host") == _HOST and bool(_PIDNS) and info.get("pidns") == _PIDNS
+            and bool(_BOOT) and info.get("boot_id") == _BOOT)
 
 
 def live_lease_generations(store: Path, ttl_s: float, *, now: Optional[float] = None,
                            remove_dead: bool = True) -> list[int]:
-    """Generations named by live leases of the store; dead leases are removed."""
+    """Generations named by live leases of the store; dead leases are removed.
+
+    ``now`` is a time by the store's clock (default: ``store_clock(store)``)."""
     folder = Path(store) / LEASE_DIR
-    now = time.time() if now is None else now
-    live = []
+    live: list[int] = []
     if not folder.is_dir():
         return live
+    now = store_clock(store) if now is None else now
     for path in folder.glob("*.json"):
+        age = None
         try:
             age = now - path.stat().st_mtime
             info = json.loads(path.read_text())
-            generation, host, pid = int(info["generation"]), info["host"], int(info["pid"])
+            generation, pid = int(info["generation"]), int(info["pid"])
         except FileNotFoundError:
             continue
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             log.warning("%s: unreadable lease; counting it as live until it is %gs old", path, ttl_s)
-            if age <= ttl_s:
+            if age is not None and age <= ttl_s:
                 live.append(-1)  # protects everything
             continue
-        dead = age > ttl_s or (host == _HOST and not pid_alive(pid))
-        if dead:
-            log.info("ignoring dead reader lease %s (generation %d)", path.name, generation)
-            if remove_dead:
-                path.unlink(missing_ok=True)
+        if age > ttl_s:
+            why = f"no heartbeat for {age:.0f}s"
+        elif _pid_is_checkable(info) and not pid_alive(pid):
+            why = f"process {pid} is gone"
         else:
             live.append(generation)
+            continue
+        log.info("ignoring dead reader lease %s (generation %d): %s", path.name, generation, why)
+        if remove_dead:
+            path.unlink(missing_ok=True)
     return live

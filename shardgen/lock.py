@@ -31,7 +31,13 @@ class StoreLock:
             return "unknown"
 
     def acquire(self) -> StoreLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a symlink: truncating its target would destroy someone else's file
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise LockError(f"{self.path}: {self.what} lock file is a symlink; refusing to use it "
+                                "(remove it and retry)") from None
+            raise LockError(f"{self.path}: cannot open the {self.what} lock file ({exc.strerror})") from None
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             try:

@@ -29,6 +29,7 @@ from .manifest import (
     snapshot_path,
     utc_now,
 )
+from .watchstate import load_state
 
 __all__ = ["open_manifest", "publish", "verify_shard", "verify_store", "status", "read_idx_offsets",
            "check_sidecar", "next_version"]
@@ -194,6 +195,7 @@ def status(store: Path, *, today: Optional[dt.date] = None) -> dict:
     if m.updated:
         age = round((dt.datetime.now(dt.timezone.utc) - parse_utc(m.updated)).total_seconds(), 1)
     last = m.shards[-1].date if m.shards else None
+    watch = load_state(store) or {}
     return {
         "manifest": str(path),
         "generation": m.generation,
@@ -213,6 +215,8 @@ def status(store: Path, *, today: Optional[dt.date] = None) -> dict:
         "updated": m.updated,
         "age_s": age,
         "schema": m.schema.to_json(),
+        "watch_updated": watch.get("updated"),  # the watcher's last cycle (None: no watcher state)
+        "failing": watch.get("failing", []),  # date, kind, attempts, error, next_retry
     }
 
 

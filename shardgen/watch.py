@@ -9,19 +9,25 @@ Each cycle:
 4. garbage collection deletes retired shards past ``grace_s`` that no live reader uses.
 
 A dropped raw file is read once its mtime is ``settle_s`` old (write it under another name and
-rename it into place to make that instant). A date that fails is retried on later cycles with
-exponential backoff; it never holds up other dates.
+rename it into place to make that instant). A due date that fails -- including one whose raw file
+(say, a generator's truncated output) does not load -- is generated again on later cycles with
+exponential backoff; it never holds up other dates. A bad raw file dropped for a date that is not
+due is reported once and read again when it changes. Every failing date, with its last error,
+attempts and next retry, is written to ``<store>/.watch-state.json`` after each cycle
+(``shardgen status`` shows it).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from . import generator
 from .build import BuildReport, build, wanted
 from .config import Config
 from .errors import ShardError
@@ -29,11 +35,23 @@ from .gc import collect
 from .lock import WATCH_LOCK, StoreLock
 from .manifest import Sidecar
 from .store import check_sidecar, open_manifest, publish, verify_shard
+from .watchstate import Failing, save_state, utc_stamp
 
 __all__ = ["Watcher", "CycleReport"]
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 3600.0
+
+
+@dataclass
+class _Failure:
+    attempts: int
+    error: str
+    retry_at: Optional[float]  # time.monotonic(); None: a dropped file, retried when it changes
+
+    @property
+    def kind(self) -> str:
+        return "dropped" if self.retry_at is None else "due"
 
 
 @dataclass
@@ -55,7 +73,7 @@ class Watcher:
                  today: Callable[[], dt.date] = dt.date.today):
         self.cfg, self.interval, self.jobs, self.today = cfg, interval, jobs, today
         self._stop = False
-        self._failures: dict[dt.date, tuple[int, float]] = {}  # date -> (count, retry after)
+        self._failures: dict[dt.date, _Failure] = {}
         self._bad_files: set[tuple[str, float, int]] = set()  # reported once per file version
         self._lock = StoreLock(cfg.store.dir / WATCH_LOCK, timeout=0, what="watch")
 
@@ -64,7 +82,9 @@ class Watcher:
         return self._lock.path
 
     def stop(self) -> None:
+        """Stop after this cycle; running generators (in worker processes too) are abandoned."""
         self._stop = True
+        generator.request_stop()
 
     @property
     def stopping(self) -> bool:
@@ -85,6 +105,7 @@ class Watcher:
             Parallel(n_jobs=jobs, backend="loky")(delayed(abs)(i) for i in range(jobs))
 
     def __exit__(self, *exc: object) -> None:
+        generator.clear_stop()
         self._lock.release()
 
     def run(self, sleep: Callable[[float], bool]) -> None:
@@ -98,36 +119,68 @@ class Watcher:
 
     def cycle(self) -> CycleReport:
         cfg, report = self.cfg, CycleReport()
-        manifest = open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
-        now = time.monotonic()
-        due = [d for d in cfg.dates_between(today=self.today())
-               if self._failures.get(d, (0, 0.0))[1] <= now]
-        raw = self._settled_raw_files()
-        unsettled = {d for d, p in cfg.raw_files().items() if d not in raw}
-        due = [d for d in due if d not in unsettled]  # someone is still writing it
-        arrivals = [d for d in wanted(manifest, raw) if d not in set(due)]
-        if due or arrivals:
-            report.build = build(cfg, dates=due, raw_dates=arrivals, jobs=self.jobs, publish_every_s=0.0,
-                                 should_stop=lambda: self._stop)  # readers see each date at once
-            self._note_results(report, arrivals, raw)
-        if self._stop:
+        try:
+            manifest = open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
+            now = time.monotonic()
+            scheduled = cfg.dates_between(today=self.today())
+            files = cfg.raw_files()
+            raw = self._settled_raw_files(files)
+            # A due date is generated (again) whatever its raw file holds, unless someone is still
+            # writing that file, or the date is waiting for its retry.
+            due = [d for d in scheduled if (d in raw or d not in files) and self._retry_at(d) <= now]
+            arrivals = [d for d in wanted(manifest, raw) if d not in set(scheduled) and not self._known_bad(raw[d])]
+            if due or arrivals:
+                report.build = build(cfg, dates=due, raw_dates=arrivals, jobs=self.jobs, publish_every_s=0.0,
+                                     should_stop=lambda: self._stop)  # readers see each date at once
+                self._note_results(report, arrivals, raw)
+            if self._stop:
+                return report
+            report.adopted = self._adopt()
+            saved = publish(cfg.store.dir, cfg.schema, cfg.store.window, report.adopted)  # applies the window
+            report.deleted = collect(cfg.store.dir, grace_s=cfg.store.grace_s, lease_ttl_s=cfg.store.lease_ttl_s)
+            done = {s.date for s in (saved or manifest).shards} | {a.date for a in report.adopted}
+            for date in [d for d in self._failures if d.isoformat() in done]:
+                del self._failures[date]  # published meanwhile (e.g. adopted)
             return report
-        report.adopted = self._adopt()
-        publish(cfg.store.dir, cfg.schema, cfg.store.window, report.adopted)  # also applies the window
-        report.deleted = collect(cfg.store.dir, grace_s=cfg.store.grace_s, lease_ttl_s=cfg.store.lease_ttl_s)
-        return report
+        finally:
+            self._save_state()
 
-    def _settled_raw_files(self) -> dict[dt.date, Path]:
+    def _retry_at(self, date: dt.date) -> float:
+        failure = self._failures.get(date)
+        return failure.retry_at if failure is not None and failure.retry_at is not None else 0.0
+
+    def _known_bad(self, path: Path) -> bool:
+        try:
+            st = path.stat()
+        except OSError:
+            return False
+        return (str(path), st.st_mtime, st.st_size) in self._bad_files
+
+    def _settled_raw_files(self, files: dict[dt.date, Path]) -> dict[dt.date, Path]:
+        """Raw files whose mtime is ``settle_s`` old (not being written any more)."""
         settled, now = {}, time.time()
-        for date, path in self.cfg.raw_files().items():
+        for date, path in files.items():
             try:
                 st = path.stat()
             except FileNotFoundError:
                 continue
-            if now - st.st_mtime >= self.cfg.generator.settle_s and (str(path), st.st_mtime, st.st_size) \
-                    not in self._bad_files:
+            if now - st.st_mtime >= self.cfg.generator.settle_s:
                 settled[date] = path
         return settled
+
+    def _save_state(self) -> None:
+        """Failing dates, for ``shardgen status``; a store we cannot write to is logged, not fatal."""
+        mono, wall = time.monotonic(), time.time()
+        failing = []
+        for date, f in self._failures.items():
+            retry = None
+            if f.retry_at is not None:
+                retry = utc_stamp(wall + max(0.0, f.retry_at - mono))
+            failing.append(Failing(date.isoformat(), f.kind, f.attempts, f.error, retry))
+        try:
+            save_state(self.cfg.store.dir, updated=utc_stamp(wall), pid=os.getpid(), failing=failing)
+        except OSError as exc:
+            log.warning("%s: cannot write the watcher state (%s)", self.cfg.store.dir, exc)
 
     def _note_results(self, report: CycleReport, arrivals: list, raw: dict) -> None:
         built = report.build
@@ -135,16 +188,19 @@ class Watcher:
             self._failures.pop(date, None)
         for date, message in built.failed:
             report.failed.append((date, message))
+            previous = self._failures.get(date)
+            count = (previous.attempts if previous else 0) + 1
             if date in arrivals:  # a bad dropped file: report once, retry when it changes
                 try:
                     st = raw[date].stat()
                     self._bad_files.add((str(raw[date]), st.st_mtime, st.st_size))
                 except OSError:
                     pass
+                self._failures[date] = _Failure(count, message, None)
+                log.warning("%s: %s is not generated here; will read it again when it changes", date, raw[date])
                 continue
-            count = self._failures.get(date, (0, 0.0))[0] + 1
             delay = min(MAX_BACKOFF_S, self.interval * 2 ** (count - 1))
-            self._failures[date] = (count, time.monotonic() + delay)
+            self._failures[date] = _Failure(count, message, time.monotonic() + delay)
             log.warning("%s: will retry in %.0fs (failure %d)", date, delay, count)
 
     def _adopt(self) -> list:

@@ -3,8 +3,9 @@
     fake_gen.py --date D --out P --modes MODES.json [--cols N] [--rows N]
 
 Modes: ok, fail (exit 3), hang (sleeps, with a child process), garbage, truncated, empty, noout,
-nan, 3d, int, few (fewer rows than any window), flaky:K (fails the first K runs), slow:S (sleeps S
-seconds first). Every run appends its date to ``<modes>.runs`` so tests can count runs.
+nan, 3d, int, few (fewer rows than any window), flaky:K (fails the first K runs), truncated:K (writes a
+truncated file, exit 0, the first K runs), slow:S (sleeps S seconds first). Every run appends its date
+to ``<modes>.runs`` so tests can count runs.
 """
 
 import argparse
@@ -46,11 +47,13 @@ def main() -> int:
             print(f"flaky failure {runs}", file=sys.stderr)
             return 4
         mode = "ok"
+    if mode.startswith("truncated:"):
+        mode = "truncated" if runs <= int(mode.split(":")[1]) else "ok"
     if mode == "fail":
         print("line one\nfake generator exploded for " + a.date, file=sys.stderr)
         return 3
     if mode == "hang":
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", a.modes])  # modes: for pgrep
         print("hanging", file=sys.stderr, flush=True)
         time.sleep(600)
         return 0

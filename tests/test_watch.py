@@ -106,7 +106,8 @@ def test_watcher_shards_due_dates_and_dropped_files(cfg_dir, watchers):
     code, out, err = w.stop()
     assert code == 0, err
     bad = [line for line in err.splitlines() if "2024-01-09" in line]
-    assert len(bad) == 1 and "not a readable .npy" in bad[0]  # reported once, not every cycle
+    assert len(bad) == 2 and "not a readable .npy" in bad[0]  # reported once, not every cycle
+    assert "will read it again when it changes" in bad[1]
     assert "published 2024-01-08" in err
     assert verify_store(store)[1] == []
 
@@ -139,6 +140,65 @@ def test_failing_date_is_retried_with_backoff_and_does_not_block(cfg_dir, watche
     assert "will retry in" in err
 
 
+def test_a_due_date_whose_generator_leaves_a_truncated_file_is_regenerated(cfg_dir):
+    """Measured: while the date waited for its retry, its truncated output was read as a dropped file,
+    failed, and was then ignored for ever: the generator never ran for that date again."""
+    from shardgen.watch import Watcher
+    from shardgen.watchstate import WATCH_STATE
+
+    cfg_path = write_config(cfg_dir, end="2024-01-03", modes={"2024-01-02": "truncated:2"})
+    cfg_path.write_text(cfg_path.read_text().replace("backoff_s = 0.0", "backoff_s = 0.0\nsettle_s = 0.2"))
+    cfg = load_config(cfg_path)
+    store = cfg.store.dir
+    statuses = []
+    with Watcher(cfg, interval=1.0) as w:  # backoff 1 s, 2 s: several cycles while the date waits
+        for _ in range(40):
+            w.cycle()
+            if "2024-01-02" in published(store):
+                break
+            r = subprocess.run([sys.executable, "-m", "shardgen.cli", "status", "-c", str(cfg_path), "--json"],
+                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            statuses.append(json.loads(r.stdout)["failing"])
+            time.sleep(0.1)
+    assert published(store) == ["2024-01-02", "2024-01-03"]
+    assert runs(cfg_dir).count("2024-01-02") == 3  # two truncated files, then a good one
+    failing = [f for f in statuses if f]
+    assert max(f[0]["attempts"] for f in failing) == 2
+    assert failing[0][0]["date"] == "2024-01-02" and failing[0][0]["kind"] == "due"
+    assert "not a readable .npy array" in failing[0][0]["error"] and failing[0][0]["next_retry"].endswith("Z")
+    assert json.loads((store / WATCH_STATE).read_text())["failing"] == []  # healthy again
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "status", "-c", str(cfg_path)],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "0 failing dates" in r.stdout
+
+
+def test_status_lists_failing_dates_of_a_running_watcher(cfg_dir, watchers):
+    cfg = write_config(cfg_dir, end="2024-01-03", modes={"2024-01-03": "fail"})
+    cfg.write_text(cfg.read_text().replace("backoff_s = 0.0", "backoff_s = 0.0\nsettle_s = 0.3"))
+    drop_raw(cfg_dir, "2024-01-04")
+    (cfg_dir / "raw" / "2024-01-09.npy").write_bytes(b"not an npy")  # dropped, not due
+    w = watchers(cfg, "--interval", "0.2")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def failing():
+        r = subprocess.run([sys.executable, "-m", "shardgen.cli", "status", "-c", str(cfg), "--json"],
+                           capture_output=True, text=True, env=env)
+        return {f["date"]: f for f in json.loads(r.stdout)["failing"]}
+
+    wait_for(lambda: set(failing()) == {"2024-01-03", "2024-01-09"} and failing()["2024-01-03"]["attempts"] >= 2,
+             what="two failing dates in status")
+    f = failing()
+    assert f["2024-01-03"]["kind"] == "due" and "exited with code 3" in f["2024-01-03"]["error"]
+    assert f["2024-01-09"]["kind"] == "dropped" and f["2024-01-09"]["next_retry"] is None
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "status", "-c", str(cfg)], capture_output=True,
+                       text=True, env=env)
+    assert "failing 2024-01-03 (due, " in r.stdout and "failing 2024-01-09 (dropped, 1 attempts, retried when" \
+        in r.stdout
+    code, out, err = w.stop()
+    assert code == 0
+    assert "2024-01-09: " in err and "will read it again when it changes" in err
+
+
 def test_second_watcher_exits_2_naming_lock_and_pid(cfg_dir, watchers):
     cfg = write_config(cfg_dir)
     first = watchers(cfg, "--interval", "0.5")
@@ -151,16 +211,23 @@ def test_second_watcher_exits_2_naming_lock_and_pid(cfg_dir, watchers):
 
 
 def test_sigterm_during_a_build_stops_cleanly(cfg_dir, watchers):
-    cfg = write_config(cfg_dir, end="2024-01-05", jobs=2, modes={"*": "slow:60"})
+    # Generators run in loky worker processes, which never see the watcher's STOP event: they must
+    # still be abandoned at once, with their process groups (the "hang" one has a child), instead
+    # of running until their timeout (20 s here).
+    cfg = write_config(cfg_dir, end="2024-01-05", jobs=2, modes={"*": "slow:60", "2024-01-03": "hang"})
     w = watchers(cfg, "--interval", "0.5")
     wait_for(lambda: len(runs(cfg_dir)) >= 2, what="generators running")
+    time.sleep(0.3)  # the hanging generator has started its child
     t0 = time.monotonic()
     code, out, err = w.stop(signal.SIGTERM, timeout=30)
     assert code == 0, err
-    assert time.monotonic() - t0 < 20
-    assert "Traceback" not in err
+    assert time.monotonic() - t0 < 10  # measured 0.2 s; the generators' timeout is 20 s
+    assert "Traceback" not in err and "timed out" not in err
     left = subprocess.run(["pgrep", "-f", f"{cfg_dir}/modes.json"], capture_output=True, text=True).stdout
-    assert left.strip() == "", "generators outlived the watcher"
+    if left.strip():
+        print(subprocess.run(["ps", "-o", "pid,ppid,pgid,etimes,args", "-p", ",".join(left.split())],
+                             capture_output=True, text=True).stdout, runs(cfg_dir), err)
+    assert left.strip() == "", "generators (or their children) outlived the watcher"
     store = cfg_dir / "shards"
     assert not [p for p in store.iterdir() if p.suffix == ".rec"]  # nothing partial, nothing published
     # The lock was released: another watcher starts at once.
@@ -252,8 +319,11 @@ def test_dead_and_stale_leases_do_not_count(tmp_path):
     dead.wait()
     import socket
 
+    from shardgen.fsutil import boot_id, pid_namespace
+
     (store / LEASE_DIR / "dead.json").write_text(json.dumps({"generation": 1, "host": socket.gethostname(),
-                                                              "pid": dead.pid}))
+                                                              "pid": dead.pid, "pidns": pid_namespace(),
+                                                              "boot_id": boot_id()}))
     stale = store / LEASE_DIR / "stale.json"
     stale.write_text(json.dumps({"generation": 1, "host": "elsewhere", "pid": 1}))
     old = time.time() - 600

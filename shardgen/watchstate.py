@@ -1,0 +1,66 @@
+"""The watcher's state file ``<store>/.watch-state.json``: which dates are failing and why.
+
+Written atomically by ``shardgen watch`` after every cycle, read by ``shardgen status``::
+
+    {"format": "shardgen-watch/1", "updated": "2026-01-01T00:00:00Z", "pid": 123,
+     "failing": [{"date": "2024-01-02", "kind": "due", "attempts": 2,
+                  "error": "2024-01-02: raw/2024-01-02.npy: not a readable .npy array (...)",
+                  "next_retry": "2026-01-01T00:00:02Z"}]}
+
+``kind`` is ``due`` (a date the watcher generates: retried with backoff, ``next_retry`` set) or
+``dropped`` (a raw file dropped by others for a date it does not generate: retried when the
+file changes, ``next_retry`` null).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from .fsutil import atomic_write
+
+__all__ = ["WATCH_STATE", "FORMAT", "Failing", "save_state", "load_state", "utc_stamp"]
+
+log = logging.getLogger(__name__)
+WATCH_STATE = ".watch-state.json"
+FORMAT = "shardgen-watch/1"
+
+
+def utc_stamp(ts: float) -> str:
+    """A Unix time as ``YYYY-MM-DDTHH:MM:SSZ`` (the manifest's style)."""
+    return dt.datetime.fromtimestamp(int(ts), dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class Failing:
+    date: str
+    kind: str  # "due" | "dropped"
+    attempts: int
+    error: str
+    next_retry: Optional[str]  # UTC, or None: when the dropped file changes
+
+
+def save_state(store: Path, *, updated: str, pid: int, failing: list[Failing]) -> None:
+    doc = {"format": FORMAT, "updated": updated, "pid": pid,
+           "failing": [asdict(f) for f in sorted(failing, key=lambda f: f.date)]}
+    atomic_write(Path(store) / WATCH_STATE, json.dumps(doc, sort_keys=True, indent=1).encode(), fsync=False)
+
+
+def load_state(store: Path) -> Optional[dict]:
+    """The last state a watcher wrote, or None (no watcher ran, or the file is unreadable)."""
+    path = Path(store) / WATCH_STATE
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("%s: unreadable watcher state (%s)", path, exc)
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        log.warning("%s: unknown watcher state format %r", path, doc.get("format") if isinstance(doc, dict) else None)
+        return None
+    return doc

@@ -1,0 +1,236 @@
+"""Reader leases and ownership by pid: other pid namespaces, clock skew, deleted and dropped leases.
+
+The pid-namespace tests run real processes in a new pid namespace (``unshare --pid --fork
+--mount-proc``, needs root); where that is not possible they are skipped and the unit tests that
+fake the namespace fields still run.
+"""
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, make_store, shardgen_cli, write_config
+
+from shardgen import fsutil, lease
+from shardgen.fsutil import HOST_TOKEN, clean_temp_files, pid_alive
+from shardgen.gc import collect
+from shardgen.lease import LEASE_DIR, Lease, live_lease_generations, store_clock
+
+
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+    return r.returncode == 0
+
+
+other_pid_ns = pytest.mark.skipif(not _unshare_works(), reason="unshare --pid not permitted here")
+
+
+def pid_free_here() -> int:
+    """A pid no process of this namespace has (to be given to a process in another namespace)."""
+    top = int(Path("/proc/sys/kernel/pid_max").read_text()) - 1000
+    return next(p for p in range(top, top - 1000, -1) if not pid_alive(p))
+
+
+def in_other_pid_ns(code: str, *, pid: int = 0, **kw) -> subprocess.Popen:
+    """Run ``code`` with python in a new pid namespace, as pid ``pid`` of that namespace (0: any)."""
+    outer = (
+        "import subprocess, sys\n"
+        f"if {pid}: open('/proc/sys/kernel/ns_last_pid', 'w').write('{pid - 1}')\n"
+        f"sys.exit(subprocess.call([sys.executable, '-c', {code!r}]))\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    return subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", outer],
+                            env=env, text=True, start_new_session=True, **kw)
+
+
+def retired_store(tmp_path: Path) -> Path:
+    """A store whose generation 2 retired 2024-01-02 (listed by generation 1)."""
+    store = tmp_path / "proj" / "shards"
+    make_store(store, {"2024-01-02": 10}, window=1)
+    make_store(store, {"2024-01-03": 10}, window=1, base_id=10)
+    return store
+
+
+def write_lease(store: Path, name: str, **info) -> Path:
+    path = store / LEASE_DIR / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"generation": 1, "host": lease._HOST, "pid": os.getpid(),
+                                "pidns": lease._PIDNS, "boot_id": lease._BOOT, **info}))
+    return path
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+# -- liveness ----------------------------------------------------------------------------------
+
+
+@other_pid_ns
+def test_lease_from_another_pid_namespace_lives_while_its_heartbeat_is_fresh(tmp_path):
+    store = retired_store(tmp_path)
+    pid = pid_free_here()
+    reader = in_other_pid_ns(
+        "import os, sys, time\n"
+        "from shardgen.lease import Lease\n"
+        f"lease = Lease({str(store)!r}, refresh_s=0.2)\n"
+        "lease.renew(1)\n"
+        "print(os.getpid(), flush=True)\n"
+        "time.sleep(60)\n", pid=pid, stdout=subprocess.PIPE)
+    try:
+        assert int(reader.stdout.readline()) == pid  # a pid that does not exist in this namespace
+        [path] = (store / LEASE_DIR).glob("*.json")
+        info = json.loads(path.read_text())
+        assert info["host"] == lease._HOST and info["pid"] == pid and not pid_alive(pid)
+        assert info["pidns"] != lease._PIDNS and info["boot_id"] == lease._BOOT
+        time.sleep(0.5)  # several heartbeats
+        assert live_lease_generations(store, 60) == [1]
+        assert collect(store, grace_s=0, lease_ttl_s=60) == []
+        assert (store / "2024-01-02.rec").exists()
+    finally:
+        os.killpg(reader.pid, 9)
+        reader.wait()
+    # Killed, so the lease file stays behind; it dies by heartbeat age only (store clock).
+    assert live_lease_generations(store, 60) == [1]
+    assert live_lease_generations(store, 60, now=store_clock(store) + 61) == []
+    assert collect(store, grace_s=0, lease_ttl_s=60) == ["2024-01-02"]
+
+
+@other_pid_ns
+def test_shardgen_gc_in_another_pid_namespace_keeps_a_live_readers_shards(tmp_path):
+    cfg = write_config(tmp_path / "proj", grace=0)
+    store = retired_store(tmp_path)
+    reader = Lease(store)  # this process, this namespace: its pid does not exist in gc's namespace
+    reader.renew(1)
+    probe = in_other_pid_ns(f"import os\ntry:\n    os.kill({os.getpid()}, 0)\nexcept ProcessLookupError:\n"
+                            "    print('absent')\n", stdout=subprocess.PIPE)
+    assert probe.communicate(timeout=30)[0].strip() == "absent"
+    gc_run = in_other_pid_ns(f"from shardgen.cli import main\nraise SystemExit(main(['gc', '-c', {str(cfg)!r}]))",
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = gc_run.communicate(timeout=60)
+    assert gc_run.returncode == 0, err
+    assert "deleted 0 retired shards" in out
+    assert (store / "2024-01-02.rec").exists() and reader.path.exists()
+    reader.release()
+    r = shardgen_cli("gc", "-c", cfg)
+    assert r.returncode == 0 and "2024-01-02" in r.stdout
+
+
+def test_pid_of_another_namespace_or_boot_is_not_trusted(tmp_path):
+    """The same as above with the namespace fields faked: only the heartbeat decides."""
+    store = retired_store(tmp_path)
+    pid = dead_pid()
+    write_lease(store, "other-ns.json", pid=pid, pidns="pid:[4026530000]")
+    write_lease(store, "other-boot.json", pid=pid, boot_id="00000000-0000-0000-0000-000000000000")
+    write_lease(store, "old-format.json", pid=pid, pidns=None, boot_id=None)  # written before pidns existed
+    assert live_lease_generations(store, 60) == [1, 1, 1]
+    dead = write_lease(store, "same-ns-dead.json", pid=pid)
+    assert live_lease_generations(store, 60) == [1, 1, 1] and not dead.exists()
+
+
+@pytest.mark.parametrize("skew_s", [3600, -3600])
+def test_lease_age_is_measured_by_the_store_clock(tmp_path, monkeypatch, skew_s):
+    store = retired_store(tmp_path)
+    fresh = write_lease(store, "fresh.json", host="elsewhere")
+    stale = write_lease(store, "stale.json", host="elsewhere", generation=2)
+    old = os.stat(fresh).st_mtime - 600  # stale by the store's clock
+    os.utime(stale, (old, old))
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + skew_s)  # this host's clock is wrong
+    assert live_lease_generations(store, 60) == [1]
+    assert fresh.exists() and not stale.exists()
+    assert abs(os.stat(store / LEASE_DIR / ".clock").st_mtime - real_time()) < 5
+
+
+# -- the heartbeat ------------------------------------------------------------------------------
+
+
+def test_a_deleted_lease_is_written_again_within_a_refresh_period(tmp_path, caplog):
+    store = tmp_path / "s"
+    store.mkdir()
+    lease_ = Lease(store, refresh_s=0.1)
+    lease_.renew(3)
+    lease_.path.unlink()
+    deadline = time.monotonic() + 2
+    while not lease_.path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert json.loads(lease_.path.read_text())["generation"] == 3
+    assert "was deleted; writing it again" in caplog.text
+    assert live_lease_generations(store, 60) == [3]
+    lease_.release()
+    time.sleep(0.3)
+    assert not lease_.path.exists()  # released: never written again
+
+
+def test_a_dropped_lease_removes_its_file_and_stops_its_thread(tmp_path):
+    store = tmp_path / "s"
+    store.mkdir()
+    lease_ = Lease(store, refresh_s=0.05)
+    lease_.renew(1)
+    path, thread = lease_.path, lease_._thread
+    time.sleep(0.2)
+    del lease_
+    gc.collect()
+    assert not path.exists()
+    thread.join(timeout=2)
+    assert not thread.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == "shardgen-lease"]
+
+
+def test_a_lease_can_be_renewed_after_release(tmp_path):
+    lease_ = Lease(tmp_path, refresh_s=0.05)
+    lease_.renew(1)
+    lease_.release()
+    lease_.renew(2)
+    lease_.path.unlink()
+    time.sleep(0.3)
+    assert json.loads(lease_.path.read_text())["generation"] == 2
+    lease_.release()
+
+
+# -- temp files and loader folders --------------------------------------------------------------
+
+
+@other_pid_ns
+def test_temp_files_of_a_writer_in_another_pid_namespace_survive(tmp_path):
+    pid = pid_free_here()
+    writer = in_other_pid_ns(
+        "from pathlib import Path\nfrom shardgen.fsutil import temp_name\n"
+        f"t = temp_name(Path({str(tmp_path)!r}) / '2024-01-02.rec')\nt.write_bytes(b'half')\nprint(t.name)\n",
+        pid=pid, stdout=subprocess.PIPE)
+    name = writer.communicate(timeout=30)[0].strip()
+    assert f"-{pid}-" in name and not pid_alive(pid) and HOST_TOKEN not in name
+    assert clean_temp_files(tmp_path) == []
+    assert (tmp_path / name).exists()
+
+
+def test_temp_files_are_judged_by_pid_only_in_our_namespace(tmp_path, monkeypatch):
+    pid = dead_pid()
+    other = tmp_path / f".2024-01-02.rec.tmp-{fsutil.host_token(lease._HOST)}_0badc0de-{pid}-0123abcd"
+    mine = tmp_path / f".2024-01-03.rec.tmp-{HOST_TOKEN}-{pid}-0123abcd"
+    other.write_bytes(b"x")
+    mine.write_bytes(b"x")
+    assert clean_temp_files(tmp_path) == [mine]
+    assert other.exists()
+
+
+def test_loader_folders_are_judged_by_pid_only_in_our_namespace(tmp_path):
+    from loader.plan import _clean_dead_processes
+
+    pid = dead_pid()
+    other = tmp_path / f"{fsutil.host_token(lease._HOST)}_0badc0de-{pid}"
+    mine, alive = tmp_path / f"{HOST_TOKEN}-{pid}", tmp_path / f"{HOST_TOKEN}-{os.getpid()}"
+    for folder in (other, mine, alive):
+        (folder / "plan").mkdir(parents=True)
+    _clean_dead_processes(tmp_path)
+    assert other.exists() and alive.exists() and not mine.exists()
