@@ -324,3 +324,24 @@ def test_unwritable_cache_dir_is_a_clear_error(store, tmp_path):
     blocker.write_text("a file where the cache folder should be")
     with pytest.raises(LoaderError, match="cannot write the loader's index folder.*cache_dir="):
         ShardIter(store, 4, cache_dir=blocker / "cache")
+
+
+def test_an_iterator_dropped_without_close_releases_everything(tmp_path):
+    """Threads hold no reference to the iterator: garbage collection stops them, removes the
+    reader lease (which would otherwise block gc of every later retirement) and the plan folder."""
+    import gc
+    import threading
+    import time
+
+    make_store(tmp_path / "s", {"2024-01-02": 70, "2024-01-03": 13})
+    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
+    it.next()
+    assert list((tmp_path / "s" / "leases").glob("*.json"))
+    del it
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(t.name.startswith("shardgen") for t in threading.enumerate()):
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("shardgen")]
+    assert not list((tmp_path / "s" / "leases").glob("*.json"))
+    assert not [p for p in (tmp_path / "c").glob("*/*") if p.is_dir()]
