@@ -201,12 +201,13 @@ def cold_epoch(store: Path, batch_size: int, cache: Path) -> dict:
 # -- end to end ------------------------------------------------------------------------------
 
 
-def _e2e_config(folder: Path, dates: Sequence[dt.date], jobs: int, open_end: bool = False) -> Path:
+def _e2e_config(folder: Path, dates: Sequence[dt.date], jobs: int, open_end: bool = False, work_ms: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     end = "" if open_end else f'end = "{dates[-1]}"'
     text = f"""
 [generator]
-command = ["{ROOT / 'build' / 'seqgen'}", "--date", "{{date}}", "--out", "{{output}}", "--cols", "37"]
+command = ["{ROOT / 'build' / 'seqgen'}", "--date", "{{date}}", "--out", "{{output}}", "--cols", "37",
+           "--work-ms", "{work_ms}"]
 output = "raw/{{date}}.npy"
 timeout_s = 60
 settle_s = 0.0
@@ -237,7 +238,7 @@ def _weekdays(n: int) -> list[dt.date]:
     return out
 
 
-def end_to_end(workdir: Path, n_dates: int, batch_size: int, step_s: float, cache: Path) -> dict:
+def end_to_end(workdir: Path, n_dates: int, batch_size: int, step_s: float, cache: Path, work_ms: int = 0) -> dict:
     """Wall time of one pass over ``n_dates`` fresh dates, relative to the pure consumer time."""
     seqgen = ROOT / "build" / "seqgen"
     if not seqgen.exists():
@@ -249,11 +250,12 @@ def end_to_end(workdir: Path, n_dates: int, batch_size: int, step_s: float, cach
         time.sleep(step_s)
 
     # (a) the question's design: everything inside the training loop, in series
-    qdir = workdir / "e2e_question"
+    qdir = workdir / f"e2e_question_{work_ms}"
     (qdir / "raw").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     samples = question_design_epoch(
-        lambda d: [str(seqgen), "--date", d.isoformat(), "--out", str(qdir / "raw" / f"{d}.npy"), "--cols", "37"],
+        lambda d: [str(seqgen), "--date", d.isoformat(), "--out", str(qdir / "raw" / f"{d}.npy"), "--cols", "37",
+                   "--work-ms", str(work_ms)],
         lambda d: str(qdir / "raw" / f"{d}.npy"), dates, SCHEMA, batch_size,
         lambda b: consume(list(b.data) + list(b.label)))
     q_wall = time.perf_counter() - t0
@@ -261,7 +263,7 @@ def end_to_end(workdir: Path, n_dates: int, batch_size: int, step_s: float, cach
 
     # (b) shardgen watch already running in another process (as it does next to training); at t0
     # the dates become due (its clock moves) and ShardIter trains on each as soon as it is published.
-    cfg = _e2e_config(workdir / "e2e_shardgen", dates, jobs=2, open_end=True)
+    cfg = _e2e_config(workdir / f"e2e_shardgen_{work_ms}", dates, jobs=2, open_end=True, work_ms=work_ms)
     store = cfg.parent / "shards"
     clock = cfg.parent / "today.txt"
     clock.write_text((dates[0] - dt.timedelta(days=1)).isoformat())
@@ -309,7 +311,7 @@ def end_to_end(workdir: Path, n_dates: int, batch_size: int, step_s: float, cach
                 batches += 1
                 real += batch_size - b.pad
             consumed.update(s.date for s in it.plan.shards)
-            expected += it.plan.records
+            expected += it.plan.samples
     finally:
         if it is not None:
             it.close()
@@ -320,12 +322,12 @@ def end_to_end(workdir: Path, n_dates: int, batch_size: int, step_s: float, cach
             os.killpg(watcher.pid, signal.SIGKILL)
     s_wall = time.perf_counter() - t0
     return {
-        "dates": n_dates, "step_ms": 1000 * step_s, "batch_size": batch_size,
+        "dates": n_dates, "step_ms": 1000 * step_s, "batch_size": batch_size, "generator_work_ms": work_ms,
         "question_design": {"wall_s": q_wall, "batches": q_batches, "consumer_s": q_batches * step_s,
-                            "ratio": q_wall / (q_batches * step_s)},
+                            "ratio": q_wall / (q_batches * step_s), "busy_pct": 100 * q_batches * step_s / q_wall},
         "shardgen_watch_shardier": {"wall_s": s_wall, "batches": batches, "samples": real, "expected_samples": expected,
                                     "consumer_s": batches * step_s, "ratio": s_wall / (batches * step_s),
-                                    "waiting_for_data_s": waited},
+                                    "busy_pct": 100 * batches * step_s / s_wall, "waiting_for_data_s": waited},
     }
 
 
@@ -427,6 +429,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         res["shardier_cold_epoch"] = cold_epoch(store, bs, cache)
         log("bench: end to end")
         res["end_to_end"] = end_to_end(workdir, n_dates, bs, step_s, cache)
+        log("bench: end to end, a generator that costs time")
+        res["end_to_end_costly"] = end_to_end(workdir, n_dates, bs, step_s, cache, work_ms=20 if args.quick else 100)
         log("bench: writer")
         wn = min(n, 20 * PER_DATE)
         res["writer"] = writer_bandwidth(workdir, x[:wn], [a[:wn] for a in labels], repeats=1 if args.quick else 3)

@@ -46,6 +46,10 @@ def targets(res: dict) -> list[dict]:
     if "shardgen_watch_shardier" in e2e:
         rows.append(("End to end wall / consumer time (watch + ShardIter)",
                      e2e["shardgen_watch_shardier"]["ratio"], "<=", 1.1))
+    costly = res.get("end_to_end_costly", {})
+    if "shardgen_watch_shardier" in costly:
+        rows.append((f"consumer busy % end to end, generator {costly['generator_work_ms']} ms/date (watch + ShardIter)",
+                     costly["shardgen_watch_shardier"]["busy_pct"], ">=", 95.0))
     sc = res.get("scale")
     if sc:
         lay, sh, rnd = sc["layouts"], sc["shards"], sc["randomness"]
@@ -84,6 +88,11 @@ def table(res: dict) -> str:
         lines += ["", f"end to end, {e2e['dates']} dates, {e2e['step_ms']:.0f} ms per batch of {e2e['batch_size']}:",
                   f"  question's design (all in the loop)  wall {q['wall_s']:.2f}s = {q['ratio']:.2f}x consumer time",
                   f"  shardgen watch + ShardIter           wall {s['wall_s']:.2f}s = {s['ratio']:.2f}x consumer time"]
+    costly = res.get("end_to_end_costly", {})
+    if "question_design" in costly:
+        q, s = costly["question_design"], costly["shardgen_watch_shardier"]
+        lines += [f"end to end, generator {costly['generator_work_ms']} ms of CPU per date: consumer busy "
+                  f"{q['busy_pct']:.1f}% (question's design) vs {s['busy_pct']:.1f}% (shardgen watch + ShardIter)"]
     sc = res.get("scale")
     if sc:
         lines += ["", f"{'layout':10} {'bytes/window':>13} {'build s':>8} {'warm samples/s':>15} "

@@ -124,7 +124,7 @@ class EpochPlan:
 
     @property
     def rec_paths(self) -> str:
-        return ";".join(str(self.folder / f"{i:06d}.rec") for i in range(len(self.shards)))
+        return ";".join(str(self.folder / f"{i:06d}" / "s.rec") for i in range(len(self.shards)))
 
     @property
     def samples(self) -> int:
@@ -165,8 +165,9 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
 
     dmlc resolves each ``.rec`` path (and the index) by listing its folder and ``stat``-ing every
     entry there, which fails if a file is renamed meanwhile -- as the watcher's temp files are in
-    the store. So MXNet only ever sees the plan's own folder: written once, then left unchanged,
-    holding the combined index and one link per shard to the file this process holds open.
+    the store -- and costs O(shards^2) stats when all links share a folder (0.7 s at 400 shards).
+    So MXNet only ever sees the plan's own folder: written once, then left unchanged, holding the
+    combined index and, one per subfolder, a link to each shard file this process holds open.
     """
     if verify not in VERIFY_MODES:
         raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
@@ -203,7 +204,8 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
             (folder / "index.idx").write_bytes(_index_text(offsets))
             for i, (s, fd) in enumerate(zip(shards, files.fds)):
                 target = proc_fd / str(fd) if proc_fd.is_dir() else store / s.rec
-                os.symlink(target, folder / f"{i:06d}.rec")
+                (folder / f"{i:06d}").mkdir()  # one link per folder: dmlc lists a path's folder to find it
+                os.symlink(target, folder / f"{i:06d}" / "s.rec")
         except OSError as exc:
             raise LoaderError(f"{mine}: cannot write the loader's index folder ({exc.strerror}); pass "
                               "cache_dir= a writable folder (or set XDG_CACHE_HOME)") from None

@@ -262,7 +262,7 @@ class ShardIter(mx.io.DataIter):
         res = self._res
         arrays, valid = res.stream.get()
         self._cursor += 1
-        if res.ahead is None and self._batches - self._cursor <= self.prefetch_buffer + 1:
+        if res.ahead is None and self._cursor >= self._ahead_at:
             self._open_ahead()
         pad = self.batch_size - valid if self.last_batch == "pad" else 0
         self._samples += valid if self.last_batch == "pad" else self.batch_size
@@ -386,7 +386,10 @@ class ShardIter(mx.io.DataIter):
         self._part_samples, self._batches = stream.samples, stream.batches
         self._cursor, self._samples, self._blocked = skip, 0, 0.0
         self._epoch_t0 = self._epoch_t1 = None
-        if self._batches - self._cursor <= self.prefetch_buffer + 1:
+        # The next epoch's stream starts half way through this one: its buffer fills (and its native
+        # iterators open) while this epoch's batches are consumed.
+        self._ahead_at = max(skip, self._batches // 2)
+        if self._cursor >= self._ahead_at:
             self._open_ahead()
 
     def _open_ahead(self) -> None:

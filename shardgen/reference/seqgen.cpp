@@ -1,6 +1,6 @@
 // seqgen: the reference data generator shipped with shardgen (a stand-in for a user's own binary).
 //
-//   seqgen --date YYYY-MM-DD --out PATH [--rows N] [--cols N] [--targets K] [--seed N]
+//   seqgen --date YYYY-MM-DD --out PATH [--rows N] [--cols N] [--targets K] [--seed N] [--work-ms MS]
 //
 // Writes one float32 2-D .npy of shape (rows, cols) for the date: cols - K feature columns, then
 // K target columns (forward log-returns of asset 0 over horizons 1, 5, 10, 20, 60, ...).
@@ -11,6 +11,7 @@
 // Exit codes: 0 ok, 2 bad arguments, 1 I/O failure; a one-line message on stderr.
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -46,7 +47,7 @@ struct Rng {  // xorshift-free, portable: splitmix64 + Box-Muller (same numbers 
 
 [[noreturn]] void usage(const std::string &msg) {
   std::fprintf(stderr, "seqgen: %s\nusage: seqgen --date YYYY-MM-DD --out PATH [--rows N] [--cols N] "
-               "[--targets K] [--seed N]\n", msg.c_str());
+               "[--targets K] [--seed N] [--work-ms MS]\n", msg.c_str());
   std::exit(2);
 }
 
@@ -91,7 +92,7 @@ bool write_npy(const std::string &path, const std::vector<float> &data, long row
 
 int main(int argc, char **argv) {
   std::string date, out;
-  long rows = -1, cols = 37, targets = 5, seed = 0;
+  long rows = -1, cols = 37, targets = 5, seed = 0, work_ms = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "-h" || a == "--help") usage("reference generator for shardgen");
@@ -103,6 +104,7 @@ int main(int argc, char **argv) {
     else if (a == "--cols") cols = parse_int(a, v, 2, 100000);
     else if (a == "--targets") targets = parse_int(a, v, 1, 1000);
     else if (a == "--seed") seed = parse_int(a, v, 0, 1L << 40);
+    else if (a == "--work-ms") work_ms = parse_int(a, v, 0, 3600 * 1000);
     else usage("unknown argument " + a);
   }
   int y, m, d;
@@ -148,6 +150,13 @@ int main(int argc, char **argv) {
     }
     for (long k = 0; k < targets; ++k) {
       row[features + k] = static_cast<float>(price[(t + horizons[k]) * assets] - price[t * assets]);
+    }
+  }
+  if (work_ms > 0) {  // a generator that costs real CPU time per date (benchmarks)
+    auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(work_ms);
+    volatile double sink = 0;
+    while (std::chrono::steady_clock::now() < until) {
+      for (int k = 0; k < 10000; ++k) sink = sink + std::sqrt(static_cast<double>(k));
     }
   }
   if (!write_npy(out, data, rows, cols)) {
