@@ -334,14 +334,17 @@ def test_an_iterator_dropped_without_close_releases_everything(tmp_path):
     import time
 
     make_store(tmp_path / "s", {"2024-01-02": 70, "2024-01-03": 13})
+    before = set(threading.enumerate())
     it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
     it.next()
     assert list((tmp_path / "s" / "leases").glob("*.json"))
+    mine = [t for t in threading.enumerate() if t not in before]
+    assert mine
     del it
     gc.collect()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(t.name.startswith("shardgen") for t in threading.enumerate()):
+    while time.monotonic() < deadline and any(t.is_alive() for t in mine):
         time.sleep(0.05)
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("shardgen")]
+    assert not [t.name for t in mine if t.is_alive()]
     assert not list((tmp_path / "s" / "leases").glob("*.json"))
     assert not [p for p in (tmp_path / "c").glob("*/*") if p.is_dir()]
