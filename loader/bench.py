@@ -37,6 +37,7 @@ from shardgen.writer import write_shard
 from .baselines import ListBatchIter, question_design_epoch, samples_from_arrays
 from .bench_report import chart, machine_info, table, targets
 from .bench_scale import LAYOUTS, scale_suite
+from .plan import default_cache_dir
 from .shard_iter import ShardIter
 
 __all__ = ["main"]
@@ -407,7 +408,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     step_s = (args.step_ms if args.step_ms is not None else (5.0 if args.quick else 30.0)) / 1000
     bs = args.batch_size
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shardgen-bench-"))
-    cache = workdir / "cache"
+    cache = default_cache_dir() / "bench"
     res: dict = {"machine": machine_info(), "settings": {"samples": n, "batch_size": bs, "seconds": seconds,
                                                          "quick": args.quick, "time_steps": 60, "num_inputs": 32}}
     try:

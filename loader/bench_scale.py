@@ -20,6 +20,7 @@ from shardgen.process import sliding_windows
 from shardgen.store import publish
 from shardgen.writer import write_shard
 
+from .plan import default_cache_dir
 from .shard_iter import ShardIter
 
 __all__ = ["LAYOUTS", "make_store", "shuffled_rate", "stock_one_file", "randomness", "scale_suite"]
@@ -210,7 +211,7 @@ def open_reset(folder: Path, cache: Path, records: int, n_dates: int = 200) -> d
 
 
 def scale_suite(workdir: Path, *, quick: bool, seconds: float, log: Callable[[str], None]) -> dict:
-    cache = workdir / "cache"
+    cache = default_cache_dir() / "bench"
     total = 8000 if quick else 80_000
     out: dict = {"layouts": {}, "shards": {}}
     log("bench: layouts on the same raw rows")

@@ -39,8 +39,15 @@ DateRange = Optional[Sequence[Optional[str]]]
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "shardgen-loader"
+    """Where plan folders go: ``$XDG_CACHE_HOME`` if set; else ``/dev/shm`` when it is a writable
+    tmpfs (a plan is an index and one link per shard: metadata-heavy, small, per process); else
+    ``~/.cache``."""
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "shardgen-loader"
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm / f"shardgen-loader-{os.getuid()}"
+    return Path(os.path.expanduser("~")) / ".cache" / "shardgen-loader"
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -152,8 +159,18 @@ def _open_shard(store: Path, s: ShardEntry) -> int:
 
 
 def _index_text(offsets: np.ndarray) -> bytes:
-    """MXNet's text index; dmlc ignores keys and line order (it sorts offsets), so keys are 0."""
-    return ("0\t" + "\n0\t".join(map(str, offsets.tolist())) + "\n").encode() if len(offsets) else b""
+    """MXNet's text index, built with numpy (a Python join took 0.5 s at 2M records). dmlc ignores
+    keys and line order (it sorts offsets), so every key is 0; offsets are zero-padded decimals."""
+    if not len(offsets):
+        return b""
+    width = max(1, len(str(int(offsets.max()))))
+    lines = np.empty((len(offsets), width + 3), np.uint8)
+    lines[:, 0], lines[:, 1], lines[:, -1] = ord("0"), ord("\t"), ord("\n")
+    value = offsets.astype(np.uint64)
+    for col in range(width + 1, 1, -1):  # last digit first
+        lines[:, col] = (value % 10).astype(np.uint8) + ord("0")
+        value //= 10
+    return lines.tobytes()
 
 
 _SEQ = itertools.count()

@@ -354,7 +354,8 @@ class ShardIter(mx.io.DataIter):
                                            buffer_records=int(state["shuffle_buffer"]))
         manifest = load_manifest(self.manifest_path)
         shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
-        plan = dataclasses.replace(self._plan_for(manifest, shards), generation=state["generation"])
+        plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
+        plan = dataclasses.replace(plan, generation=state["generation"])
         self.epoch = int(state["epoch"])
         self._start_epoch(plan, skip=int(state["batches"]))
 
