@@ -172,9 +172,11 @@ def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify
 
 
 def check_shard(fd: int, rec_path: str, idx_path: str, entry: ShardEntry, schema: Schema, *,
-                verify: str = "frame", cache: bool = True) -> ShardFrames:
+                verify: str = "frame", cache: bool = True, check_index: bool = False) -> ShardFrames:
     """Check the open shard file ``fd`` (what MXNet will read) once per file version; ShardError
-    names the file, the date and the record. ``verify="none"`` only reads counts and sizes."""
+    names the file, the date and the record. ``verify="none"`` only reads counts and sizes.
+    The ``.idx`` is read only when records differ in size (or with ``check_index``): the loader
+    builds its own index from the checked records, stock MXNet readers use the ``.idx``."""
     st = os.fstat(fd)
     if st.st_size != entry.bytes:
         raise ShardError(f"{rec_path}: {st.st_size} bytes, the manifest says {entry.bytes} for {entry.date} "
@@ -188,6 +190,8 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: ShardEntry, schema
     rb = schema.record_bytes
     if entry.records * rb == st.st_size:  # every record whole and of one size: no index to parse
         offsets = np.arange(entry.records, dtype=np.int64) * rb
+        if check_index and not np.array_equal(_read_offsets(idx_path, entry), offsets):
+            raise ShardError(f"{idx_path}: offsets differ from the records of the .rec ({entry.date})")
     else:
         offsets = _read_offsets(idx_path, entry)
     with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mm:

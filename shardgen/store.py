@@ -131,7 +131,8 @@ def verify_shard(store: Path, entry: ShardEntry, schema: Schema, *, source: str 
     except OSError as exc:
         return f"{rec}: cannot read ({exc.strerror})"
     try:
-        check_shard(fd, str(rec), str(Path(store) / entry.idx), entry, schema, verify="sha256", cache=False)
+        check_shard(fd, str(rec), str(Path(store) / entry.idx), entry, schema, verify="sha256", cache=False,
+                    check_index=True)
     except ShardError as exc:
         return str(exc).replace("the manifest", source)
     finally:
