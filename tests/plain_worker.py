@@ -14,7 +14,7 @@ net = gluon.nn.Dense(1)
 net.initialize(mx.init.Xavier())
 trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01}, kvstore=kv)
 loss_fn = gluon.loss.L2Loss()
-for epoch in range(2):
+for _epoch in range(2):
     train.reset()
     for batch in train:
         x = batch.data[0].reshape((batch.data[0].shape[0], -1))
