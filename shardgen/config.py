@@ -145,7 +145,7 @@ _PLUGINS: dict[str, Path] = {}  # top-level module name -> file, of plug-ins imp
 
 
 def _import_plugin(function: str, file: Path) -> Any:
-    """Import ``module_name`` from the config folder holding ``file``: that folder goes first on
+    """Import the module of ``function`` from the folder holding ``file``, which goes first on
     ``sys.path`` while importing only (a plug-in's sibling modules must be imported at its top).
 
     The folder wins over an installed module of the same name; another config's plug-in of that
@@ -155,10 +155,11 @@ def _import_plugin(function: str, file: Path) -> Any:
     top = module_name.split(".")[0]
     folder = file.parent if file.name != "__init__.py" else file.parent.parent
     loaded = sys.modules.get(top)
-    if loaded is not None and getattr(loaded, "__file__", None) != str(file):
+    loaded_file = getattr(loaded, "__file__", None)
+    if loaded is not None and (loaded_file is None or Path(loaded_file).resolve() != file.resolve()):
         if top not in _PLUGINS:
             raise ConfigError(f"process.function {function!r}: {file} has the name of the module {top!r} "
-                              f"this process already uses ({getattr(loaded, '__file__', 'built in')}); "
+                              f"this process already uses ({loaded_file or 'built in'}); "
                               "rename the plug-in file")
         for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
             del sys.modules[name]
