@@ -9,6 +9,11 @@ MXNet with ``DMLC_ROLE`` = server/scheduler runs its loop). Every line a process
 with its role and rank. The first process to fail stops the job: the others are killed (whole
 process groups) and the exit code is non-zero, never a hang. Ctrl-C / SIGTERM do the same.
 
+The job ends when every worker has exited 0 (scheduler and servers get ``grace_s`` to follow, then
+are killed). A worker still running ``--straggler-s`` seconds (default 60) after another worker
+exited 0 is named, the job is killed and the exit code is 124; so is a job still running after
+``--timeout`` seconds (default: none).
+
 On several machines, start the same roles with the same variables yourself (ssh, mpirun,
 Kubernetes): ``DMLC_PS_ROOT_URI``/``DMLC_PS_ROOT_PORT`` name the scheduler, ``DMLC_NUM_WORKER``
 and ``DMLC_NUM_SERVER`` the job's size, ``DMLC_ROLE`` each process's role, ``DMLC_NODE_HOST`` its
@@ -28,7 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["main", "dmlc_env", "Job"]
+__all__ = ["main", "dmlc_env", "Job", "STRAGGLER_S", "TIMED_OUT"]
+
+STRAGGLER_S = 60.0  # a worker still running this long after another worker exited 0 stops the job
+TIMED_OUT = 124  # exit code when --timeout or --straggler-s fires (like coreutils timeout)
 
 
 def free_port() -> int:
@@ -55,10 +63,11 @@ class Job:
     """The processes of one job; ``wait()`` returns the exit code of the whole job."""
 
     def __init__(self, command: Sequence[str], *, workers: int, servers: int, host: str = "127.0.0.1",
-                 port: Optional[int] = None, grace_s: float = 30.0):
+                 port: Optional[int] = None, grace_s: float = 30.0, straggler_s: float = STRAGGLER_S):
         self.command, self.workers, self.servers, self.host = list(command), workers, servers, host
         self.port = port or free_port()
         self.grace_s = grace_s
+        self.straggler_s = straggler_s
         self.members: list[Member] = []
         self._print = threading.Lock()
         self._pumps: list[threading.Thread] = []
@@ -102,8 +111,10 @@ class Job:
             pump.join(timeout=5)
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        """0 when every worker exits 0; otherwise the first failure's code (all others killed)."""
+        """0 when every worker exits 0; otherwise the first failure's code (all others killed), or
+        ``TIMED_OUT`` after ``timeout`` seconds or when a worker straggles (see ``straggler_s``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        finished: Optional[tuple[str, float]] = None  # the first worker to exit 0, and when
         try:
             while True:
                 for m in self.members:
@@ -113,12 +124,21 @@ class Job:
                         self._say(f"launch: {m.name} {what}; stopping the job")
                         self.kill()
                         return code if code > 0 else 1
+                    if code == 0 and m.worker and finished is None:
+                        finished = (m.name, time.monotonic())
                 if not self._workers_running():
                     break
-                if deadline is not None and time.monotonic() > deadline:
+                now = time.monotonic()
+                if finished is not None and now - finished[1] > self.straggler_s:
+                    late = ", ".join(m.name for m in self.members if m.worker and m.proc.poll() is None)
+                    self._say(f"launch: {late} still running {self.straggler_s:g}s after {finished[0]} exited 0 "
+                              f"(hung at exit? see --straggler-s); stopping the job")
+                    self.kill()
+                    return TIMED_OUT
+                if deadline is not None and now > deadline:
                     self._say(f"launch: timed out after {timeout:g}s; stopping the job")
                     self.kill()
-                    return 124
+                    return TIMED_OUT
                 time.sleep(0.05)
             # Workers are done: scheduler and servers shut down on their own, or are stopped.
             end = time.monotonic() + self.grace_s
@@ -145,19 +165,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         own, command = argv[:cut], argv[cut + 1:]
     else:
         own, command = argv, []
-    p = argparse.ArgumentParser(prog="python -m loader.launch", usage="%(prog)s [-n N] [-s S] -- COMMAND ...",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("-n", "--num-workers", type=int, default=2)
-    p.add_argument("-s", "--num-servers", type=int, default=1)
+    p = argparse.ArgumentParser(prog="python -m loader.launch",
+                                usage="%(prog)s [-n N] [-s S] [--timeout S] [--straggler-s S] -- COMMAND ...",
+                                description=__doc__.split("\n\n")[0],
+                                epilog="Exit code: 0 when every worker exited 0; a failed process's code; 124 "
+                                       "when --timeout or --straggler-s fired; 130 on Ctrl-C.")
+    p.add_argument("-n", "--num-workers", type=int, default=2, metavar="N", help="workers (default 2)")
+    p.add_argument("-s", "--num-servers", type=int, default=1, metavar="S", help="servers (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="scheduler address (default: loopback)")
     p.add_argument("--port", type=int, help="scheduler port (default: a free one)")
-    p.add_argument("--timeout", type=float, help="stop the job after this many seconds")
+    p.add_argument("--timeout", type=float,
+                   help="stop the whole job (exit 124) if it is still running after this many seconds "
+                        "(default: no limit)")
+    p.add_argument("--straggler-s", type=float, default=STRAGGLER_S, metavar="S",
+                   help="stop the job (exit 124, naming the worker) if a worker is still running S seconds "
+                        f"after another worker exited 0 (default {STRAGGLER_S:g})")
     args = p.parse_args(own)
     if not command:
         p.error("give the worker command after --, e.g. -- python -m loader.train --kvstore dist_sync")
     if args.num_workers < 1 or args.num_servers < 1:
         p.error("need at least one worker and one server")
-    job = Job(command, workers=args.num_workers, servers=args.num_servers, host=args.host, port=args.port)
+    if args.straggler_s <= 0 or (args.timeout is not None and args.timeout <= 0):
+        p.error("--timeout and --straggler-s must be > 0")
+    job = Job(command, workers=args.num_workers, servers=args.num_servers, host=args.host, port=args.port,
+              straggler_s=args.straggler_s)
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt

@@ -128,7 +128,8 @@ def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = Fal
         from .cluster import dask_parallel
 
         def on_cluster() -> Iterable[DateResult]:
-            with dask_parallel(cfg.run.scheduler or "local", jobs) as (parallel, _client):
+            plugin = cfg.process.plugin_file()  # shipped to a remote cluster's workers
+            with dask_parallel(cfg.run.scheduler or "local", jobs, plugin=plugin) as (parallel, _client):
                 yield from parallel(tasks)
 
         return on_cluster()

@@ -3,7 +3,8 @@
 ``[run] scheduler`` is ``"tcp://host:port"`` of a running scheduler, or ``"local"`` for a
 ``LocalCluster`` of ``jobs`` single-threaded worker processes on this machine. Workers write shard
 files straight into the store (which must be on a filesystem they all see); only the process that
-runs ``build`` publishes the manifest. Needs the optional extra: ``pip install '.[cluster]'``.
+runs ``build`` publishes the manifest. A processor module in the config's folder is uploaded to the
+workers of a remote scheduler (``ship_plugin``). Needs the optional extra: ``pip install '.[cluster]'``.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Optional
 
 from .errors import ConfigError
 
-__all__ = ["dask_client", "dask_parallel"]
+__all__ = ["dask_client", "dask_parallel", "ship_plugin"]
 
 log = logging.getLogger(__name__)
 _CLIENTS: dict = {}
@@ -44,12 +46,29 @@ def dask_client(scheduler: str, jobs: int):
     return client
 
 
+def ship_plugin(client, scheduler: str, plugin: Optional[Path]) -> None:
+    """Make a processor module from the config's folder importable on the cluster's workers.
+
+    A ``LocalCluster``'s workers read the config's folder themselves. Workers of a remote scheduler
+    may not see it: the file is uploaded into each worker's directory (on its ``sys.path``; workers
+    that join later get it too). A plug-in package (a folder) cannot be shipped this way."""
+    if plugin is None or scheduler == "local":
+        return
+    if plugin.name == "__init__.py":
+        raise ConfigError(f"process.function: the plug-in package {plugin.parent} cannot be shipped to the Dask "
+                          f"workers of {scheduler}; install it on every worker, or make it a single .py file")
+    client.upload_file(str(plugin), load=False)
+    log.info("dask: uploaded %s to the workers", plugin)
+
+
 @contextlib.contextmanager
-def dask_parallel(scheduler: str, jobs: int) -> Iterator:
-    """A joblib ``Parallel`` that runs on the cluster, yielding results as they complete."""
+def dask_parallel(scheduler: str, jobs: int, *, plugin: Optional[Path] = None) -> Iterator:
+    """A joblib ``Parallel`` that runs on the cluster, yielding results as they complete.
+    ``plugin``: the processor's file in the config folder, shipped to remote workers."""
     import joblib
 
     client = dask_client(scheduler, jobs)
+    ship_plugin(client, scheduler, plugin)
     with joblib.parallel_config(backend="dask", wait_for_workers_timeout=60):
         yield joblib.Parallel(n_jobs=-1, return_as="generator_unordered"), client
 

@@ -1,0 +1,128 @@
+"""Processor plug-ins next to the config: found with no PYTHONPATH, in every worker, and import
+errors that say where."""
+
+import datetime as dt
+import sys
+
+import numpy as np
+import pytest
+from conftest import runs, shardgen_cli, write_config
+
+from shardgen.build import build
+from shardgen.config import load_config
+from shardgen.errors import ConfigError
+from shardgen.manifest import Manifest
+
+PLUGIN = """
+from shardgen.process import sliding_windows
+
+def windows(raw, date, *, time_steps, num_inputs, labels, offset):
+    x, labs = sliding_windows(raw, date, time_steps=time_steps, num_inputs=num_inputs, labels=labels, stride=2)
+    return x, {{**labs, "a": labs["a"] + offset + {bias}}}
+"""
+
+
+def plugin_config(folder, *, bias=0, jobs=1, name="myproc", **kw):
+    cfg = write_config(folder, process=f"{name}:windows", stride=None, jobs=jobs, **kw)
+    cfg.write_text(cfg.read_text().replace("[process]\n", "[process]\noffset = 1000.0\n"))
+    (folder / f"{name}.py").write_text(PLUGIN.format(bias=bias))
+    return cfg
+
+
+def first_labels(store, date="2024-01-02"):
+    import mxnet as mx
+    r = mx.recordio.MXIndexedRecordIO(str(store / f"{date}.idx"), str(store / f"{date}.rec"), "r")
+    header, _ = mx.recordio.unpack(r.read_idx(0))
+    r.close()
+    return header.label
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_cli_build_finds_the_plugin_next_to_the_config_from_another_folder(tmp_path, jobs):
+    cfg = plugin_config(tmp_path / "proj", jobs=jobs)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = shardgen_cli("build", "-c", cfg, cwd=elsewhere)  # cwd is neither the config's folder nor on sys.path
+    assert r.returncode == 0, r.stderr
+    assert "published 4 dates" in r.stdout
+    m = Manifest.load(tmp_path / "proj" / "shards" / "manifest.json")
+    assert [s.records for s in m.shards] == [13] * 4  # 26 windows, stride 2 (the plug-in's own)
+    assert first_labels(tmp_path / "proj" / "shards")[5 * 4] > 900  # label a carries the plug-in's offset
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_two_configs_with_same_named_plugins_in_one_process(tmp_path, jobs):
+    """Each config gets its own myproc.py (in this process and in reused loky workers); sys.path is left as it was."""
+    before = list(sys.path)
+    a = load_config(plugin_config(tmp_path / "a", bias=0, jobs=jobs))
+    b = load_config(plugin_config(tmp_path / "b", bias=500, jobs=jobs))
+    for cfg in (a, b, a):
+        assert not build(cfg, dates=[dt.date(2024, 1, 2), dt.date(2024, 1, 3)], force=True).failed
+    assert sys.path == before
+    a_label = first_labels(a.store.dir)[5 * 4]
+    b_label = first_labels(b.store.dir)[5 * 4]
+    assert b_label - a_label == pytest.approx(500)
+
+
+def test_syntax_error_names_file_and_line(tmp_path):
+    cfg = write_config(tmp_path / "proj", process="myproc:windows", stride=None)
+    (tmp_path / "proj" / "myproc.py").write_text("import numpy\n\ndef windows(raw, date:\n    pass\n")
+    r = shardgen_cli("build", "-c", cfg, cwd=tmp_path)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert f"syntax error in {tmp_path / 'proj' / 'myproc.py'}:3" in lines[0]
+    assert "No module named" not in r.stderr and runs(tmp_path / "proj") == []
+
+
+@pytest.mark.parametrize("body, match", [
+    ("X = 1\nraise RuntimeError('no licence')\n", r"raised RuntimeError at {file}:2: no licence"),
+    ("import numpy\nimport not_installed_anywhere\n",
+     r"importing it failed at {file}:2: No module named 'not_installed_anywhere'"),
+])
+def test_import_time_errors_name_the_file(tmp_path, body, match):
+    folder = tmp_path / "proj"
+    cfg = write_config(folder, process="brokenproc:windows", stride=None)
+    (folder / "brokenproc.py").write_text(body)
+    with pytest.raises(ConfigError, match=match.format(file=folder / "brokenproc.py")):
+        load_config(cfg)
+    assert "brokenproc" not in sys.modules
+
+
+def test_the_config_folder_wins_over_an_installed_module(tmp_path):
+    # dask is installed (dev extra) and a loky build never imports it: the config's dask.py wins.
+    cfg = plugin_config(tmp_path / "proj", name="dask")
+    r = shardgen_cli("build", "-c", cfg, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert first_labels(tmp_path / "proj" / "shards")[5 * 4] > 900
+
+
+def test_a_plugin_named_like_a_module_already_in_use_is_refused(tmp_path):
+    cfg = plugin_config(tmp_path / "proj", name="json")
+    with pytest.raises(ConfigError, match=r"proj/json.py has the name of the module 'json' this process already "
+                                          r"uses .*rename the plug-in file"):
+        load_config(cfg)
+    import json
+    assert json.dumps([1]) == "[1]"
+
+
+@pytest.mark.slow
+def test_a_remote_dask_cluster_gets_the_plugin_uploaded(tmp_path):
+    from dask.distributed import Client, LocalCluster
+
+    from shardgen.cluster import _close_clients
+
+    cfg_path = plugin_config(tmp_path / "proj", jobs=2)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        cfg_path.write_text(cfg_path.read_text().replace(
+            'backend = "loky"', f'backend = "dask"\nscheduler = "{cluster.scheduler_address}"'))
+        report = build(load_config(cfg_path))
+        assert not report.failed and len(report.published) == 4
+        shipped = client.run(lambda dask_worker: sorted(p.name for p in __import__("pathlib").Path(
+            dask_worker.local_directory).glob("*.py")))
+        assert all("myproc.py" in names for names in shipped.values())
+        _close_clients()  # shardgen's cached client to this scheduler, before the cluster goes
+    m = Manifest.load(tmp_path / "proj" / "shards" / "manifest.json")
+    assert [s.records for s in m.shards] == [13] * 4
+    assert np.all(first_labels(tmp_path / "proj" / "shards")[5 * 4] > 900)
