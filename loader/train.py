@@ -83,11 +83,15 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     val_end = None
     if args.val_from:
         val_end = (np.datetime64(args.val_from) - np.timedelta64(1, "D")).astype(str)
-    parts = dict(num_parts=kv.num_workers, part_index=kv.rank) if kv is not None else {}
-    train = ShardIter(args.manifest, args.batch_size, dates=(None, val_end) if val_end else None,
-                      **parts, **common)
-    val = (ShardIter(args.manifest, args.batch_size, shuffle=False, dates=(args.val_from, None), **parts, **common)
-           if args.val_from else None)
+    def make(**kw) -> ShardIter:
+        # With a kvstore every worker reads its own part of the generation rank 0 picked (at
+        # construction and each reset): train and val are made and reset in the same order everywhere.
+        if kv is not None:
+            return ShardIter.for_kvstore(kv, args.manifest, args.batch_size, **kw, **common)
+        return ShardIter(args.manifest, args.batch_size, **kw, **common)
+
+    train = make(dates=(None, val_end) if val_end else None)
+    val = make(shuffle=False, dates=(args.val_from, None)) if args.val_from else None
     target = [lab.name for lab in train.schema.labels].index(args.target)
     net = build_net(args.hidden, ctx, args.seed)
     trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": args.lr},

@@ -10,8 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Optional
 
-import numpy as np
-
 from .errors import ConfigError, ManifestError, ShardError
 from .frames import check_shard
 from .layout import Schema
@@ -31,7 +29,7 @@ from .manifest import (
 )
 from .watchstate import load_state
 
-__all__ = ["open_manifest", "publish", "verify_shard", "verify_store", "status", "read_idx_offsets",
+__all__ = ["open_manifest", "publish", "verify_shard", "verify_store", "status",
            "check_sidecar", "next_version"]
 
 log = logging.getLogger(__name__)
@@ -93,19 +91,6 @@ def next_version(store: Path, date: dt.date) -> int:
     except ManifestError:
         pass
     return max((name_version(n) for n in names), default=0) + 1
-
-
-def read_idx_offsets(path: Path) -> np.ndarray:
-    """Offsets of an MXNet text index (``key\\toffset`` lines); ShardError if malformed."""
-    try:
-        text = Path(path).read_bytes()
-    except OSError as exc:
-        raise ShardError(f"{path}: cannot read index ({exc.strerror})") from None
-    try:
-        pairs = np.array(text.split(), dtype=np.int64).reshape(-1, 2)
-    except ValueError:
-        raise ShardError(f"{path}: malformed index (expected 'key<TAB>offset' lines)") from None
-    return pairs[:, 1]
 
 
 def check_sidecar(store: Path, sidecar: Sidecar, fingerprint: str) -> Optional[str]:
