@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence, Union
+from typing import Callable, Iterator, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -33,11 +33,20 @@ class RunSpec:
     rows: np.ndarray
     starts: np.ndarray
     labels: Mapping[str, np.ndarray]
+    time_steps: int | None = None  # known to the producer; lets ``x, labels = spec`` cut windows
 
-    def as_windows(self, time_steps: int) -> Windows:
+    def as_windows(self, time_steps: int | None = None) -> Windows:
         """The same windows as ``(x, labels)``, ``x`` of shape ``(n, T, C)``."""
-        x = self.rows[np.asarray(self.starts)[:, None] + np.arange(time_steps)]
+        t = time_steps or self.time_steps
+        if not t:
+            raise TypeError("RunSpec.as_windows needs time_steps")
+        x = self.rows[np.asarray(self.starts)[:, None] + np.arange(t)]
         return x, dict(self.labels)
+
+    def __iter__(self) -> Iterator:
+        """``x, labels = sliding_windows(...)``: processors written for the windows form (which
+        ``sliding_windows`` returned before) keep working."""
+        return iter(self.as_windows())
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,7 @@ def sliding_windows(raw: np.ndarray, date: dt.date, *, time_steps: int, num_inpu
     for lab in labels:
         out[lab.name] = last[:, col:col + lab.width]
         col += lab.width
-    return RunSpec(raw[:, :num_inputs], starts, out)
+    return RunSpec(raw[:, :num_inputs], starts, out, time_steps)
 
 
 def _checked_labels(labs: object, n: int, user_labels: Sequence[LabelSpec], date: dt.date) -> dict:

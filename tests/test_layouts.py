@@ -175,3 +175,11 @@ def test_runs_layout_needs_run_form(tmp_path):
 def test_batch_larger_than_the_store_is_a_clear_error(stores, tmp_path):
     with pytest.raises(LoaderError, match="batch_size 100000 is larger than part 0"):
         ShardIter(stores["runs"], 100000, cache_dir=tmp_path)
+
+
+def test_processors_written_for_the_windows_form_still_unpack_sliding_windows():
+    """``x, labels = sliding_windows(...)`` was the contract before RunSpec; it still works."""
+    d = DATES[0]
+    x, labs = sliding_windows(raw_for(d), d, time_steps=T, num_inputs=C, labels=LABELS)
+    assert x.shape == (ROWS[d] - T + 1, T, C) and labs["a"].shape == (len(x), 1)
+    np.testing.assert_array_equal(x[3], raw_for(d)[3:3 + T, :C])

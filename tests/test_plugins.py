@@ -34,7 +34,12 @@ def first_labels(store, date="2024-01-02"):
     r = mx.recordio.MXIndexedRecordIO(str(store / f"{date}.idx"), str(store / f"{date}.rec"), "r")
     header, _ = mx.recordio.unpack(r.read_idx(0))
     r.close()
-    return header.label
+    from shardgen.layout import unpack_samples
+    from shardgen.manifest import Manifest
+
+    x, labels, days, position = unpack_samples(header.label, Manifest.load(store / "manifest.json").schema)
+    first = int(position.argmin())  # the date's first window, as a one-sample record lays it out
+    return np.concatenate([x[first].ravel(), labels[first], days[first:first + 1]])
 
 
 @pytest.mark.parametrize("jobs", [1, 2])
@@ -46,7 +51,7 @@ def test_cli_build_finds_the_plugin_next_to_the_config_from_another_folder(tmp_p
     assert r.returncode == 0, r.stderr
     assert "published 4 dates" in r.stdout
     m = Manifest.load(tmp_path / "proj" / "shards" / "manifest.json")
-    assert [s.records for s in m.shards] == [13] * 4  # 26 windows, stride 2 (the plug-in's own)
+    assert [s.samples for s in m.shards] == [13] * 4  # 26 windows, stride 2 (the plug-in's own)
     assert first_labels(tmp_path / "proj" / "shards")[5 * 4] > 900  # label a carries the plug-in's offset
 
 
@@ -124,5 +129,5 @@ def test_a_remote_dask_cluster_gets_the_plugin_uploaded(tmp_path):
         assert all("myproc.py" in names for names in shipped.values())
         _close_clients()  # shardgen's cached client to this scheduler, before the cluster goes
     m = Manifest.load(tmp_path / "proj" / "shards" / "manifest.json")
-    assert [s.records for s in m.shards] == [13] * 4
+    assert [s.samples for s in m.shards] == [13] * 4
     assert np.all(first_labels(tmp_path / "proj" / "shards")[5 * 4] > 900)
