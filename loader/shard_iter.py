@@ -346,6 +346,16 @@ class ShardIter(mx.io.DataIter):
         if state["fingerprint"] != self.schema.fingerprint:
             raise LoaderError("state_dict was saved for another schema")
         self._check_open()
+        shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
+        same = (shards == self.plan.shards and int(state["epoch"]) == self.epoch and self._cursor == 0
+                and state["generation"] == self.plan.generation and state.get("pinned") == self._choice.pin
+                and (state["readers"], state["native_batch"], state["shuffle_buffer"])
+                == (self._params.readers, self._params.native_batch, self._params.buffer_records))
+        if same and self._res.stream is not None:  # the stream this epoch already started: skip ahead in it
+            self._res.stream.skip_to(int(state["batches"]))
+            self._cursor = int(state["batches"])
+            self._ahead_at = max(self._cursor, self._ahead_at)
+            return
         self._close_epoch()
         if state.get("pinned") is not None:
             self._choice = Choice(pin=state["pinned"])
@@ -353,7 +363,6 @@ class ShardIter(mx.io.DataIter):
                                            native_batch=int(state["native_batch"]),
                                            buffer_records=int(state["shuffle_buffer"]))
         manifest = load_manifest(self.manifest_path)
-        shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
         plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
         plan = dataclasses.replace(plan, generation=state["generation"])
         self.epoch = int(state["epoch"])

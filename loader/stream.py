@@ -96,10 +96,19 @@ class EpochStream:
     # -- consumer side ----------------------------------------------------------------------------
 
     def get(self) -> tuple[list, int]:
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        """The next batch not skipped."""
+        while True:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            index, arrays, valid = item
+            if index >= self._skip:
+                return arrays, valid
+
+    def skip_to(self, index: int) -> None:
+        """Pass over batches before ``index`` (resumption): those not produced yet are never
+        assembled, those already queued are dropped by ``get()``."""
+        self._skip = max(self._skip, index)
 
     def close(self) -> None:
         self._halt.set()
@@ -118,17 +127,31 @@ class EpochStream:
         return False
 
     def _open(self) -> list:
+        """The native iterators, opened side by side (each parses the combined index; ctypes
+        releases the GIL)."""
         p, plan = self.params, self.plan
-        nb = p.native_batch
-        out = []
-        for r, records in enumerate(self._reader_records):
-            native = open_record_iter(
-                plan, record_floats=p.schema.record_floats, batch_size=min(nb, max(1, records)),
-                shuffle=p.shuffle, seed=epoch_seed(p.seed + r, self.epoch), num_parts=p.num_parts * self.readers,
-                part_index=p.part_index * self.readers + r, preprocess_threads=p.preprocess_threads,
-                prefetch_buffer=p.prefetch_buffer)
-            out.append([native, records])
-        return out
+        opened: list = [None] * len(self._reader_records)
+
+        def open_one(r: int, records: int) -> None:
+            try:
+                opened[r] = open_record_iter(
+                    plan, record_floats=p.schema.record_floats, batch_size=min(p.native_batch, max(1, records)),
+                    shuffle=p.shuffle, seed=epoch_seed(p.seed + r, self.epoch), num_parts=p.num_parts * self.readers,
+                    part_index=p.part_index * self.readers + r, preprocess_threads=p.preprocess_threads,
+                    prefetch_buffer=p.prefetch_buffer)
+            except BaseException as exc:  # raised below, in the producer thread
+                opened[r] = exc
+
+        threads = [threading.Thread(target=open_one, args=(r, n), name="shardgen-open", daemon=True)
+                   for r, n in enumerate(self._reader_records)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for item in opened:
+            if isinstance(item, BaseException):
+                raise item
+        return [[native, records] for native, records in zip(opened, self._reader_records)]
 
     def _run(self) -> None:
         natives: list = []
@@ -158,7 +181,7 @@ class EpochStream:
                 return
             valid = min(bs, self.samples - index * bs)
             if valid <= 0:  # a part shorter than the longest: a whole batch of declared padding
-                if index >= self._skip and not self._offer((last, 0)):
+                if index >= self._skip and not self._offer((index, last, 0)):
                     return
                 continue
             # Fill: shuffling, until the buffer is full; in order, until the batch is there.
@@ -182,7 +205,7 @@ class EpochStream:
                 pool.release(codes)
                 continue
             last = self._arrays(*pool.gather(codes))
-            if not self._offer((last, valid)):
+            if not self._offer((index, last, valid)):
                 return
 
     def _arrays(self, x: np.ndarray, labels: np.ndarray, days: np.ndarray) -> list:

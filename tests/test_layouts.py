@@ -183,3 +183,20 @@ def test_processors_written_for_the_windows_form_still_unpack_sliding_windows():
     x, labs = sliding_windows(raw_for(d), d, time_steps=T, num_inputs=C, labels=LABELS)
     assert x.shape == (ROWS[d] - T + 1, T, C) and labs["a"].shape == (len(x), 1)
     np.testing.assert_array_equal(x[3], raw_for(d)[3:3 + T, :C])
+
+
+@pytest.mark.parametrize("at", [0, 1, 7, -1])
+def test_resume_in_the_first_epoch_skips_inside_the_running_stream(stores, tmp_path, at):
+    kw = dict(seed=9, cache_dir=tmp_path, shuffle_buffer=8, native_batch=2, prefetch_buffer=2)
+    with ShardIter(stores["runs"], 8, **kw) as it:
+        full = [keys(b) for b in it]
+    at = len(full) + at if at < 0 else at
+    with ShardIter(stores["runs"], 8, **kw) as it:
+        for _ in range(at):
+            it.next()
+        state = it.state_dict()
+    with ShardIter(stores["runs"], 8, **kw) as it:
+        it.load_state_dict(state)
+        assert [keys(b) for b in it] == full[at:]
+        it.reset()
+        assert sorted(k for b in it for k in keys(b)) == sorted(k for ks in full for k in ks)
