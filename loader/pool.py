@@ -92,15 +92,18 @@ class Pool:
         self.remaining[slots] -= used
         self.free.extend(slots[self.remaining[slots] == 0].tolist())
 
-    def gather(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``x (n, T, C)``, user labels ``(n, W)`` and days ``(n,)`` of the items, then release them."""
+    def gather(self, codes: np.ndarray, out: Optional[np.ndarray] = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``x (n, T, C)`` (into ``out`` if given), user labels ``(n, W)`` and days ``(n,)`` of the
+        items, then release them. Indices were checked with the shard (frames), so take() clips
+        instead of buffering its output."""
         slot = codes // self.k
         if self.kind == "runs":  # one flat take: rows of slot s start at s * run_rows
             rows = self.data.reshape(-1, self.data.shape[-1])
             first = slot * self.data.shape[1] + self.starts.reshape(-1)[codes]
-            x = np.take(rows, first[:, None] + self._steps, axis=0)
+            x = np.take(rows, first[:, None] + self._steps, axis=0, out=out, mode="clip")
         else:
-            x = np.take(self.data.reshape((-1,) + self.data.shape[2:]), codes, axis=0)
+            x = np.take(self.data.reshape((-1,) + self.data.shape[2:]), codes, axis=0, out=out, mode="clip")
         out = x, np.take(self.labels.reshape(-1, self.labels.shape[-1]), codes, axis=0), self.day[slot]
         self.release(codes)
         return out

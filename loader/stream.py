@@ -11,8 +11,9 @@ assembled (resumption). The thread holds no reference to the ``ShardIter`` that 
 
 from __future__ import annotations
 
+import collections
 import math
-import queue
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -70,6 +71,24 @@ def part_layout(plan: EpochPlan, p: StreamParams) -> tuple[int, list[int], list[
     return readers, samples, mine
 
 
+class _Buffers:
+    """Batch buffers handed to MXNet without a copy (``from_numpy``) and reused once MXNet lets go
+    of them: freeing and faulting in a fresh 4 MB array per batch cost the caller's ``next()``."""
+
+    def __init__(self, shape: tuple, keep: int):
+        self.shape, self.keep, self.items = shape, keep, []
+
+    def get(self) -> np.ndarray:
+        for a in self.items:
+            if sys.getrefcount(a) <= 3:  # the list, this loop and the call: MXNet holds it no more
+                a.flags.writeable = True
+                return a
+        a = np.empty(self.shape, np.float32)
+        if len(self.items) < self.keep:
+            self.items.append(a)
+        return a
+
+
 class EpochStream:
     """Batches ``(arrays, valid)`` of one epoch; ``get()`` blocks for the next, ``close()`` stops."""
 
@@ -87,9 +106,18 @@ class EpochStream:
             self.batches = math.ceil(max(self.part_samples) / bs)
         else:
             self.batches = smallest // bs
-        self._queue: queue.Queue = queue.Queue(maxsize=params.prefetch_buffer)
+        # Batches ready for the caller. The producer refills only when the buffer falls to half
+        # (hysteresis): woken at every take, it would compete for the GIL with the caller's next().
+        self._ready: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._low = max(0, params.prefetch_buffer // 2 - 1) if params.prefetch_buffer > 1 else 0
         self._halt = threading.Event()
         self._skip = skip
+        sc = params.schema
+        self._x_shape = (params.batch_size, sc.time_steps, sc.num_inputs)
+        self._x_size = int(np.prod(self._x_shape))
+        per_row = sum(lab.width for lab in sc.labels if lab.name in params.label_names)
+        self._buffers = _Buffers((self._x_size + params.batch_size * per_row,), keep=params.prefetch_buffer + 4)
         self._thread = threading.Thread(target=self._run, name="shardgen-batches", daemon=True)
         self._thread.start()
 
@@ -98,7 +126,12 @@ class EpochStream:
     def get(self) -> tuple[list, int]:
         """The next batch not skipped."""
         while True:
-            item = self._queue.get()
+            with self._cond:
+                while not self._ready:
+                    self._cond.wait()
+                item = self._ready.popleft()
+                if len(self._ready) <= self._low:
+                    self._cond.notify_all()
             if isinstance(item, BaseException):
                 raise item
             index, arrays, valid = item
@@ -112,19 +145,27 @@ class EpochStream:
 
     def close(self) -> None:
         self._halt.set()
+        with self._cond:
+            self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
 
     # -- producer side ----------------------------------------------------------------------------
 
     def _offer(self, item: object) -> bool:
-        while not self._halt.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        """Hand an item over unless told to halt (never blocks a reset() or close())."""
+        with self._cond:
+            while len(self._ready) >= self.params.prefetch_buffer and not self._halt.is_set():
+                self._cond.wait(0.1)
+            if self._halt.is_set():
+                return False
+            self._ready.append(item)
+            self._cond.notify_all()
+            if len(self._ready) >= self.params.prefetch_buffer:
+                # Full: sleep until the caller has taken down to the low mark.
+                while len(self._ready) > self._low and not self._halt.is_set():
+                    self._cond.wait(0.1)
+        return True
 
     def _open(self) -> list:
         """The native iterators, opened side by side (each parses the combined index; ctypes
@@ -204,25 +245,31 @@ class EpochStream:
             if index < self._skip:
                 pool.release(codes)
                 continue
-            last = self._arrays(*pool.gather(codes))
+            flat = self._buffers.get()
+            x = flat[:self._x_size].reshape(self._x_shape)
+            last = self._arrays(flat, x, *pool.gather(codes, out=x[:valid])[1:])
             if not self._offer((index, last, valid)):
                 return
 
-    def _arrays(self, x: np.ndarray, labels: np.ndarray, days: np.ndarray) -> list:
-        """The caller's named arrays; a short batch is filled with its own rows (MXNet would leave
-        uninitialised memory there, and padding must always be valid data)."""
+    def _arrays(self, flat: np.ndarray, x: np.ndarray, labels: np.ndarray, days: np.ndarray) -> list:
+        """The caller's named arrays: views of ONE buffer handed to MXNet without a copy (one
+        chunk to free per batch, not four). A short batch is filled with its own rows (MXNet would
+        leave uninitialised memory there, and padding must always be valid data)."""
         p, s = self.params, self.params.schema
-        n = len(x)
-        if n < p.batch_size:
-            fill = np.arange(p.batch_size) % n
-            x, labels, days = x[fill], labels[fill], days[fill]
-        out = [mx.nd.from_numpy(np.ascontiguousarray(x), zero_copy=True)]
-        col = 0
+        b, n = p.batch_size, len(labels)
+        if n < b:
+            fill = np.arange(b) % n
+            x[n:] = x[fill[n:]]
+            labels, days = labels[fill], days[fill]
+        pos, col, spans = x.size, 0, [(0, x.size, x.shape)]
         for lab in s.labels[:-1]:
             if lab.name in p.label_names:
-                part = labels[:, col:col + lab.width]
-                out.append(mx.nd.array(part[:, 0] if lab.width == 1 else part, dtype=np.float32))
+                flat[pos:pos + b * lab.width].reshape(b, lab.width)[...] = labels[:, col:col + lab.width]
+                spans.append((pos, pos + b * lab.width, (b,) if lab.width == 1 else (b, lab.width)))
+                pos += b * lab.width
             col += lab.width
         if "date" in p.label_names:
-            out.append(mx.nd.array(days, dtype=np.float32))
-        return out
+            flat[pos:pos + b] = days
+            spans.append((pos, pos + b, (b,)))
+        whole = mx.nd.from_numpy(flat, zero_copy=True)
+        return [whole[a:z].reshape(shape) for a, z, shape in spans]
