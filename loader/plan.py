@@ -148,6 +148,29 @@ def recheck(plan: EpochPlan, schema: Any, verify: str) -> None:
             raise LoaderError(str(exc)) from None
 
 
+def _ensure_fd_room(needed: int) -> None:
+    """A plan holds one descriptor per shard (two plans overlap at a reset): raise the soft
+    RLIMIT_NOFILE toward the hard one when needed, or say clearly what to do."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    want = in_use + needed + 64
+    if soft != resource.RLIM_INFINITY and want > soft:
+        target = want * 2 if hard == resource.RLIM_INFINITY else min(hard, want * 2)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and want > soft:
+            raise LoaderError(f"reading {needed} shards needs about {want} open files, the limit is {soft} (hard "
+                              f"{hard}); raise it (`ulimit -n {want * 2}`) or select fewer dates")
+
+
 def _open_shard(store: Path, s: ShardEntry) -> int:
     rec = store / s.rec
     try:
@@ -194,6 +217,7 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
     mine = Path(cache_dir).resolve() / f"{HOST_TOKEN}-{os.getpid()}"
     if ";" in str(mine):
         raise LoaderError(f"{mine}: a path given to MXNet may not contain ';' (it joins .rec paths with it)")
+    _ensure_fd_room(len(shards))
     files = PlanFiles()
     try:
         parts, counts, base = [], [], 0

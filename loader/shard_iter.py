@@ -249,8 +249,7 @@ class ShardIter(mx.io.DataIter):
             plan = self.plan
         if plan.folder == self.plan.folder:
             recheck(plan, self.schema, self.verify)
-        self.epoch += 1
-        self._start_epoch(plan)
+        self._start_epoch(plan, epoch=self.epoch + 1)
 
     def next(self) -> mx.io.DataBatch:
         t0 = time.perf_counter()
@@ -260,6 +259,9 @@ class ShardIter(mx.io.DataIter):
             raise StopIteration
         self._check_open()
         res = self._res
+        if res.stream is None:
+            raise LoaderError(f"{self.manifest_path}: no epoch to read: the last reset() failed; fix the cause "
+                              "(e.g. the date selection) and call reset() again")
         arrays, valid = res.stream.get()
         self._cursor += 1
         if res.ahead is None and self._cursor >= self._ahead_at:
@@ -365,8 +367,7 @@ class ShardIter(mx.io.DataIter):
         manifest = load_manifest(self.manifest_path)
         plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
         plan = dataclasses.replace(plan, generation=state["generation"])
-        self.epoch = int(state["epoch"])
-        self._start_epoch(plan, skip=int(state["batches"]))
+        self._start_epoch(plan, skip=int(state["batches"]), epoch=int(state["epoch"]))
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -377,22 +378,32 @@ class ShardIter(mx.io.DataIter):
     def _plan_for(self, manifest: Any, shards: tuple) -> EpochPlan:
         return make_plan(self.manifest_path, manifest, shards, self.cache_dir, verify=self.verify)
 
-    def _start_epoch(self, plan: EpochPlan, *, skip: int = 0) -> None:
+    def _start_epoch(self, plan: EpochPlan, *, skip: int = 0, epoch: Optional[int] = None) -> None:
+        """Make ``plan`` this iterator's, reading ``epoch`` (default: the current one). Nothing
+        changes if the epoch cannot start (e.g. a part smaller than a batch): the error is raised
+        and the plan's files are let go."""
+        epoch = self.epoch if epoch is None else epoch
         res = self._res
         with res.lock:
             previous = res.plan
+            ahead, res.ahead = res.ahead, None
+            if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != epoch or skip):
+                ahead.close()  # reads files of the old plan: gone before its files are let go
+                ahead = None
+            try:
+                stream = ahead if ahead is not None else EpochStream(plan, epoch, self._params, skip=skip)
+            except BaseException:
+                if plan.files is not None and (previous is None or previous.folder != plan.folder):
+                    plan.files.close()
+                raise
             if previous is None or previous.folder != plan.folder:
                 hold(plan)
             res.plan = plan
-            ahead, res.ahead = res.ahead, None
-            if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != self.epoch or skip):
-                ahead.close()  # reads files of the old plan: gone before its files are let go
-                ahead = None
             if previous is not None and previous.folder != plan.folder:
                 drop(previous)
             res.lease.renew(plan.generation)
-            res.stream = ahead if ahead is not None else EpochStream(plan, self.epoch, self._params, skip=skip)
-        stream = res.stream
+            res.stream = stream
+        self.epoch = epoch
         self._part_samples, self._batches = stream.samples, stream.batches
         self._cursor, self._samples, self._blocked = skip, 0, 0.0
         self._epoch_t0 = self._epoch_t1 = None

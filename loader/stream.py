@@ -99,6 +99,9 @@ class EpochStream:
         smallest = min(self.part_samples)
         if smallest < bs:
             which = self.part_samples.index(smallest)
+            if smallest == 0:
+                raise LoaderError(f"part {which} of {params.num_parts} would be empty: generation {plan.generation} "
+                                  f"has {plan.records} records ({plan.samples} samples), fewer than parts")
             raise LoaderError(f"batch_size {bs} is larger than part {which} of {params.num_parts} "
                               f"({smallest} of {plan.samples} samples in generation {plan.generation})")
         self.samples = self.part_samples[params.part_index]
@@ -127,9 +130,13 @@ class EpochStream:
         """The next batch not skipped."""
         while True:
             with self._cond:
-                while not self._ready:
-                    self._cond.wait()
-                item = self._ready.popleft()
+                while not self._ready and not self._halt.is_set():
+                    self._cond.wait(0.5)
+                if not self._ready:
+                    raise LoaderError("the iterator was closed (or reset) while this next() waited")
+                item = self._ready[0]
+                if not isinstance(item, BaseException):  # an error stays: every later get() raises it
+                    self._ready.popleft()
                 if len(self._ready) <= self._low:
                     self._cond.notify_all()
             if isinstance(item, BaseException):

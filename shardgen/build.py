@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import logging
 import time
+from concurrent.futures import BrokenExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
@@ -18,7 +19,7 @@ from joblib import Parallel, delayed
 from .config import Config
 from .errors import Interrupted, ShardgenError
 from .fsutil import atomic_write, clean_temp_files
-from .generator import obtain_raw
+from .generator import STOP, obtain_raw
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, Sidecar
 from .process import run_processor
 from .store import check_sidecar, next_version, open_manifest, publish
@@ -202,6 +203,16 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
             if should_stop():
                 log.info("stopping: not waiting for the remaining dates")
                 break
+    except BrokenExecutor as exc:  # a worker process died: SIGTERM to the group, OOM killer, SIGKILL
+        if should_stop() or STOP.is_set():
+            log.info("stopping: the worker processes ended (%s)", type(exc).__name__)
+        else:
+            done = set(report.published) | {d for d, _ in report.failed} | {d for d, _ in report.empty}
+            for date in todo:
+                if date not in done:
+                    report.failed.append((date, f"{date}: a worker process died before this date was finished "
+                                                f"({type(exc).__name__}); it is tried again on the next run"))
+                    log.error("%s", report.failed[-1][1])
     finally:
         flush()
         if bar is not None:

@@ -213,6 +213,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("shardgen: interrupted; finished shards were published", file=sys.stderr)
         return 130
+    except OSError as exc:  # disk full, permissions, a file where a folder should be: one line, no traceback
+        where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+        print(f"shardgen: error: {where}{exc.strerror or exc} (what was published before stays intact)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

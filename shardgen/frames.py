@@ -3,7 +3,7 @@ Shared by ``shardgen verify`` and the loader (which checks every shard before MX
 
 dmlc aborts the whole process (``dmlc::Error`` thrown in a native thread) on a bad magic or length
 word, and MXNet fails without naming the file on a bad header flag or image. So every shard is
-checked here first, once per process and file version (inode, size, mtime): the framing of every
+checked here first, once per process and file version (inode, size, mtime, ctime): the framing of every
 record (magic, length, cflag, header flag == record_floats, id == the date's day, the constant
 image and padding) and what the reader relies on inside the payload (items used, day, runs' row
 counts and window starts). The check reads a few words per record through a memory map; the
@@ -19,12 +19,12 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from .errors import ShardError
-from .layout import HEADER_BYTES, MAGIC, Schema, day_number
+from .layout import HEAD_FLOATS, HEADER_BYTES, MAGIC, Schema, day_number
 from .manifest import ShardEntry
 
 __all__ = ["VERIFY_MODES", "ShardFrames", "check_shard"]
@@ -53,84 +53,120 @@ class _Bad(Exception):
         self.record, self.what = record, what
 
 
-def _payload_checks(payload: np.ndarray, schema: Schema, day: int, first: int = 0) -> np.ndarray:
-    """Counts per record from the payloads ``(m, F)``; _Bad names the first record that is off."""
-    kind = schema.layout.kind
+Columns = Callable[[int, int], np.ndarray]  # cols(a, b): words a..b-1 of every record, (n, b - a) uint32
+
+
+def _payload_checks(cols: Columns, n_rec: int, schema: Schema, day: int) -> np.ndarray:
+    """Counts per record from the payload words it needs; _Bad names the first record that is off."""
+    kind, f = schema.layout.kind, schema.record_floats
 
     def fail(mask: np.ndarray, what: str) -> None:
         if mask.any():
-            raise _Bad(first + int(np.flatnonzero(mask)[0]), what)
+            raise _Bad(int(np.flatnonzero(mask)[0]), what)
 
     if kind == "samples":
-        fail(payload[:, -1] != day, f"date field is not day {day}")
-        return np.ones(len(payload), np.int64)
+        fail(cols(_P0 + f - 1, _P0 + f).view("<f4")[:, 0] != day, f"date field is not day {day}")
+        return np.ones(n_rec, np.int64)
     k, t = schema.pack, schema.time_steps
-    n = payload[:, 0]
+    head = cols(_P0, _P0 + HEAD_FLOATS).view("<f4")
+    n = head[:, 0]
     fail((n != np.floor(n)) | (n < 1) | (n > k), f"items used is not an integer in [1, {k}]")
-    fail(payload[:, 1] != day, f"day field is not {day}")
+    fail(head[:, 1] != day, f"day field is not {day}")
     counts = n.astype(np.int64)
     if kind == "runs":
-        rows = payload[:, 3]
+        rows = head[:, 3]
         fail((rows != np.floor(rows)) | (rows < t) | (rows > schema.layout.run_rows),
              f"rows used is not an integer in [{t}, {schema.layout.run_rows}]")
-        starts = payload[:, schema.items_slice].reshape(len(payload), k, -1)[:, :, 0]
+        isl = schema.items_slice
+        starts = cols(_P0 + isl.start, _P0 + isl.stop).view("<f4").reshape(n_rec, k, schema.item_floats)[:, :, 0]
         used = np.arange(k)[None, :] < counts[:, None]
         bad = used & ((starts != np.floor(starts)) | (starts < 0) | (starts + t > rows[:, None]))
         fail(bad.any(axis=1), "a window start lies outside the run's rows")
     return counts
 
 
-def _fixed_size(words: np.ndarray, schema: Schema, day: int) -> np.ndarray:
-    """All records of exactly ``record_bytes``: checked column-wise."""
+def _fixed_size(cols: Columns, n_rec: int, schema: Schema, day: int) -> np.ndarray:
+    """Records of exactly ``record_bytes``, whole (not split): checked column-wise, reading only
+    the words that matter (header, payload head, item slots, image)."""
     f = schema.record_floats
     length = HEADER_BYTES + 4 * f + len(schema.image)
     tail = np.frombuffer(schema.image + b"\0" * (schema.record_bytes - 8 - length), "<u4")
+    header = cols(0, 6)
     for col, want, what in ((0, MAGIC, "bad magic word"), (1, length, "bad length word"),
                             (2, f, f"header flag is not {f}"), (3, 0, "header label is not 0"),
                             (4, day, f"id is not day {day}"), (5, 0, f"id is not day {day}")):
-        bad = words[:, col] != want
+        bad = header[:, col] != want
         if bad.any():
             raise _Bad(int(np.flatnonzero(bad)[0]), what)
-    bad = (words[:, _P0 + f:] != tail).any(axis=1)
+    bad = (cols(_P0 + f, schema.record_bytes // 4) != tail).any(axis=1)
     if bad.any():
         raise _Bad(int(np.flatnonzero(bad)[0]), "image bytes differ from the constant image")
-    return _payload_checks(words[:, _P0:_P0 + f].view("<f4"), schema, day)
+    return _payload_checks(cols, n_rec, schema, day)
+
+
+def _one_split_record(data: memoryview, start: int, end: int, schema: Schema, day: int) -> np.ndarray:
+    """A record dmlc split at magic words, reassembled and checked; its payload words."""
+    f = schema.record_floats
+    pos, body = start, b""
+    while True:
+        if pos + 8 > end:
+            raise _Bad(0, "record runs past its index entry")
+        magic, lrec = np.frombuffer(data, "<u4", 2, pos)
+        cflag, length = int(lrec) >> 29, int(lrec) & ((1 << 29) - 1)
+        if magic != MAGIC:
+            raise _Bad(0, f"bad magic word at byte {pos}")
+        if (cflag == 0 and body) or (cflag in (2, 3) and pos == start) or (cflag == 1 and pos != start):
+            raise _Bad(0, f"bad continuation flag {cflag} at byte {pos}")
+        if pos + 8 + length > end:
+            raise _Bad(0, "record runs past its index entry")
+        body += bytes(data[pos + 8: pos + 8 + length])
+        pos += 8 + length + (-length % 4)
+        if cflag in (0, 3):
+            break
+        body += np.uint32(MAGIC).tobytes()
+    if pos != end:
+        raise _Bad(0, f"record spans {pos - start} bytes, the index says {end - start}")
+    want = HEADER_BYTES + 4 * f + len(schema.image)
+    if len(body) != want:
+        raise _Bad(0, f"record has {len(body)} data bytes, expected {want}")
+    flag, _label, rid = np.frombuffer(body, "<u4", 3)
+    if flag != f or rid != day:
+        raise _Bad(0, f"header flag is not {f} or id is not day {day}")
+    if body[HEADER_BYTES + 4 * f:] != schema.image:
+        raise _Bad(0, "image bytes differ from the constant image")
+    # The same words a whole record has, so the payload checks are shared.
+    return np.frombuffer(b"\0" * 8 + body + b"\0" * (-len(body) % 4), "<u4")
 
 
 def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int) -> np.ndarray:
-    """The general case (some record split at a magic word): record by record."""
-    size, f = len(buf), schema.record_floats
+    """The general case (some record split at a magic word): whole records column-wise as in
+    ``_fixed_size`` (gathered by offset), only the split ones one by one."""
+    size, rb = len(buf), schema.record_bytes
     ends = np.append(offsets[1:], size)
-    payloads = np.empty((len(offsets), f), np.float32)
-    data = bytes(buf)
-    for i, (start, end) in enumerate(zip(offsets.tolist(), ends.tolist())):
-        pos, body = start, b""
-        while True:
-            if pos + 8 > end:
-                raise _Bad(i, "record runs past its index entry")
-            magic, lrec = np.frombuffer(data, "<u4", 2, pos)
-            cflag, length = int(lrec) >> 29, int(lrec) & ((1 << 29) - 1)
-            if magic != MAGIC:
-                raise _Bad(i, f"bad magic word at byte {pos}")
-            if (cflag == 0 and body) or (cflag in (2, 3) and pos == start) or (cflag == 1 and pos != start):
-                raise _Bad(i, f"bad continuation flag {cflag} at byte {pos}")
-            body += data[pos + 8: pos + 8 + length]
-            pos += 8 + length + (-length % 4)
-            if cflag in (0, 3):
-                break
-            body += np.uint32(MAGIC).tobytes()
-        if pos != end:
-            raise _Bad(i, f"record spans {pos - start} bytes, the index says {end - start}")
-        want = HEADER_BYTES + 4 * f + len(schema.image)
-        if len(body) != want:
-            raise _Bad(i, f"record has {len(body)} data bytes, expected {want}")
-        flag, _label, rid = np.frombuffer(body, "<u4", 3)
-        if flag != f or rid != day:
-            raise _Bad(i, f"header flag is not {f} or id is not day {day}")
-        if body[HEADER_BYTES + 4 * f:] != schema.image:
-            raise _Bad(i, "image bytes differ from the constant image")
-        payloads[i] = np.frombuffer(body, "<f4", f, HEADER_BYTES)
-    return _payload_checks(payloads, schema, day)
+    if (offsets % 4).any():
+        raise _Bad(int(np.flatnonzero(offsets % 4)[0]), "record is not 4-byte aligned")
+    whole = np.flatnonzero(ends - offsets == rb)
+    split = np.flatnonzero(ends - offsets != rb)
+    flat = np.frombuffer(buf, "<u4", size // 4)
+    counts = np.zeros(len(offsets), np.int64)
+    first = offsets[whole] // 4
+    try:
+        counts[whole] = _fixed_size(lambda a, b: flat[first[:, None] + np.arange(a, b)], len(whole), schema, day)
+    except _Bad as bad:
+        raise _Bad(int(whole[bad.record]), bad.what) from None
+    if len(split):
+        rebuilt = np.empty((len(split), rb // 4), np.uint32)
+        for j, i in enumerate(split.tolist()):
+            try:
+                words = _one_split_record(buf, int(offsets[i]), int(ends[i]), schema, day)
+            except _Bad as bad:
+                raise _Bad(i, bad.what) from None
+            rebuilt[j, :len(words)] = words[:rb // 4]
+        try:
+            counts[split] = _payload_checks(lambda a, b: rebuilt[:, a:b], len(split), schema, day)
+        except _Bad as bad:
+            raise _Bad(int(split[bad.record]), bad.what) from None
+    return counts
 
 
 def _read_offsets(idx_path: str, entry: ShardEntry) -> np.ndarray:
@@ -164,11 +200,13 @@ def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify
                 if schema.layout.kind == "samples":
                     return np.ones(len(offsets), np.int64), None
                 return np.clip(words[:, _P0].view("<f4").astype(np.int64), 0, schema.pack), None
-            return _fixed_size(words, schema, day), None
+            return _fixed_size(lambda a, b: words[:, a:b], len(offsets), schema, day), None
         return _split_records(buf, offsets, schema, day), None
-    except _Bad as bad:
-        bad.__traceback__ = None  # its frames hold views of the map
-        return None, (bad.record, bad.what)
+    except _Bad as bad:  # leaving the block drops the exception and its frames (views of the map)
+        problem = (bad.record, bad.what)
+    except (ValueError, IndexError, TypeError) as exc:  # bytes no check foresaw: still damage, named
+        problem = ("?", f"{type(exc).__name__}: {exc}")
+    return None, problem
 
 
 def check_shard(fd: int, rec_path: str, idx_path: str, entry: ShardEntry, schema: Schema, *,
@@ -181,7 +219,9 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: ShardEntry, schema
     if st.st_size != entry.bytes:
         raise ShardError(f"{rec_path}: {st.st_size} bytes, the manifest says {entry.bytes} for {entry.date} "
                           "(truncated or rewritten?)")
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, verify, schema.fingerprint, entry.sha256)
+    # ctime too: mtime can be set back (touch -r, cp -p, rsync -t), ctime cannot from user space.
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, verify, schema.fingerprint,
+           entry.sha256)
     with _CACHE_LOCK:
         hit: Optional[ShardFrames] = _CACHE.get(key)
     if hit is not None and cache:

@@ -76,14 +76,18 @@ def collect(store: Path, *, grace_s: float, lease_ttl_s: float,
         manifest = Manifest.load(store / MANIFEST_NAME)  # refuses names outside the store
         live = live_lease_generations(store, lease_ttl_s)
         kept, old_snapshots = kept_snapshots(store, manifest, live, grace_s, now)
-        in_use = manifest.files()
+        in_use, blind = manifest.files(), False
         for n in kept:
             if n != manifest.generation:
-                in_use |= Manifest.load(snapshot_path(store, n)).files()
+                try:
+                    in_use |= Manifest.load(snapshot_path(store, n)).files()
+                except ManifestError as exc:  # what it lists is unknown: delete no retired file this time
+                    log.warning("%s; keeping every retired file while this snapshot is kept", exc)
+                    blind = True
         gone, kept_entries = [], []
         for entry in manifest.retired:
             files = [n for n in (entry.rec, entry.idx, entry.sidecar) if n]
-            if not in_use.intersection(files) and deletable(entry, live, grace_s, now):
+            if not blind and not in_use.intersection(files) and deletable(entry, live, grace_s, now):
                 for name in files:
                     (store / name).unlink(missing_ok=True)
                 gone.append(entry.date)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -51,14 +52,16 @@ class StoreLock:
                     os.close(fd)
                     raise LockError(f"{self.path}: {self.what} lock is held by pid {self.holder()}") from None
                 time.sleep(0.05)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        with contextlib.suppress(OSError):  # the pid is for messages only; a full disk must not stop us
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
         return self
 
     def release(self) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

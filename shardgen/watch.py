@@ -30,7 +30,7 @@ from typing import Callable, Optional
 from . import generator
 from .build import BuildReport, build, wanted
 from .config import Config
-from .errors import ShardError
+from .errors import ShardError, ShardgenError
 from .gc import collect
 from .lock import WATCH_LOCK, StoreLock
 from .manifest import Sidecar
@@ -110,8 +110,20 @@ class Watcher:
 
     def run(self, sleep: Callable[[float], bool]) -> None:
         """Cycle until stopped; ``sleep(seconds)`` returns True when woken to stop."""
+        failures = 0
         while not self._stop:
-            self.cycle()
+            try:
+                self.cycle()
+                failures = 0
+            except (ShardgenError, OSError) as exc:  # disk full, an unreadable snapshot ...: never give up
+                failures += 1
+                delay = min(MAX_BACKOFF_S, self.interval * 2 ** min(failures - 1, 16))
+                where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
+                text = f"{where}{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+                log.error("cycle failed (%s); trying again in %.0fs", text, delay)
+                if self._stop or sleep(delay):
+                    break
+                continue
             if self._stop or sleep(self.interval):
                 break
 

@@ -1,0 +1,159 @@
+"""Faults a hostile review reproduced, each kept as a test: a flip hidden behind a restored mtime,
+close() racing next(), a failed reset(), descriptor limits, the watcher meeting errors that are not
+its own, and SIGTERM sent to the watcher's whole process group."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT, make_store, write_config
+from test_damage import flip, make
+from test_watch import wait_for
+
+from loader import LoaderError, ShardIter
+from shardgen.manifest import Manifest
+
+
+def test_a_flip_with_the_mtime_set_back_is_still_caught(tmp_path):
+    """Bit rot, `cp -p`, `touch -r` leave the mtime; the check's cache keys on ctime too."""
+    make(tmp_path / "s")
+    m = Manifest.load(tmp_path / "s" / "manifest.json")
+    with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c") as it:
+        it.next()
+    path = tmp_path / "s" / m.shards[2].rec
+    st = os.stat(path)
+    flip(path, m.schema.record_bytes * 3 + 1)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(LoaderError, match=f"record 3 of {m.shards[2].date} is damaged"):
+        ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
+
+
+def test_close_from_another_thread_wakes_a_blocked_next(tmp_path):
+    make_store(tmp_path / "s", {"2024-01-02": 300})
+    it = ShardIter(tmp_path / "s", 4, readers=1, cache_dir=tmp_path / "c")
+    outcome = []
+
+    def consume():
+        try:
+            while True:
+                it.next()
+        except Exception as exc:  # noqa: BLE001 - the test records what ended the loop
+            outcome.append(exc)
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    time.sleep(0.1)
+    it.close()
+    t.join(timeout=10)
+    assert not t.is_alive(), "next() stayed blocked after close()"
+    assert isinstance(outcome[0], (LoaderError, StopIteration))
+
+
+def test_a_failed_reset_leaves_a_clear_error_and_recovers(tmp_path):
+    make_store(tmp_path / "s", {"2024-01-02": 40, "2024-01-03": 2})
+    it = ShardIter(tmp_path / "s", 16, cache_dir=tmp_path / "c")
+    it.next()
+    it.dates = ("2024-01-03", "2024-01-03")  # 2 samples: smaller than a batch
+    with pytest.raises(LoaderError, match="batch_size 16 is larger than part 0"):
+        it.reset()
+    with pytest.raises(LoaderError, match="the last reset\\(\\) failed"):
+        it.next()
+    it.dates = None
+    it.reset()
+    assert sum(16 - b.pad for b in it) == 42
+    it.close()
+
+
+def test_fewer_records_than_parts_says_so(tmp_path):
+    make_store(tmp_path / "s", {"2024-01-02": 1})
+    with pytest.raises(LoaderError, match="part 1 of 2 would be empty.*fewer than parts"):
+        ShardIter(tmp_path / "s", 1, num_parts=2, part_index=0, cache_dir=tmp_path / "c")
+
+
+def test_a_low_descriptor_limit_is_raised_or_named(tmp_path):
+    """One descriptor per shard, two plans at a reset: the soft limit is raised toward the hard
+    one; when the hard limit is too low, the error says what to do."""
+    make_store(tmp_path / "s", {f"2021-{1 + i // 28:02d}-{1 + i % 28:02d}": 2 for i in range(150)})
+    script = f"""
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, {{hard}}))
+from loader import LoaderError, ShardIter
+try:
+    it = ShardIter({str(tmp_path / 's')!r}, 2, cache_dir={str(tmp_path / 'c')!r})
+    it.dates = ("2021-01-02", None)
+    it.reset()
+    print("ok", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    it.close()
+except LoaderError as exc:
+    print("LoaderError", exc)
+"""
+    hard = __import__("resource").getrlimit(__import__("resource").RLIMIT_NOFILE)[1]
+    r = subprocess.run([sys.executable, "-c", script.replace("{hard}", str(hard))], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", script.replace("{hard}", "96")], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and "LoaderError reading" in r.stdout and "ulimit -n" in r.stdout, r.stdout + r.stderr
+
+
+def _watch(cfg, *args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "shardgen.cli", "watch", "-c", str(cfg), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+@pytest.mark.slow
+def test_the_watcher_survives_an_unreadable_snapshot_and_gc_deletes_nothing(tmp_path):
+    cfg = write_config(tmp_path / "p", end="2024-01-05", window=2, grace=3600)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for end in ("2024-01-03", "2024-01-05"):  # two generations: the first is superseded but kept (grace)
+        assert subprocess.run([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg), "--end", end],
+                              cwd=ROOT, capture_output=True, timeout=120, env=env).returncode == 0
+    store = tmp_path / "p" / "shards"
+    snaps = sorted((store / "generations").glob("*.json"), key=lambda p: int(p.stem))
+    assert len(snaps) >= 2
+    snaps[0].write_text("{bad")
+    (store / "generations" / "zz.json").write_text("{bad")  # not a generation number: ignored
+    before = sorted(p.name for p in store.glob("*.rec"))
+    w = _watch(cfg, "--interval", "0.3")
+    try:
+        wait_for(lambda: "updated" in (store / ".watch-state.json").read_text(), timeout=30, what="a cycle")
+        time.sleep(1.0)
+        assert w.poll() is None, "the watcher gave up"
+    finally:
+        w.send_signal(signal.SIGTERM)
+        out, err = w.communicate(timeout=30)
+    assert w.returncode == 0 and "Traceback" not in err
+    assert sorted(p.name for p in store.glob("*.rec")) == before
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_whole_process_group_exits_0(tmp_path):
+    """systemd, `timeout` and `kill -- -pgid` signal every process: loky workers die first."""
+    cfg = write_config(tmp_path / "p", end="2024-01-05", jobs=2, modes={"*": "slow:5"})
+    w = _watch(cfg, "--interval", "1")
+    try:
+        wait_for(lambda: len((tmp_path / "p" / "modes.json.runs").read_text().split()) >= 2, timeout=60,
+                 what="generators running")
+        os.killpg(w.pid, signal.SIGTERM)
+        out, err = w.communicate(timeout=30)
+    finally:
+        if w.poll() is None:
+            os.killpg(w.pid, signal.SIGKILL)
+    assert w.returncode == 0, err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_cli_os_errors_are_one_line(tmp_path):
+    cfg = write_config(tmp_path / "p", end="2024-01-03")
+    (tmp_path / "p" / "shards").mkdir(parents=True)
+    (tmp_path / "p" / "shards" / "generations").write_text("a file where a folder goes")
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg)], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert [ln for ln in r.stderr.splitlines() if "error" in ln][-1].startswith("shardgen: error: ")
