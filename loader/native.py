@@ -8,13 +8,13 @@ import os
 import re
 import tempfile
 import threading
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import mxnet as mx
 
 from .plan import EpochPlan
 
-__all__ = ["open_record_iter", "epoch_seed", "next_label", "Ahead"]
+__all__ = ["open_record_iter", "epoch_seed", "next_label"]
 
 _CHATTER = re.compile(rb"ImageRecordIOParser2: .* threads for decoding")
 _STDERR_LOCK = threading.Lock()
@@ -66,29 +66,3 @@ def next_label(native: mx.io.DataIter) -> Optional[mx.nd.NDArray]:
         label, native.first_batch = native.first_batch.label[0], None
         return label
     return native.getlabel() if native.iter_next() else None
-
-
-class Ahead:
-    """A native iterator being opened in a background thread (ctypes releases the GIL)."""
-
-    def __init__(self, plan: EpochPlan, epoch: int, open_fn: Callable[[EpochPlan, int], mx.io.DataIter]):
-        self.plan, self.epoch, self._holder = plan, epoch, {}
-
-        def work() -> None:
-            try:
-                self._holder["it"] = open_fn(plan, epoch)
-            except Exception:  # the plan is opened again in the foreground, where errors surface
-                pass
-
-        self._thread = threading.Thread(target=work, name="shardgen-next-epoch", daemon=True)
-        self._thread.start()
-
-    def take(self, plan: EpochPlan, epoch: int) -> Optional[mx.io.DataIter]:
-        """The iterator if it was opened for (plan, epoch); otherwise it is freed now, in this
-        thread, and None is returned."""
-        self._thread.join()
-        native = self._holder.pop("it", None)
-        if self.plan.folder == plan.folder and self.epoch == epoch:
-            return native
-        del native  # MXDataIterFree: stops its threads
-        return None

@@ -15,7 +15,6 @@ import datetime as dt
 import hashlib
 import itertools
 import json
-import math
 import os
 import shutil
 import threading
@@ -32,7 +31,7 @@ from shardgen.manifest import MANIFEST_NAME, Manifest, ShardEntry
 
 from .errors import LoaderError
 
-__all__ = ["EpochPlan", "load_manifest", "select_shards", "make_plan", "part_sizes", "default_cache_dir",
+__all__ = ["EpochPlan", "load_manifest", "select_shards", "make_plan", "default_cache_dir",
            "manifest_path_of", "normalize_dates", "hold", "drop", "recheck"]
 
 DateRange = Optional[Sequence[Optional[str]]]
@@ -83,12 +82,6 @@ def select_shards(manifest: Manifest, dates: DateRange) -> tuple[ShardEntry, ...
         return manifest.shards
     start, end = dates
     return tuple(s for s in manifest.shards if (start is None or s.date >= start) and (end is None or s.date <= end))
-
-
-def part_sizes(n: int, num_parts: int) -> list[int]:
-    """Records in each part, as dmlc splits them."""
-    step = math.ceil(n / num_parts)
-    return [max(0, min((p + 1) * step, n) - p * step) for p in range(num_parts)]
 
 
 class PlanFiles:
