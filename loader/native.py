@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 
 import mxnet as mx
 
-from .plan import EpochPlan
+from .plan import ReaderSource
 
 __all__ = ["open_record_iter", "epoch_seed", "next_label"]
 
@@ -47,15 +47,14 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return (seed * 1_000_003 + epoch * 7919) % (2**31 - 1)
 
 
-def open_record_iter(plan: EpochPlan, *, record_floats: int, batch_size: int, shuffle: bool, seed: int,
-                     num_parts: int, part_index: int, preprocess_threads: int,
-                     prefetch_buffer: int) -> mx.io.DataIter:
-    """MXNet's C++ record iterator over a plan; the whole sample rides in the header label."""
+def open_record_iter(source: ReaderSource, *, record_floats: int, batch_size: int, shuffle: bool, seed: int,
+                     preprocess_threads: int, prefetch_buffer: int) -> mx.io.DataIter:
+    """MXNet's C++ record iterator over one reader's records; the whole sample rides in the header label."""
     with quiet_native_info():
         return mx.io.ImageRecordIter(
-            path_imgrec=plan.rec_paths, path_imgidx=str(plan.index), data_shape=(1, 1, 1),
+            path_imgrec=source.rec_paths, path_imgidx=str(source.index), data_shape=(1, 1, 1),
             label_width=record_floats, batch_size=batch_size, shuffle=shuffle, seed=seed,
-            num_parts=num_parts, part_index=part_index, round_batch=False,
+            num_parts=source.num_parts, part_index=source.part_index, round_batch=False,
             preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer)
 
 

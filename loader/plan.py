@@ -1,10 +1,13 @@
-"""What one epoch reads: the selected shards of a manifest generation, checked, and one combined
-MXNet index over them whose offsets are global across the ``;``-joined ``.rec`` files.
+"""What one epoch reads: the selected shards of a manifest generation, checked, and for each native
+reader an MXNet index over exactly its range of records (:func:`reader_source`).
 
-dmlc's ``IndexedRecordIOSplitter`` takes exactly one ``.idx``, sorts its offsets and sizes each
-record by the next offset, so the combined index must list every record of every joined file;
-partitioning is by record: part ``p`` of ``P`` gets records ``[p*s, (p+1)*s)`` with
-``s = ceil(n / P)``.
+dmlc's ``IndexedRecordIOSplitter`` takes exactly one ``.idx`` whose offsets are global across the
+``;``-joined ``.rec`` files; it sorts them and sizes each entry by the next offset (the last one
+by the end of the last file), and its part ``r`` of ``n`` reads entries ``[r*s, (r+1)*s)`` with
+``s = ceil(entries / n)``, up to the offset of the next part's first entry. So a range of records
+``[first, stop)`` is read exactly by joining only the files it touches and, when record ``stop``
+lies in the same file, listing ``stop - first`` more entries at record ``stop``'s offset and
+reading part 0 of 2: those entries are a second part nobody reads, and they end the range.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ import numpy as np
 from shardgen.errors import ManifestError, ShardError
 from shardgen.frames import VERIFY_MODES, check_shard
 from shardgen.fsutil import HOST_TOKEN, pid_alive
+from shardgen.layout import day_number
 from shardgen.manifest import MANIFEST_NAME, Manifest, ShardEntry
 
 from .errors import LoaderError
 
-__all__ = ["EpochPlan", "load_manifest", "select_shards", "make_plan", "default_cache_dir",
-           "manifest_path_of", "normalize_dates", "hold", "drop", "recheck"]
+__all__ = ["EpochPlan", "ReaderSource", "reader_source", "load_manifest", "select_shards", "make_plan",
+           "default_cache_dir", "manifest_path_of", "normalize_dates", "hold", "drop", "recheck"]
 
 DateRange = Optional[Sequence[Optional[str]]]
 
@@ -91,6 +95,8 @@ class PlanFiles:
     def __init__(self) -> None:
         self.fds: list[int] = []
         self.folder: Optional[Path] = None
+        self.sources: dict = {}  # (first, stop) -> ReaderSource written in the folder
+        self.lock = threading.Lock()
 
     def close(self) -> None:
         if self.folder is not None:
@@ -117,18 +123,65 @@ class EpochPlan:
     records: int
     counts: np.ndarray = field(compare=False, repr=False, default=None)  # samples per record, global order
     files: Optional[PlanFiles] = field(compare=False, repr=False, default=None)
-
-    @property
-    def index(self) -> Path:
-        return self.folder / "index.idx"
-
-    @property
-    def rec_paths(self) -> str:
-        return ";".join(str(self.folder / f"{i:06d}" / "s.rec") for i in range(len(self.shards)))
+    offsets: np.ndarray = field(compare=False, repr=False, default=None)  # int64 byte offset of each record
+    keys: np.ndarray = field(compare=False, repr=False, default=None)  # float32 key of each record
+    shard_first: np.ndarray = field(compare=False, repr=False, default=None)  # first record of each shard, + n
 
     @property
     def samples(self) -> int:
         return int(self.counts.sum())
+
+    def shard_of(self, record: int) -> int:
+        return int(np.searchsorted(self.shard_first, record, side="right")) - 1
+
+    def can_split(self, record: int) -> bool:
+        """True when the record's key is unique within its shard (see ``shardgen.layout``), so a
+        reader can tell it apart from the others of its date."""
+        s = self.shard_of(record)
+        keys = self.keys[self.shard_first[s]:self.shard_first[s + 1]]
+        return int(np.count_nonzero(keys == self.keys[record])) == 1
+
+    def day_of(self, record: int) -> int:
+        return day_number(dt.date.fromisoformat(self.shards[self.shard_of(record)].date))
+
+
+@dataclass(frozen=True)
+class ReaderSource:
+    """What one native iterator is opened on: ``path_imgrec``, ``path_imgidx`` and dmlc's part."""
+
+    rec_paths: str
+    index: Path
+    num_parts: int
+    part_index: int
+
+
+def reader_source(plan: EpochPlan, first: int, stop: int) -> ReaderSource:
+    """The files and index that make MXNet read exactly records ``[first, stop)`` of the plan
+    (see the module docstring); written once per plan and range."""
+    key = (first, stop)
+    files = plan.files
+    with files.lock:
+        hit = files.sources.get(key)
+        if hit is not None:
+            return hit
+        f0, f1 = plan.shard_of(first), plan.shard_of(stop - 1)
+        base = plan.offsets[plan.shard_first[f0]]
+        offsets = plan.offsets[first:stop] - base
+        parts = 1
+        if stop < plan.shard_first[f1 + 1]:  # record ``stop`` is in the last file: end the range there
+            offsets = np.concatenate((offsets, np.full(stop - first, plan.offsets[stop] - base)))
+            parts = 2
+        index = plan.folder / f"r{first}-{stop}.idx"
+        tmp = index.with_suffix(".tmp")
+        try:
+            tmp.write_bytes(_index_text(offsets))
+            os.replace(tmp, index)
+        except OSError as exc:
+            raise LoaderError(f"{index}: cannot write a reader's index ({exc.strerror}); pass cache_dir= a "
+                              "writable folder with room (or set XDG_CACHE_HOME)") from None
+        rec_paths = ";".join(str(plan.folder / f"{i:06d}" / "s.rec") for i in range(f0, f1 + 1))
+        files.sources[key] = source = ReaderSource(rec_paths, index, parts, 0)
+        return source
 
 
 def recheck(plan: EpochPlan, schema: Any, verify: str) -> None:
@@ -213,7 +266,7 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
     _ensure_fd_room(len(shards))
     files = PlanFiles()
     try:
-        parts, counts, base = [], [], 0
+        parts, counts, keys, base = [], [], [], 0
         for s in shards:
             fd = _open_shard(store, s)
             files.fds.append(fd)
@@ -225,8 +278,10 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
                 raise LoaderError(str(exc)) from None
             parts.append(frames.offsets + base)
             counts.append(frames.counts)
+            keys.append(frames.keys)
             base += s.bytes
-        offsets, counts = np.concatenate(parts), np.concatenate(counts)
+        shard_first = np.concatenate(([0], np.cumsum([len(c) for c in counts]))).astype(np.int64)
+        offsets, counts, keys = np.concatenate(parts), np.concatenate(counts), np.concatenate(keys)
         proc_fd = Path("/proc/self/fd")
         key = hashlib.sha256(json.dumps([str(store)] + [s.to_json() for s in shards]).encode()).hexdigest()[:12]
         folder = mine / f"{next(_SEQ):05d}-{key}"
@@ -235,7 +290,6 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             files.folder = folder
-            (folder / "index.idx").write_bytes(_index_text(offsets))
             for i, (s, fd) in enumerate(zip(shards, files.fds)):
                 target = proc_fd / str(fd) if proc_fd.is_dir() else store / s.rec
                 (folder / f"{i:06d}").mkdir()  # one link per folder: dmlc lists a path's folder to find it
@@ -247,7 +301,7 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
         files.close()
         raise
     return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, folder, len(offsets),
-                     counts, files)
+                     counts, files, offsets, keys, shard_first)
 
 
 def _clean_dead_processes(cache_dir: Path) -> None:

@@ -48,8 +48,9 @@ class Pool:
     def free_slots(self) -> int:
         return len(self.free)
 
-    def add(self, payload: np.ndarray) -> None:
-        """Records ``(m, F)`` as the native iterator returns them (their framing already checked)."""
+    def add(self, payload: np.ndarray, lo: Optional[np.ndarray] = None, hi: Optional[np.ndarray] = None) -> None:
+        """Records ``(m, F)`` as the native iterator returns them (their framing already checked);
+        of record ``i`` only items ``[lo[i], hi[i])`` when given (a record shared between parts)."""
         s, n_rec = self.schema, len(payload)
         slots = np.array([self.free.pop() for _ in range(n_rec)], np.int64)
         if self.kind == "samples":
@@ -65,8 +66,12 @@ class Pool:
             self.data[slots] = payload[:, s.data_slice].reshape((n_rec,) + self.data.shape[1:])
             if self.kind == "runs":
                 self.starts[slots] = items[:, :, 0].astype(np.int64)
-        self.remaining[slots] = counts
-        codes = (slots[:, None] * self.k + np.arange(self.k)[None, :])[np.arange(self.k)[None, :] < counts[:, None]]
+        k = np.arange(self.k)[None, :]
+        keep = k < counts[:, None]
+        if lo is not None:
+            keep &= (k >= lo[:, None]) & (k < hi[:, None])
+        self.remaining[slots] = keep.sum(axis=1)
+        codes = (slots[:, None] * self.k + k)[keep]
         self.live[self.m:self.m + len(codes)] = codes
         self.m += len(codes)
 

@@ -1,8 +1,8 @@
 """One epoch of one part as a stream of caller batches, produced ahead in a background thread.
 
-``readers`` native ``ImageRecordIter``s read disjoint slices of the part (dmlc part
-``part_index * readers + r`` of ``num_parts * readers``), each with its own I/O thread; the
-producer takes their record batches in a fixed round-robin order into the shuffle buffer
+The part's records (:mod:`loader.parts`: balanced by samples, shared records trimmed) are read by
+``readers`` native ``ImageRecordIter``s over disjoint record ranges, each with its own I/O thread;
+the producer takes their record batches in a fixed round-robin order into the shuffle buffer
 (:mod:`loader.pool`), draws caller batches from it and splits them into named NDArrays, up to
 ``prefetch`` batches ahead. Everything is a function of (plan, seed, epoch, part): the same
 batches in the same order every time, and ``skip`` batches can be passed over without being
@@ -16,6 +16,7 @@ import math
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Optional
 
 import mxnet as mx
 import numpy as np
@@ -24,12 +25,11 @@ from shardgen.layout import Schema
 
 from .errors import LoaderError
 from .native import epoch_seed, next_label, open_record_iter
-from .plan import EpochPlan
+from .parts import PartSplit, split_part
+from .plan import EpochPlan, reader_source
 from .pool import Pool
 
-__all__ = ["StreamParams", "EpochStream", "part_layout", "MIN_READER_RECORDS"]
-
-MIN_READER_RECORDS = 64  # fewer records per reader: fewer readers
+__all__ = ["StreamParams", "EpochStream", "plan_part"]
 
 
 @dataclass(frozen=True)
@@ -51,24 +51,10 @@ class StreamParams:
     label_names: tuple[str, ...]
 
 
-def _dmlc_parts(n: int, parts: int) -> list[tuple[int, int]]:
-    """The record ranges dmlc's ``IndexedRecordIOSplitter`` gives each of ``parts`` parts."""
-    step = math.ceil(n / parts)
-    return [(min(p * step, n), min((p + 1) * step, n)) for p in range(parts)]
-
-
-def part_layout(plan: EpochPlan, p: StreamParams) -> tuple[int, list[int], list[int]]:
-    """(readers, samples per part, records per reader of this part). Readers shrink when the
-    plan is too small to give every reader a record; every worker computes the same."""
-    readers = p.readers if p.shuffle else 1
-    while readers > 1 and min(b - a for a, b in _dmlc_parts(plan.records, p.num_parts * readers)) < MIN_READER_RECORDS:
-        readers -= 1  # a reader needs records (MXNet's iterator cannot be empty), and small parts stay balanced
-    cum = np.concatenate(([0], np.cumsum(plan.counts)))
-    ranges = _dmlc_parts(plan.records, p.num_parts * readers)
-    per_sub = [int(cum[b] - cum[a]) for a, b in ranges]
-    samples = [sum(per_sub[q * readers:(q + 1) * readers]) for q in range(p.num_parts)]
-    mine = [b - a for a, b in ranges[p.part_index * readers:(p.part_index + 1) * readers]]
-    return readers, samples, mine
+def plan_part(plan: EpochPlan, p: StreamParams) -> PartSplit:
+    """This part's records, trims and readers (in order, one reader: the order must not depend on
+    how reads interleave)."""
+    return split_part(plan.counts, p.num_parts, p.part_index, p.readers if p.shuffle else 1, plan.can_split)
 
 
 class _Buffers:
@@ -94,17 +80,19 @@ class EpochStream:
 
     def __init__(self, plan: EpochPlan, epoch: int, params: StreamParams, *, skip: int = 0):
         self.plan, self.epoch, self.params = plan, epoch, params
-        self.readers, self.part_samples, self._reader_records = part_layout(plan, params)
+        self.split = plan_part(plan, params)
+        self.part_samples = list(self.split.part_samples)
+        self.readers = len(self.split.readers)
         bs = params.batch_size
         smallest = min(self.part_samples)
         if smallest < bs:
             which = self.part_samples.index(smallest)
             if smallest == 0:
                 raise LoaderError(f"part {which} of {params.num_parts} would be empty: generation {plan.generation} "
-                                  f"has {plan.records} records ({plan.samples} samples), fewer than parts")
+                                  f"has {plan.samples} samples (in {plan.records} records), fewer than parts")
             raise LoaderError(f"batch_size {bs} is larger than part {which} of {params.num_parts} "
                               f"({smallest} of {plan.samples} samples in generation {plan.generation})")
-        self.samples = self.part_samples[params.part_index]
+        self.samples = self.split.samples
         if params.last_batch == "pad":
             self.batches = math.ceil(max(self.part_samples) / bs)
         else:
@@ -178,20 +166,21 @@ class EpochStream:
         """The native iterators, opened side by side (each parses the combined index; ctypes
         releases the GIL)."""
         p, plan = self.params, self.plan
-        opened: list = [None] * len(self._reader_records)
+        ranges = self.split.readers
+        opened: list = [None] * len(ranges)
 
-        def open_one(r: int, records: int) -> None:
+        def open_one(r: int, first: int, stop: int) -> None:
             try:
                 opened[r] = open_record_iter(
-                    plan, record_floats=p.schema.record_floats, batch_size=min(p.native_batch, max(1, records)),
-                    shuffle=p.shuffle, seed=epoch_seed(p.seed + r, self.epoch), num_parts=p.num_parts * self.readers,
-                    part_index=p.part_index * self.readers + r, preprocess_threads=p.preprocess_threads,
+                    reader_source(plan, first, stop), record_floats=p.schema.record_floats,
+                    batch_size=min(p.native_batch, stop - first), shuffle=p.shuffle,
+                    seed=epoch_seed(p.seed + r, self.epoch), preprocess_threads=p.preprocess_threads,
                     prefetch_buffer=p.prefetch_buffer)
             except BaseException as exc:  # raised below, in the producer thread
                 opened[r] = exc
 
-        threads = [threading.Thread(target=open_one, args=(r, n), name="shardgen-open", daemon=True)
-                   for r, n in enumerate(self._reader_records)]
+        threads = [threading.Thread(target=open_one, args=(r, a, b), name="shardgen-open", daemon=True)
+                   for r, (a, b) in enumerate(ranges)]
         for t in threads:
             t.start()
         for t in threads:
@@ -199,7 +188,7 @@ class EpochStream:
         for item in opened:
             if isinstance(item, BaseException):
                 raise item
-        return [[native, records] for native, records in zip(opened, self._reader_records)]
+        return [[native, b - a] for native, (a, b) in zip(opened, ranges)]
 
     def _run(self) -> None:
         natives: list = []
@@ -216,6 +205,27 @@ class EpochStream:
         finally:
             natives.clear()  # frees the native iterators (their threads stop) in this thread
 
+    def _shared(self) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """The records this part shares with a neighbour, as arrays (day, key, lo, hi), or None."""
+        trims = self.split.trims
+        if not trims:
+            return None
+        plan = self.plan
+        return (np.array([plan.day_of(t.record) for t in trims], np.float32),
+                np.array([plan.keys[t.record] for t in trims], np.float32),
+                np.array([t.lo for t in trims], np.int64), np.array([t.hi for t in trims], np.int64))
+
+    def _spans(self, rows: np.ndarray, shared: tuple, seen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Items ``[lo, hi)`` of each record read: all of them, but of a shared record only this part's."""
+        day, key, lo, hi = shared
+        kw = self.params.schema.key_word
+        match = (rows[:, 1, None] == day[None, :]) & (rows[:, kw, None] == key[None, :])
+        first, last = np.zeros(len(rows), np.int64), np.full(len(rows), self.params.schema.pack, np.int64)
+        rec, which = np.nonzero(match)
+        first[rec], last[rec] = lo[which], hi[which]
+        np.add.at(seen, which, 1)
+        return first, last
+
     def _produce(self, natives: list) -> None:
         p, schema = self.params, self.params.schema
         bs = p.batch_size
@@ -223,13 +233,18 @@ class EpochStream:
         floor = bs + 2 * p.native_batch
         pool = Pool(schema, max(p.buffer_records, floor) if p.shuffle else floor)
         rng = np.random.default_rng([p.seed, self.epoch, p.part_index]) if p.shuffle else None
+        shared = self._shared()
+        seen = np.zeros(len(self.split.trims), np.int64)
+        last_real = math.ceil(self.samples / bs) - 1  # batches after it (if any) are all filler
         turn, last = 0, None
         for index in range(self.batches):
             if self._halt.is_set():
                 return
             valid = min(bs, self.samples - index * bs)
-            if valid <= 0:  # a part shorter than the longest: a whole batch of declared padding
-                if index >= self._skip and not self._offer((index, last, 0)):
+            if valid <= 0:
+                # Parts differ by one sample, so a shorter part can run out a batch early (see the
+                # README, "Parts"): its last batch repeats its last real batch's first row as data.
+                if index >= self._skip and not self._offer((index, last, 1)):
                     return
                 continue
             # Fill: shuffling, until the buffer is full; in order, until the batch is there.
@@ -244,18 +259,19 @@ class EpochStream:
                                       f"{self.plan.generation})")
                 rows = label.asnumpy()[:reader[1]]
                 reader[1] -= len(rows)
-                pool.add(rows)
-            if pool.m < valid:
-                raise LoaderError(f"the part has {pool.m} samples left for a batch of {valid} (generation "
-                                  f"{self.plan.generation})")
+                pool.add(rows, *(self._spans(rows, shared, seen) if shared else ()))
+            if pool.m < valid or (index == last_real and (pool.m != valid or (seen != 1).any())):
+                raise LoaderError(f"part {p.part_index} of {p.num_parts} read {pool.m} samples for its batch "
+                                  f"{index} of {valid} (generation {self.plan.generation}): records changed "
+                                  "under the reader?")
             codes = pool.draw(valid, rng)
-            if index < self._skip:
+            if index < self._skip and not (index == last_real and self.batches - 1 >= self._skip):
                 pool.release(codes)
                 continue
             flat = self._buffers.get()
             x = flat[:self._x_size].reshape(self._x_shape)
             last = self._arrays(flat, x, *pool.gather(codes, out=x[:valid])[1:])
-            if not self._offer((index, last, valid)):
+            if index >= self._skip and not self._offer((index, last, valid)):
                 return
 
     def _arrays(self, flat: np.ndarray, x: np.ndarray, labels: np.ndarray, days: np.ndarray) -> list:

@@ -37,10 +37,12 @@ _CACHE_LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class ShardFrames:
-    """What the loader needs of one checked shard: record offsets and the samples in each."""
+    """What the loader needs of one checked shard: record offsets, the samples in each and each
+    record's key (``Schema.key_word``; zeros for ``samples``)."""
 
     offsets: np.ndarray  # int64, one per record
     counts: np.ndarray  # int64 samples per record
+    keys: np.ndarray  # float32, one per record
 
     @property
     def samples(self) -> int:
@@ -54,6 +56,12 @@ class _Bad(Exception):
 
 
 Columns = Callable[[int, int], np.ndarray]  # cols(a, b): words a..b-1 of every record, (n, b - a) uint32
+
+
+def _keys(cols: Columns, n_rec: int, schema: Schema) -> np.ndarray:
+    if schema.key_word is None:
+        return np.zeros(n_rec, np.float32)
+    return cols(_P0 + schema.key_word, _P0 + schema.key_word + 1).view("<f4")[:, 0].copy()
 
 
 def _payload_checks(cols: Columns, n_rec: int, schema: Schema, day: int) -> np.ndarray:
@@ -138,7 +146,8 @@ def _one_split_record(data: memoryview, start: int, end: int, schema: Schema, da
     return np.frombuffer(b"\0" * 8 + body + b"\0" * (-len(body) % 4), "<u4")
 
 
-def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int) -> np.ndarray:
+def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """The general case (some record split at a magic word): whole records column-wise as in
     ``_fixed_size`` (gathered by offset), only the split ones one by one."""
     size, rb = len(buf), schema.record_bytes
@@ -149,11 +158,17 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
     split = np.flatnonzero(ends - offsets != rb)
     flat = np.frombuffer(buf, "<u4", size // 4)
     counts = np.zeros(len(offsets), np.int64)
+    keys = np.zeros(len(offsets), np.float32)
     first = offsets[whole] // 4
+
+    def whole_cols(a: int, b: int) -> np.ndarray:
+        return flat[first[:, None] + np.arange(a, b)]
+
     try:
-        counts[whole] = _fixed_size(lambda a, b: flat[first[:, None] + np.arange(a, b)], len(whole), schema, day)
+        counts[whole] = _fixed_size(whole_cols, len(whole), schema, day)
     except _Bad as bad:
         raise _Bad(int(whole[bad.record]), bad.what) from None
+    keys[whole] = _keys(whole_cols, len(whole), schema)
     if len(split):
         rebuilt = np.empty((len(split), rb // 4), np.uint32)
         for j, i in enumerate(split.tolist()):
@@ -166,7 +181,8 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
             counts[split] = _payload_checks(lambda a, b: rebuilt[:, a:b], len(split), schema, day)
         except _Bad as bad:
             raise _Bad(int(split[bad.record]), bad.what) from None
-    return counts
+        keys[split] = _keys(lambda a, b: rebuilt[:, a:b], len(split), schema)
+    return counts, keys
 
 
 def _read_offsets(idx_path: str, entry: ShardEntry) -> np.ndarray:
@@ -188,19 +204,24 @@ def _read_offsets(idx_path: str, entry: ShardEntry) -> np.ndarray:
 
 
 def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify: str,
-          entry: ShardEntry) -> tuple[Optional[np.ndarray], object]:
-    """(counts, None), or (None, "sha256" | (record, what)); no view of ``buf`` outlives the call."""
+          entry: ShardEntry) -> tuple[Optional[tuple[np.ndarray, np.ndarray]], object]:
+    """((counts, keys), None), or (None, "sha256" | (record, what)); no view of ``buf`` outlives the call."""
     if verify == "sha256" and hashlib.sha256(buf).hexdigest() != entry.sha256:
         return None, "sha256"
     rb = schema.record_bytes
     try:
         if len(offsets) * rb == len(buf) and (np.diff(offsets) == rb).all():
             words = np.frombuffer(buf, "<u4").reshape(len(offsets), rb // 4)
+
+            def cols(a: int, b: int) -> np.ndarray:
+                return words[:, a:b]
+
+            keys = _keys(cols, len(offsets), schema)
             if verify == "none":
                 if schema.layout.kind == "samples":
-                    return np.ones(len(offsets), np.int64), None
-                return np.clip(words[:, _P0].view("<f4").astype(np.int64), 0, schema.pack), None
-            return _fixed_size(lambda a, b: words[:, a:b], len(offsets), schema, day), None
+                    return (np.ones(len(offsets), np.int64), keys), None
+                return (np.clip(words[:, _P0].view("<f4").astype(np.int64), 0, schema.pack), keys), None
+            return (_fixed_size(cols, len(offsets), schema, day), keys), None
         return _split_records(buf, offsets, schema, day), None
     except _Bad as bad:  # leaving the block drops the exception and its frames (views of the map)
         problem = (bad.record, bad.what)
@@ -237,11 +258,11 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: ShardEntry, schema
     with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mm:
         buf = memoryview(mm)
         try:
-            counts, problem = _scan(buf, offsets, schema, day, verify, entry)
+            found, problem = _scan(buf, offsets, schema, day, verify, entry)
             if isinstance(problem, tuple) and entry.records * rb == st.st_size:
                 # Whole-size records did not frame: maybe split records after all; ask the index.
                 offsets = _read_offsets(idx_path, entry)
-                counts, problem = _scan(buf, offsets, schema, day, verify, entry)
+                found, problem = _scan(buf, offsets, schema, day, verify, entry)
         finally:
             buf.release()
     if problem == "sha256":
@@ -250,7 +271,7 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: ShardEntry, schema
     if problem is not None:
         raise ShardError(f"{rec_path}: record {problem[0]} of {entry.date} is damaged ({problem[1]}); run "
                          "`shardgen verify`, then rebuild it with `shardgen build --force`")
-    frames = ShardFrames(offsets, counts)
+    frames = ShardFrames(offsets, *found)
     if entry.windows and frames.samples != entry.windows:
         raise ShardError(f"{rec_path}: {frames.samples} windows in the records, the manifest says "
                           f"{entry.windows} ({entry.date})")

@@ -122,3 +122,32 @@ def batch_ids(batch) -> list:
     """Ids of the real (not padding) rows of a batch."""
     a = batch.label[0].asnumpy()
     return a[: len(a) - batch.pad].astype(int).tolist()
+
+
+def part_sizes(n: int, parts: int) -> list:
+    """The loader contract: part p of P holds samples [p*n//P, (p+1)*n//P)."""
+    return [(p + 1) * n // parts - p * n // parts for p in range(parts)]
+
+
+def expected_pads(n: int, parts: int, batch_size: int, part: int) -> list:
+    """The exact ``pad`` of every batch of ``part`` (last_batch='pad'): every part yields
+    ceil(largest / batch_size) batches; a part that runs out a batch early (the README's one
+    exception) repeats one row of its last real batch, counted as real: pad = batch_size - 1."""
+    sizes = part_sizes(n, parts)
+    batches = -(-max(sizes) // batch_size)
+    out = []
+    for i in range(batches):
+        valid = min(batch_size, sizes[part] - i * batch_size)
+        out.append(batch_size - valid if valid > 0 else batch_size - 1)
+    return out
+
+
+def real_batches(batches: list, n: int, parts: int, part: int) -> list:
+    """The batches that carry new samples (a repeated batch of the exception is left out, after
+    checking that it repeats the previous batch's first row)."""
+    bs = batches[0].data[0].shape[0] if batches else 0
+    keep = -(-part_sizes(n, parts)[part] // bs) if bs else 0
+    for b in batches[keep:]:
+        assert b.pad == bs - 1
+        np.testing.assert_array_equal(b.data[0].asnumpy()[:1], batches[keep - 1].data[0].asnumpy()[:1])
+    return batches[:keep]

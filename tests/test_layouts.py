@@ -8,6 +8,8 @@ import mxnet as mx
 import numpy as np
 import pytest
 
+from conftest import expected_pads, part_sizes, real_batches
+
 from loader import LoaderError, ShardIter
 from shardgen.layout import LabelSpec, Layout, Schema, unpack_samples
 from shardgen.manifest import Manifest
@@ -72,21 +74,25 @@ def stores(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-@pytest.mark.parametrize("parts, dates", [(1, None), (3, None), (2, ("2024-01-03", "2024-01-05"))])
-def test_every_window_once_per_epoch_bit_identical(stores, tmp_path, name, parts, dates):
+@pytest.mark.parametrize("batch_size", [3, 16])  # 3: smaller than every layout's pack
+@pytest.mark.parametrize("parts, dates", [(1, None), (2, None), (3, None), (5, None), (8, None),
+                                          (2, ("2024-01-03", "2024-01-05"))])
+def test_every_window_once_per_epoch_bit_identical(stores, tmp_path, name, batch_size, parts, dates):
     want = expected(stride=2 if name.endswith("stride2") else 1, dates=dates)
-    iters = [ShardIter(stores[name], 16, seed=3, num_parts=parts, part_index=p, dates=dates,
+    n = sum(want.values())
+    iters = [ShardIter(stores[name], batch_size, seed=3, num_parts=parts, part_index=p, dates=dates,
                        cache_dir=tmp_path, shuffle_buffer=8, native_batch=2) for p in range(parts)]
     for _ in range(2):
-        seen, counts = Counter(), set()
-        for it in iters:
+        seen = Counter()
+        for p, it in enumerate(iters):
             batches = list(it)
-            counts.add(len(batches))
+            assert [b.pad for b in batches] == expected_pads(n, parts, batch_size, p), "exact pads, pad < batch"
+            part = Counter(k for b in real_batches(batches, n, parts, p) for k in keys(b))
+            assert sum(part.values()) == part_sizes(n, parts)[p], "parts are balanced by samples"
+            seen.update(part)
             for b in batches:
-                seen.update(keys(b))
                 assert np.isfinite(b.data[0].asnumpy()).all()
             it.reset()
-        assert len(counts) == 1, "every part yields the same number of batches"
         assert seen == want, "exactly the windows of the raw data, each once"
     for it in iters:
         it.close()

@@ -6,7 +6,7 @@ from collections import Counter
 import mxnet as mx
 import numpy as np
 import pytest
-from conftest import batch_ids, make_store
+from conftest import batch_ids, expected_pads, make_store, part_sizes, real_batches
 
 from loader import LoaderError, ShardIter, to_datetime64
 from shardgen.manifest import Manifest
@@ -51,10 +51,8 @@ def test_contract_shapes_and_values(store, cache):
 @pytest.mark.parametrize("dates, n", [(None, 41), (("2024-01-03", "2024-01-04"), 14)])
 def test_exact_once_every_epoch_every_part(store, cache, shuffle, batch_size, dates, n):
     first = sum(v for d, v in COUNTS.items() if dates is not None and d < dates[0])
-    for parts in range(1, 5):
-        step = -(-n // parts)
-        smallest = n - (parts - 1) * step
-        if smallest < batch_size:
+    for parts in range(1, 9):
+        if n // parts < batch_size:
             with pytest.raises(LoaderError, match=f"batch_size {batch_size} is larger than part"):
                 ShardIter(store, batch_size, num_parts=parts, dates=dates, cache_dir=cache)
             continue
@@ -62,17 +60,18 @@ def test_exact_once_every_epoch_every_part(store, cache, shuffle, batch_size, da
                            dates=dates, cache_dir=cache) for p in range(parts)]
         for _ in range(3):
             seen = Counter()
-            counts = set()
-            for it in iters:
+            for p, it in enumerate(iters):
+                assert it.records_per_epoch == part_sizes(n, parts)[p]
                 batches = epoch(it)
-                counts.add(len(batches))
+                assert [b.pad for b in batches] == expected_pads(n, parts, batch_size, p)
                 for b in batches:
-                    assert b.data[0].shape[0] == batch_size and 0 <= b.pad <= batch_size
-                    seen.update(batch_ids(b))
+                    assert b.data[0].shape[0] == batch_size and 0 <= b.pad < batch_size
                     filler = b.label[0].asnumpy()[batch_size - b.pad:].astype(int)
                     assert set(filler) <= set(range(first, first + n)), "padding rows must be real records"
                     assert np.isfinite(b.data[0].asnumpy()).all()
-            assert len(counts) == 1, "every part must yield the same number of batches"
+                part = Counter(i for b in real_batches(batches, n, parts, p) for i in batch_ids(b))
+                assert sum(part.values()) == part_sizes(n, parts)[p], "parts are balanced by samples"
+                seen.update(part)
             assert seen == Counter(range(first, first + n)), "each record exactly once per epoch"
         for it in iters:
             it.close()

@@ -1,0 +1,89 @@
+"""How a generation is split between distributed parts, and a part between native readers.
+
+Parts are balanced by samples: of a generation's N samples (in record order), part ``p`` of ``P``
+gets samples ``[p*N//P, (p+1)*N//P)``, i.e. ``N//P`` or ``N//P + 1`` of them. A packed record
+that straddles a boundary is read by both neighbouring parts and each keeps only its own items
+(:class:`Trim`). Where a record cannot be told apart from the others of its date (two records
+with one key, see ``shardgen.layout``), the boundary moves to the nearer record edge instead.
+
+Each part's records are then cut into ``readers`` contiguous ranges, one per native iterator.
+Everything here is a pure function of the records' counts: every worker computes the same split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["MIN_READER_RECORDS", "Trim", "PartSplit", "sample_bounds", "split_part"]
+
+MIN_READER_RECORDS = 64  # fewer records per reader: fewer readers
+
+
+@dataclass(frozen=True)
+class Trim:
+    """Record ``record`` (global index) is shared with a neighbouring part: keep items ``[lo, hi)``."""
+
+    record: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class PartSplit:
+    """What one part reads: records ``[first, stop)``, the trims of its shared records, the record
+    ranges of its readers, and the sample count of every part (batch counts depend on all)."""
+
+    part_samples: tuple[int, ...]
+    part_index: int
+    first: int
+    stop: int
+    trims: tuple[Trim, ...]
+    readers: tuple[tuple[int, int], ...]
+
+    @property
+    def samples(self) -> int:
+        return self.part_samples[self.part_index]
+
+
+def sample_bounds(counts: np.ndarray, num_parts: int, can_split: Callable[[int], bool]) -> np.ndarray:
+    """``num_parts + 1`` sample positions where the parts begin (and the last one ends). A bound
+    inside record ``i`` stays there when ``can_split(i)``, else moves to the nearer record edge."""
+    cum = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+    total = int(cum[-1])
+    bounds = np.array([p * total // num_parts for p in range(num_parts + 1)], np.int64)
+    for p in range(1, num_parts):
+        s = int(bounds[p])
+        i = int(np.searchsorted(cum, s, side="right")) - 1  # the record holding sample s
+        if cum[i] == s or can_split(i):
+            continue
+        lo, hi = int(cum[i]), int(cum[i + 1])
+        bounds[p] = lo if s - lo <= hi - s else hi
+    return np.maximum.accumulate(bounds)
+
+
+def split_part(counts: np.ndarray, num_parts: int, part_index: int, readers: int,
+               can_split: Callable[[int], bool]) -> PartSplit:
+    """The records, trims and reader ranges of part ``part_index``; readers shrink so each has at
+    least ``MIN_READER_RECORDS`` records (MXNet's iterator cannot be empty)."""
+    cum = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+    bounds = sample_bounds(counts, num_parts, can_split)
+    part_samples = tuple(int(n) for n in np.diff(bounds))
+    s0, s1 = int(bounds[part_index]), int(bounds[part_index + 1])
+    if s0 == s1:
+        return PartSplit(part_samples, part_index, 0, 0, (), ())
+    first = int(np.searchsorted(cum, s0, side="right")) - 1
+    stop = int(np.searchsorted(cum, s1, side="left"))
+    spans = {}
+    if s0 > cum[first]:
+        spans[first] = [s0 - int(cum[first]), int(counts[first])]
+    if s1 < cum[stop]:
+        lo = spans.get(stop - 1, [0])[0]
+        spans[stop - 1] = [lo, s1 - int(cum[stop - 1])]
+    trims = tuple(Trim(r, lo, hi) for r, (lo, hi) in sorted(spans.items()))
+    n = stop - first
+    r = max(1, min(readers, n // MIN_READER_RECORDS))
+    edges = [first + n * k // r for k in range(r + 1)]
+    return PartSplit(part_samples, part_index, first, stop, trims, tuple(zip(edges[:-1], edges[1:])))
