@@ -95,17 +95,20 @@ def cfg_dir(tmp_path):
     return tmp_path / "proj"
 
 
-def make_store(store: Path, counts: dict, *, window: int = 0, t: int = 3, c: int = 2, base_id: int = 0):
-    """A store written directly (no generator): record k of the store has label ``a == k + base_id``
-    and ``x`` filled with k, so a test can identify every record it reads."""
+def make_store(store: Path, counts: dict, *, window: int = 0, t: int = 3, c: int = 2, base_id: int = 0,
+               pack: int = 1):
+    """A store written directly (no generator): window k of the store has label ``a == k + base_id``
+    and ``x`` filled with k, so a test can identify every window it reads. ``pack`` > 1: the
+    windows layout with that many windows per record."""
     import datetime as dt
 
-    from shardgen.layout import LabelSpec, Schema
+    from shardgen.layout import LabelSpec, Layout, Schema
     from shardgen.store import publish
     from shardgen.writer import write_shard
 
     schema = Schema.create(time_steps=t, num_inputs=c, data_name="seq_var",
-                           labels=[LabelSpec("a", 1), LabelSpec("b", 2)])
+                           labels=[LabelSpec("a", 1), LabelSpec("b", 2)],
+                           layout=Layout("windows", pack) if pack > 1 else Layout())
     store.mkdir(parents=True, exist_ok=True)
     entries, next_id = [], base_id
     for date, n in sorted(counts.items()):

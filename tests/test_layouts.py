@@ -7,7 +7,6 @@ from collections import Counter
 import mxnet as mx
 import numpy as np
 import pytest
-
 from conftest import expected_pads, part_sizes, real_batches
 
 from loader import LoaderError, ShardIter
