@@ -39,10 +39,15 @@ class Pool:
         self.starts = np.zeros((capacity, k), np.int64)
         self.day = np.zeros(capacity, np.float32)
         self.remaining = np.zeros(capacity, np.int64)
-        self.free = list(range(capacity - 1, -1, -1))
         self.live = np.empty(capacity * k, np.int64)
-        self.m = 0  # live items
         self._steps = np.arange(t)
+        self.clear()
+
+    def clear(self) -> None:
+        """Empty, for another epoch (the arrays are kept: no allocation)."""
+        self.free = list(range(self.capacity - 1, -1, -1))
+        self.remaining[:] = 0
+        self.m = 0  # live items
 
     @property
     def free_slots(self) -> int:

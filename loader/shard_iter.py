@@ -45,7 +45,7 @@ from .plan import (
     select_shards,
 )
 from .pool import default_capacity
-from .stream import EpochStream, StreamParams
+from .stream import Arena, EpochStream, StreamParams, batch_floats
 
 __all__ = ["ShardIter", "to_datetime64"]
 
@@ -85,6 +85,7 @@ class _Resources:
         self.stream: Optional[EpochStream] = None
         self.ahead: Optional[EpochStream] = None
         self.plan: Optional[EpochPlan] = None
+        self.arena: Optional[Arena] = None
         self.lock = threading.Lock()
 
     def close_streams(self) -> None:
@@ -162,6 +163,8 @@ class ShardIter(mx.io.DataIter):
             native_batch=nb, buffer_records=buffer,
             preprocess_threads=self.preprocess_threads, prefetch_buffer=self.prefetch_buffer,
             label_names=tuple(lab.name for lab in self._labels))
+        # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
+        self._res.arena = Arena(self.schema, batch_floats(self._params), keep=2 * (self.prefetch_buffer + 4))
         self._describe()
         self._start_epoch(self._plan_for(manifest_obj, select_shards(manifest_obj, self.dates)))
         _LIVE.add(self)
@@ -391,7 +394,7 @@ class ShardIter(mx.io.DataIter):
                 ahead.close()  # reads files of the old plan: gone before its files are let go
                 ahead = None
             try:
-                stream = ahead if ahead is not None else EpochStream(plan, epoch, self._params, skip=skip)
+                stream = ahead if ahead is not None else EpochStream(plan, epoch, self._params, res.arena, skip=skip)
             except BaseException:
                 if plan.files is not None and (previous is None or previous.folder != plan.folder):
                     plan.files.close()
@@ -419,7 +422,7 @@ class ShardIter(mx.io.DataIter):
         res = self._res
         if res.ahead is None and res.plan is not None:
             try:
-                res.ahead = EpochStream(res.plan, self.epoch + 1, self._params)
+                res.ahead = EpochStream(res.plan, self.epoch + 1, self._params, res.arena)
             except LoaderError:
                 res.ahead = None
 

@@ -29,7 +29,7 @@ from .parts import PartSplit, split_part
 from .plan import EpochPlan, reader_source
 from .pool import Pool
 
-__all__ = ["StreamParams", "EpochStream", "plan_part"]
+__all__ = ["StreamParams", "EpochStream", "Arena", "plan_part", "batch_floats"]
 
 
 @dataclass(frozen=True)
@@ -51,35 +51,62 @@ class StreamParams:
     label_names: tuple[str, ...]
 
 
+def batch_floats(p: StreamParams) -> int:
+    """Floats in one caller batch: x and the labels asked for (one buffer, see ``Arena``)."""
+    s = p.schema
+    return p.batch_size * (s.x_floats + sum(lab.width for lab in s.labels if lab.name in p.label_names))
+
+
 def plan_part(plan: EpochPlan, p: StreamParams) -> PartSplit:
     """This part's records, trims and readers (in order, one reader: the order must not depend on
     how reads interleave)."""
     return split_part(plan.counts, p.num_parts, p.part_index, p.readers if p.shuffle else 1, plan.can_split)
 
 
-class _Buffers:
-    """Batch buffers handed to MXNet without a copy (``from_numpy``) and reused once MXNet lets go
-    of them: freeing and faulting in a fresh 4 MB array per batch cost the caller's ``next()``."""
+class Arena:
+    """The big buffers of an iterator, reused from epoch to epoch: shuffle buffers (one per stream
+    alive, the current and the next epoch's) and batch buffers handed to MXNet without a copy
+    (``from_numpy``), taken back once MXNet lets go of them. Allocating them anew each epoch grew
+    the process by megabytes per epoch (the allocator's heap fragments around 4-128 MB blocks), and
+    freeing and faulting in a fresh 4 MB array per batch cost the caller's ``next()``."""
 
-    def __init__(self, shape: tuple, keep: int):
-        self.shape, self.keep, self.items = shape, keep, []
+    def __init__(self, schema: Schema, batch_floats: int, keep: int):
+        self.schema, self.batch_floats, self.keep = schema, batch_floats, keep
+        self._pools: list[Pool] = []
+        self._batches: list[np.ndarray] = []
+        self._lock = threading.Lock()
 
-    def get(self) -> np.ndarray:
-        for a in self.items:
-            if sys.getrefcount(a) <= 3:  # the list, this loop and the call: MXNet holds it no more
-                a.flags.writeable = True
-                return a
-        a = np.empty(self.shape, np.float32)
-        if len(self.items) < self.keep:
-            self.items.append(a)
-        return a
+    def pool(self, capacity: int) -> Pool:
+        with self._lock:
+            for i, pool in enumerate(self._pools):
+                if pool.capacity == capacity:
+                    del self._pools[i]
+                    pool.clear()
+                    return pool
+        return Pool(self.schema, capacity)
+
+    def give_back(self, pool: Pool) -> None:
+        with self._lock:  # two streams are alive at most (this epoch's and the next's): keep two
+            self._pools = (self._pools + [pool])[-2:]
+
+    def batch(self) -> np.ndarray:
+        """A free batch buffer: one no caller holds any more, or a new one."""
+        with self._lock:
+            for a in self._batches:
+                if sys.getrefcount(a) <= 3:  # the list, this loop and the call: MXNet holds it no more
+                    a.flags.writeable = True
+                    return a
+            a = np.empty(self.batch_floats, np.float32)
+            if len(self._batches) < self.keep:
+                self._batches.append(a)
+            return a
 
 
 class EpochStream:
     """Batches ``(arrays, valid)`` of one epoch; ``get()`` blocks for the next, ``close()`` stops."""
 
-    def __init__(self, plan: EpochPlan, epoch: int, params: StreamParams, *, skip: int = 0):
-        self.plan, self.epoch, self.params = plan, epoch, params
+    def __init__(self, plan: EpochPlan, epoch: int, params: StreamParams, arena: Arena, *, skip: int = 0):
+        self.plan, self.epoch, self.params, self._arena = plan, epoch, params, arena
         self.split = plan_part(plan, params)
         self.part_samples = list(self.split.part_samples)
         self.readers = len(self.split.readers)
@@ -107,8 +134,7 @@ class EpochStream:
         sc = params.schema
         self._x_shape = (params.batch_size, sc.time_steps, sc.num_inputs)
         self._x_size = int(np.prod(self._x_shape))
-        per_row = sum(lab.width for lab in sc.labels if lab.name in params.label_names)
-        self._buffers = _Buffers((self._x_size + params.batch_size * per_row,), keep=params.prefetch_buffer + 4)
+        self._pool: Optional[Pool] = None
         self._thread = threading.Thread(target=self._run, name="shardgen-batches", daemon=True)
         self._thread.start()
 
@@ -144,6 +170,9 @@ class EpochStream:
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                self._arena.give_back(pool)
 
     # -- producer side ----------------------------------------------------------------------------
 
@@ -175,7 +204,7 @@ class EpochStream:
                     reader_source(plan, first, stop), record_floats=p.schema.record_floats,
                     batch_size=min(p.native_batch, stop - first), shuffle=p.shuffle,
                     seed=epoch_seed(p.seed + r, self.epoch), preprocess_threads=p.preprocess_threads,
-                    prefetch_buffer=p.prefetch_buffer)
+                    prefetch_buffer=1)
             except BaseException as exc:  # raised below, in the producer thread
                 opened[r] = exc
 
@@ -195,6 +224,10 @@ class EpochStream:
         try:
             natives = self._open()
             self._produce(natives)
+            for native, left in natives:
+                if not left:  # at its end, MXNet 1.9.1's iterator holds no batch: freeing it leaks none
+                    while native.iter_next():
+                        pass
         except BaseException as exc:  # handed to the caller's next()
             if isinstance(exc, StopIteration):  # an empty native iterator; never the caller's end
                 exc = LoaderError(f"MXNet's reader found no records (generation {self.plan.generation})")
@@ -227,11 +260,11 @@ class EpochStream:
         return first, last
 
     def _produce(self, natives: list) -> None:
-        p, schema = self.params, self.params.schema
+        p = self.params
         bs = p.batch_size
         # A batch may need one record per sample (a date's last pack can hold a single window).
         floor = bs + 2 * p.native_batch
-        pool = Pool(schema, max(p.buffer_records, floor) if p.shuffle else floor)
+        self._pool = pool = self._arena.pool(max(p.buffer_records, floor) if p.shuffle else floor)
         rng = np.random.default_rng([p.seed, self.epoch, p.part_index]) if p.shuffle else None
         shared = self._shared()
         seen = np.zeros(len(self.split.trims), np.int64)
@@ -268,7 +301,7 @@ class EpochStream:
             if index < self._skip and not (index == last_real and self.batches - 1 >= self._skip):
                 pool.release(codes)
                 continue
-            flat = self._buffers.get()
+            flat = self._arena.batch()
             x = flat[:self._x_size].reshape(self._x_shape)
             last = self._arrays(flat, x, *pool.gather(codes, out=x[:valid])[1:])
             if index >= self._skip and not self._offer((index, last, valid)):
