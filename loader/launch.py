@@ -7,7 +7,8 @@ pip wheel does not ship).
 Workers run the command; the scheduler and servers run ``python -c "import mxnet"`` (importing
 MXNet with ``DMLC_ROLE`` = server/scheduler runs its loop). Every line a process prints is shown
 with its role and rank. The first process to fail stops the job: the others are killed (whole
-process groups) and the exit code is non-zero, never a hang. Ctrl-C / SIGTERM do the same.
+process groups) and the exit code is non-zero, never a hang. Ctrl-C / SIGTERM do the same. On
+Linux every process gets SIGKILL when the launcher dies, even by ``kill -9`` (``PR_SET_PDEATHSIG``).
 
 The job ends when every worker has exited 0 (scheduler and servers get ``grace_s`` to follow, then
 are killed). A worker still running ``--straggler-s`` seconds (default 60) after another worker
@@ -23,6 +24,7 @@ own address. The shard store must be on a filesystem every worker can read.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
@@ -31,12 +33,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 __all__ = ["main", "dmlc_env", "Job", "STRAGGLER_S", "TIMED_OUT"]
 
 STRAGGLER_S = 60.0  # a worker still running this long after another worker exited 0 stops the job
 TIMED_OUT = 124  # exit code when --timeout or --straggler-s fires (like coreutils timeout)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def free_port() -> int:
@@ -50,6 +53,24 @@ def dmlc_env(role: str, *, workers: int, servers: int, host: str, port: int) -> 
     return {"DMLC_ROLE": role, "DMLC_PS_ROOT_URI": host, "DMLC_PS_ROOT_PORT": str(port),
             "DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": str(servers), "DMLC_NODE_HOST": host,
             "PS_VERBOSE": os.environ.get("PS_VERBOSE", "0")}
+
+
+def die_with_parent() -> Optional[Callable[[], None]]:
+    """A ``preexec_fn`` making the child get SIGKILL when this process dies (Linux; None elsewhere).
+
+    The signal follows the *thread* that forked: spawn from a thread that lives as long as the job
+    (the launcher spawns from its main thread). If this process died between fork and the prctl
+    call, the child has a new parent already and kills itself."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 @dataclass
@@ -78,7 +99,7 @@ class Job:
         if rank is not None:
             env["SHARDGEN_WORKER_RANK"] = str(rank)  # a hint for logs; MXNet assigns kv.rank itself
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent())
         self.members.append(Member(name, proc, role == "worker"))
         pump = threading.Thread(target=self._pump, args=(name, proc), daemon=True)
         pump.start()
@@ -97,6 +118,7 @@ class Job:
             self._spawn(f"server {i}", "server", boot)
         for i in range(self.workers):
             self._spawn(f"worker {i}", "worker", self.command, rank=i)
+        self._say("launch: started " + ", ".join(f"{m.name} (pid {m.proc.pid})" for m in self.members))
 
     def kill(self) -> None:
         for m in self.members:

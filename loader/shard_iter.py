@@ -12,7 +12,6 @@ without re-reading what was consumed.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import math
 import os
@@ -53,11 +52,10 @@ _STATE_VERSION = 2
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
-@atexit.register
 def _close_all() -> None:
     """Stop every iterator's threads before the interpreter (and MXNet's engine) shuts down:
-    native threads still running then crash the process ("pure virtual method called"). MXNet
-    registers its own exit hook at import, earlier, so this one runs first."""
+    native threads still running then crash the process ("pure virtual method called").
+    ``loader.shutdown``'s exit hook calls it, before MXNet's own hook."""
     for it in list(_LIVE):
         it.close()
 

@@ -1,34 +1,55 @@
-"""An exit hook that lets a ``dist_sync`` worker exit: wait for MXNet's engine before MXNet shuts down.
+"""loader's exit hook: a ``dist_sync`` worker exits, whether it ends normally or fails.
 
-A worker whose script ends right after its last ``trainer.step(...)`` still has kvstore pushes and
-pulls in flight in MXNet's engine; MXNet's own exit hook (``MXNotifyShutdown``) then hangs in the
-kvstore's finalisation, and the whole job with it (most runs, on loopback). ``mx.nd.waitall()``
-before that hook fixes it. Importing ``loader`` registers this hook, so any script is protected.
+*Normal end.* A worker whose script ends right after its last ``trainer.step(...)`` still has
+kvstore pushes and pulls in flight in MXNet's engine; MXNet's own exit hook (``MXNotifyShutdown``)
+then hangs in the kvstore's finalisation, and the whole job with it (most runs, on loopback).
+``mx.nd.waitall()`` before that hook fixes it.
 
-atexit runs hooks last-registered first. The order at exit is:
+*Failure.* A worker that raises, or calls ``sys.exit(n)`` with n != 0, hangs in the kvstore's
+teardown (ps-lite's finalize barrier waits for the other workers, which wait in ``trainer.step`` for
+it). In a process with ``DMLC_ROLE=worker`` a failure (``loader.exitcode``: the traceback has been
+printed by then) ends the process at once with its code, MXNet's teardown skipped, so a launcher
+sees the failure and stops the job.
 
-1. ``_wait_for_engine`` (here): ``mx.nd.waitall()``, in a daemon thread joined for at most
-   ``EXIT_WAIT_S`` seconds; a warning is logged if it does not finish, and exit goes on.
-2. ``loader.shard_iter._close_all``: stops the threads of every live ``ShardIter``.
-3. MXNet's hooks, registered when ``mxnet`` was imported, before either of ours.
+This module imports ``mxnet`` (which registers MXNet's hook) and then registers one hook,
+``_at_exit``; atexit runs hooks last-registered first, so it runs before MXNet's whatever else was
+imported. The order of its steps is ``exit_steps``:
 
-This module imports ``shard_iter`` (and so ``mxnet``) before registering, which fixes that order.
+* normal exit: 1. ``wait_for_engine`` (``mx.nd.waitall()`` in a daemon thread joined for at most
+  ``EXIT_WAIT_S`` seconds; a warning is logged if it does not finish, and exit goes on);
+  2. ``close_iterators`` (``loader.shard_iter._close_all``: stops the threads of every live
+  ``ShardIter``); then MXNet's hooks run, and any registered before ``import loader``.
+* failing worker: 1. ``close_iterators``; 2. ``flush`` (logging, stdout, stderr); 3. ``exit_now``
+  (``os._exit(code)``): MXNet's hooks, those registered before ``import loader`` and the
+  interpreter's teardown do not run.
+
+Importing ``loader`` installs this module, so any script is covered.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 import threading
+from typing import Optional
 
 import mxnet as mx
 
-from . import shard_iter  # noqa: F401  (registers _close_all first: it must run after the wait below)
+from . import exitcode, shard_iter
 
-__all__ = ["EXIT_WAIT_S", "wait_for_engine"]
+__all__ = ["EXIT_WAIT_S", "wait_for_engine", "exit_steps"]
 
 log = logging.getLogger(__name__)
 EXIT_WAIT_S = 30.0  # seconds the exit hook waits for MXNet's engine before giving up
+
+
+def exit_steps(failure: Optional[int]) -> tuple[str, ...]:
+    """The exit hook's steps, in order; ``failure`` is a failing worker's exit code, else None."""
+    if failure is None:
+        return ("wait_for_engine", "close_iterators")
+    return ("close_iterators", "flush", "exit_now")
 
 
 def wait_for_engine(timeout: float = EXIT_WAIT_S) -> bool:
@@ -58,6 +79,38 @@ def wait_for_engine(timeout: float = EXIT_WAIT_S) -> bool:
     return True
 
 
-@atexit.register
-def _wait_for_engine() -> None:
-    wait_for_engine(EXIT_WAIT_S)
+def _flush() -> None:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more can be said there
+            pass
+
+
+def _is_worker() -> bool:
+    return os.environ.get("DMLC_ROLE") == "worker"
+
+
+def _at_exit() -> None:
+    code = exitcode.failure_code() if _is_worker() else None
+    if code is not None:
+        log.warning("loader: this dist worker is failing (exit code %d); exiting now, without MXNet's "
+                    "kvstore shutdown (it would wait for the other workers forever)", code)
+    try:
+        for step in exit_steps(code):
+            if step == "wait_for_engine":
+                wait_for_engine(EXIT_WAIT_S)
+            elif step == "close_iterators":
+                shard_iter._close_all()
+            elif step == "flush":
+                _flush()
+    finally:
+        if code is not None:  # "exit_now", even if a step above raised
+            os._exit(code)
+
+
+if _is_worker():
+    exitcode.install()
+atexit.register(_at_exit)

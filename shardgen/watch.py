@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from . import generator
+from .backoff import retry_delay
 from .build import BuildReport, build, wanted
 from .config import Config
 from .errors import ShardError, ShardgenError
@@ -117,7 +118,7 @@ class Watcher:
                 failures = 0
             except (ShardgenError, OSError) as exc:  # disk full, an unreadable snapshot ...: never give up
                 failures += 1
-                delay = min(MAX_BACKOFF_S, self.interval * 2 ** min(failures - 1, 16))
+                delay = retry_delay(failures, base=self.interval, cap=MAX_BACKOFF_S)
                 where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
                 text = f"{where}{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
                 log.error("cycle failed (%s); trying again in %.0fs", text, delay)
@@ -211,7 +212,7 @@ class Watcher:
                 self._failures[date] = _Failure(count, message, None)
                 log.warning("%s: %s is not generated here; will read it again when it changes", date, raw[date])
                 continue
-            delay = min(MAX_BACKOFF_S, self.interval * 2 ** (count - 1))
+            delay = retry_delay(count, base=self.interval, cap=MAX_BACKOFF_S)
             self._failures[date] = _Failure(count, message, time.monotonic() + delay)
             log.warning("%s: will retry in %.0fs (failure %d)", date, delay, count)
 

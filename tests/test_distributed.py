@@ -3,14 +3,15 @@
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import mxnet as mx
 import numpy as np
+import proctree
 import pytest
 from conftest import ROOT, make_store, write_config
+from proctree import alive, member_pids
 
 from shardgen.build import build
 from shardgen.config import load_config
@@ -21,8 +22,9 @@ COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}  # 131 records: 
 
 
 def launch(*args, timeout=240, **kw):
-    return subprocess.run([sys.executable, "-m", "loader.launch", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, **kw)
+    """The launcher, its ``--timeout`` below the test's own; every process it started is killed at the end."""
+    return proctree.run([sys.executable, "-m", "loader.launch", "--timeout", timeout - 10, *args], timeout=timeout,
+                        cwd=ROOT, **kw)
 
 
 def train_cmd(store, tmp_path, epochs=2, extra=()):
@@ -50,57 +52,22 @@ def test_dist_sync_two_workers_exact_epochs_same_params(tmp_path):
         np.testing.assert_array_equal(p0[key].asnumpy(), p1[key].asnumpy())
 
 
-def _descendants(pid):
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            children = open(f"/proc/{p}/task/{p}/children").read().split()
-        except OSError:
-            continue
-        for c in map(int, children):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
-
-
 def test_a_killed_worker_stops_the_job(tmp_path):
     store = tmp_path / "store"
     make_store(store, COUNTS)
-    marker = tmp_path / "records-{rank}.json"
-    proc = subprocess.Popen([sys.executable, "-m", "loader.launch", "-n", "2", "-s", "1", "--",
-                             *map(str, train_cmd(store, tmp_path, epochs=10_000))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while "epoch 0:" not in line:  # training is under way
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline
-        family = _descendants(proc.pid)
-        workers = [p for p in family if str(marker) in open(f"/proc/{p}/cmdline").read().replace("\0", " ")]
-        assert len(workers) == 2 and len(family) >= 4  # scheduler, server, two workers
-        os.kill(workers[0], signal.SIGKILL)
+    with proctree.Tagged([sys.executable, "-m", "loader.launch", "-n", "2", "-s", "1", "--timeout", 110, "--",
+                          *train_cmd(store, tmp_path, epochs=10_000)], cwd=ROOT) as job:
+        job.wait_line("epoch 0:", time.monotonic() + 90)  # training is under way
+        members = member_pids(job.stderr)
+        assert len(members) == 4  # scheduler, server, two workers
+        os.kill(members["worker 0"], signal.SIGKILL)
         t0 = time.monotonic()
-        out, err = proc.communicate(timeout=60)
+        code = job.wait(60)
         assert time.monotonic() - t0 < 30
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    assert "was killed by signal 9; stopping the job" in err
-    time.sleep(0.2)
-    assert not [p for p in family if _alive(p)], "the launcher left processes behind"
+        left = [name for name, pid in members.items() if alive(pid)] + proctree.tagged_pids(job.tag)
+    assert code != 0
+    assert "worker 0 was killed by signal 9; stopping the job" in job.stderr
+    assert not left, f"the launcher left {left} behind"
 
 
 def test_launch_usage_errors():

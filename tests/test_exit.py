@@ -2,6 +2,8 @@
 never waits forever for a worker that does not exit."""
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -9,21 +11,16 @@ import time
 from pathlib import Path
 
 import mxnet as mx
+import proctree
 import pytest
 from conftest import ROOT, make_store
+from proctree import alive, member_pids
 
-from loader.shutdown import wait_for_engine
+from loader.shutdown import exit_steps, wait_for_engine
 
 COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}
 PLAIN_WORKER = Path(__file__).resolve().parent / "plain_worker.py"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+FAILING_WORKER = Path(__file__).resolve().parent / "failing_worker.py"
 
 
 def test_exit_hook_order_waitall_then_close_then_mxnet(tmp_path):
@@ -53,6 +50,46 @@ def test_exit_hook_order_waitall_then_close_then_mxnet(tmp_path):
     assert r.stdout.splitlines() == ["1 waitall", "2 close", "3 mxnet's hooks run next"]
 
 
+def test_exit_steps_of_a_normal_exit_and_of_a_failing_worker():
+    assert exit_steps(None) == ("wait_for_engine", "close_iterators")
+    assert exit_steps(3) == ("close_iterators", "flush", "exit_now")
+
+
+@pytest.mark.parametrize("how, code", [("raise RuntimeError('boom')", 1), ("sys.exit(3)", 3), ("exit(4)", 4),
+                                       ("sys.exit('bad input')", 1), ("sys.exit(0)", 0)])
+def test_a_failing_worker_closes_iterators_flushes_and_skips_mxnet_teardown(tmp_path, how, code):
+    """Without a job: a DMLC_ROLE=worker process that fails runs loader's exit steps, then nothing else."""
+    make_store(tmp_path / "store", COUNTS)
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, sys
+        import mxnet as mx
+        atexit.register(print, "teardown ran", flush=True)  # registered before loader's hook: runs after it
+        from loader import ShardIter
+        real_close = ShardIter.close
+        def close(self):
+            print("closed")  # buffered too: only the flush step shows it
+            real_close(self)
+        ShardIter.close = close
+        it = ShardIter(sys.argv[1], batch_size=4)
+        next(iter(it))
+        print("buffered, not flushed")
+        {how}
+    """))
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},  # stdout block-buffered
+           "PYTHONPATH": str(ROOT), "DMLC_ROLE": "worker"}
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "store" / "manifest.json")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == code, r.stderr
+    assert r.stdout.splitlines()[:2] == ["buffered, not flushed", "closed"]
+    if code:
+        assert "teardown ran" not in r.stdout and f"this dist worker is failing (exit code {code})" in r.stderr
+    else:
+        assert r.stdout.splitlines()[-1] == "teardown ran"
+    if how.startswith("raise"):
+        assert "Traceback (most recent call last)" in r.stderr and "RuntimeError: boom" in r.stderr
+
+
 def test_engine_wait_is_bounded_and_logged(monkeypatch, caplog):
     monkeypatch.setattr(mx.nd, "waitall", lambda: time.sleep(5))
     t0 = time.monotonic()
@@ -62,8 +99,10 @@ def test_engine_wait_is_bounded_and_logged(monkeypatch, caplog):
 
 
 def launch(*args, timeout):
-    return subprocess.run([sys.executable, "-m", "loader.launch", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    """The launcher with ``--timeout`` 10 s below the test's own; every process it started is
+    killed at the end (``.left_behind`` names those still alive when it exited)."""
+    return proctree.run([sys.executable, "-m", "loader.launch", "--timeout", timeout - 10, *args], timeout=timeout,
+                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 @pytest.mark.slow
@@ -72,8 +111,8 @@ def test_plain_gluon_worker_exits_every_time(tmp_path):
     make_store(tmp_path / "store", COUNTS)
     for run in range(6):
         t0 = time.monotonic()
-        r = launch("-n", 2, "-s", 1, "--timeout", 55, "--", sys.executable, PLAIN_WORKER,
-                   tmp_path / "store" / "manifest.json", timeout=90)
+        r = launch("-n", 2, "-s", 1, "--", sys.executable, PLAIN_WORKER, tmp_path / "store" / "manifest.json",
+                   timeout=65)
         took = time.monotonic() - t0
         assert r.returncode == 0, f"run {run}: exit {r.returncode} after {took:.0f}s\n{r.stdout}{r.stderr}"
         assert took < 60, f"run {run} took {took:.0f}s"
@@ -98,9 +137,68 @@ def test_a_straggling_worker_stops_the_job(tmp_path):
     assert took < 30
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
     time.sleep(0.2)
-    assert not [p for p in pids if _alive(p)], "the launcher left the worker or its child behind"
+    assert not [p for p in pids if alive(p)], "the launcher left the worker or its child behind"
+    members = member_pids(r.stderr)
+    assert set(members) == {"scheduler", "server 0", "worker 0", "worker 1"}
+    assert not [name for name, pid in members.items() if alive(pid)], "the launcher left a member behind"
+    assert not r.left_behind
 
 
 def test_launch_rejects_a_non_positive_straggler_timeout():
     r = launch("--straggler-s", 0, "--", "true", timeout=60)
     assert r.returncode == 2 and "--straggler-s must be > 0" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory):
+    store = tmp_path_factory.mktemp("exit") / "store"
+    make_store(store, COUNTS)
+    return store / "manifest.json"
+
+
+EXPECTED = {"raise": (1, "exited with code 1"), "exit": (3, "exited with code 3"),
+            "kill": (1, "was killed by signal 9")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["raise", "exit", "kill"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_failing_worker_ends_the_job(small_store, how, rank):
+    """Measured: a worker that raised or called sys.exit(3) hung in MXNet's kvstore teardown, its peer
+    in trainer.step, and the job never ended."""
+    t0 = time.monotonic()
+    r = launch("-n", 2, "-s", 1, "--", sys.executable, FAILING_WORKER, small_store, rank, how, timeout=40)
+    took = time.monotonic() - t0
+    code, what = EXPECTED[how]
+    failing = re.search(rf"^\[(worker \d)\] rank {rank} fails now", r.stdout, re.M)
+    assert failing, r.stdout + r.stderr
+    assert r.returncode == code, r.stdout + r.stderr
+    assert f"launch: {failing.group(1)} {what}; stopping the job" in r.stderr
+    assert took < 30, f"took {took:.0f}s"
+    if how == "raise":
+        assert f"[{failing.group(1)}] RuntimeError: rank {rank} broke on purpose" in r.stdout
+        assert f"[{failing.group(1)}] Traceback (most recent call last):" in r.stdout
+    members = member_pids(r.stderr)
+    assert len(members) == 4
+    assert not [name for name, pid in members.items() if alive(pid)], "a member outlived the launcher"
+    assert not r.left_behind
+
+
+@pytest.mark.slow
+def test_members_die_with_the_launcher(tmp_path):
+    """Measured: kill -9 of the launcher left the scheduler, the server and the workers running."""
+    worker = [sys.executable, "-c", "import time; time.sleep(1000)"]
+    with proctree.Tagged([sys.executable, "-m", "loader.launch", "-n", 2, "-s", 1, "--timeout", 50, "--", *worker],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}) as job:
+        job.wait_line("launch: started ", time.monotonic() + 30)
+        members = member_pids(job.stderr)
+        assert len(members) == 4 and all(alive(pid) for pid in members.values())
+        time.sleep(1.0)  # the scheduler and server are in MXNet's loop by now
+        os.kill(job.proc.pid, signal.SIGKILL)
+        job.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in members.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [name for name, pid in members.items() if alive(pid)]
+        assert not left, f"{left} outlived the launcher"
+        assert not proctree.tagged_pids(job.tag)

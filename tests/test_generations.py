@@ -8,6 +8,7 @@ import sys
 import time
 
 import mxnet as mx
+import proctree
 import pytest
 from conftest import ROOT, batch_ids, make_store, write_config
 
@@ -247,24 +248,20 @@ def test_dist_sync_workers_agree_when_a_date_lands_mid_race(tmp_path, publish_ro
     out.mkdir()
     make_store(store, COUNTS)  # generation 1: 131 records
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "loader.launch", "-n", "2", "-s", "1", "--", sys.executable,
+    cmd = [sys.executable, "-m", "loader.launch", "-n", "2", "-s", "1", "--timeout", "170", "--", sys.executable,
            str(ROOT / "tests" / "dist_race_worker.py"), "--store", str(store), "--flags", str(flags),
            "--out", str(out), "--publish-round", str(publish_round), "--epochs", "3"]
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with proctree.Tagged(cmd, cwd=ROOT, env=env) as job:  # every process it starts is killed at the end
         deadline = time.monotonic() + 120
         while not (flags / "proposed").exists():  # rank 0 has read generation 1 for this round
-            assert job.poll() is None, job.stdout.read()
+            assert job.proc.poll() is None, job.output
             assert time.monotonic() < deadline, "rank 0 never reached the round"
             time.sleep(0.02)
         make_store(store, {"2024-01-05": 20}, base_id=131)  # generation 2: 151 records
         (flags / "published").write_text("2")
-        output, _ = job.communicate(timeout=180)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode == 0, output
+        code = job.wait(180)
+    output = job.output
+    assert code == 0, output
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
     # Rank 1 saw generation 2 in the publish round, rank 0 had proposed 1: both read 1.
     assert ranks[0]["proposals"][publish_round] == 1 and ranks[1]["proposals"][publish_round] == 2

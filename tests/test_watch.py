@@ -172,6 +172,31 @@ def test_a_due_date_whose_generator_leaves_a_truncated_file_is_regenerated(cfg_d
     assert "0 failing dates" in r.stdout
 
 
+def test_retry_delay_doubles_up_to_the_cap_for_any_count():
+    from shardgen.backoff import retry_delay
+
+    assert [retry_delay(n, base=60.0, cap=3600.0) for n in (1, 2, 3, 6, 7)] == [60, 120, 240, 1920, 3600]
+    assert retry_delay(10**6, base=60.0, cap=3600.0) == 3600.0  # 60 * 2**999999 was an OverflowError
+    assert retry_delay(10**100, base=0.5, cap=3600.0) == 3600.0
+
+
+def test_a_date_failing_a_million_times_keeps_the_watcher_and_its_state(cfg_dir):
+    """Measured: a date's ~1,025th failure raised OverflowError in the retry delay and killed the watcher."""
+    from shardgen.watch import Watcher, _Failure
+    from shardgen.watchstate import load_state
+
+    cfg = load_config(write_config(cfg_dir, end="2024-01-02", modes={"2024-01-02": "fail"}))
+    with Watcher(cfg, interval=60.0) as w:
+        w._failures[dt.date(2024, 1, 2)] = _Failure(10**6, "earlier failures", 0.0)  # due again now
+        t0 = time.time()
+        report = w.cycle()
+    assert [d.isoformat() for d, _ in report.failed] == ["2024-01-02"]
+    [failing] = load_state(cfg.store.dir)["failing"]
+    assert failing["attempts"] == 10**6 + 1 and "generator exited with code 3" in failing["error"]
+    retry = dt.datetime.fromisoformat(failing["next_retry"].replace("Z", "+00:00")).timestamp()
+    assert t0 + 3600 - 5 <= retry <= time.time() + 3600 + 5  # capped at an hour
+
+
 def test_status_lists_failing_dates_of_a_running_watcher(cfg_dir, watchers):
     cfg = write_config(cfg_dir, end="2024-01-03", modes={"2024-01-03": "fail"})
     cfg.write_text(cfg.read_text().replace("backoff_s = 0.0", "backoff_s = 0.0\nsettle_s = 0.3"))
