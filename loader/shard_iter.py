@@ -30,6 +30,7 @@ from shardgen.manifest import ShardEntry
 
 from .errors import LoaderError
 from .generations import Choice, agreed_start
+from .memory import check_footprint, footprint, parse_size, pool_bytes
 from .plan import (
     DateRange,
     EpochPlan,
@@ -44,7 +45,7 @@ from .plan import (
     select_shards,
 )
 from .pool import default_capacity
-from .stream import Arena, EpochStream, StreamParams, batch_floats
+from .stream import Arena, EpochStream, StreamParams, batch_floats, pool_capacity
 
 __all__ = ["ShardIter", "to_datetime64"]
 
@@ -108,19 +109,21 @@ class ShardIter(mx.io.DataIter):
     ``verify``: ``"frame"`` (default) checks every record's framing before MXNet reads it,
     ``"sha256"`` also checks content against the manifest, ``"none"`` trusts the files.
     ``readers``: native iterators per part (each with its own I/O thread). ``shuffle_buffer``:
-    records held for mixing (default: 128 MB of them). ``native_batch``: records per native batch.
+    what is held for mixing, as a number of *records* (an int) or a size in bytes (a string such as
+    ``"256MB"`` or ``"1GiB"``; default 128 MB). ``native_batch``: records per native batch.
+    ``prefetch_buffer``: caller batches assembled ahead. What these hold in memory is computed at
+    construction (:mod:`loader.memory`); more than half the machine's memory is a LoaderError.
     """
 
     def __init__(self, manifest: os.PathLike | str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  preprocess_threads: int = 4, prefetch_buffer: int = 4, num_parts: int = 1,
                  part_index: int = 0, last_batch: str = "pad", dates: DateRange = None,
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
-                 verify: str = "frame", readers: int = 2, shuffle_buffer: Optional[int] = None,
+                 verify: str = "frame", readers: int = 2, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None):
         for name, value, low in (("batch_size", batch_size, 1), ("num_parts", num_parts, 1),
                                  ("preprocess_threads", preprocess_threads, 1),
                                  ("prefetch_buffer", prefetch_buffer, 1), ("readers", readers, 1),
-                                 ("shuffle_buffer", 1 if shuffle_buffer is None else shuffle_buffer, 1),
                                  ("native_batch", 1 if native_batch is None else native_batch, 1)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
                 raise LoaderError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -154,13 +157,24 @@ class ShardIter(mx.io.DataIter):
         if unknown or not self.label_names:
             raise LoaderError(f"label_names {list(self.label_names)!r}: choose among {known}")
         nb = int(native_batch) if native_batch is not None else _default_native_batch(self.schema.pack)
-        buffer = int(shuffle_buffer) if shuffle_buffer else default_capacity(self.schema, nb)
+        if shuffle_buffer is None:
+            buffer = default_capacity(self.schema, nb)
+        else:
+            unit, amount = parse_size(shuffle_buffer)
+            buffer = amount if unit == "records" else max(1, amount // pool_bytes(self.schema, 1))
         self._params = StreamParams(
             schema=self.schema, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
             num_parts=self.num_parts, part_index=self.part_index, last_batch=last_batch, readers=int(readers),
             native_batch=nb, buffer_records=buffer,
             preprocess_threads=self.preprocess_threads, prefetch_buffer=self.prefetch_buffer,
             label_names=tuple(lab.name for lab in self._labels))
+        held = footprint(self.schema, buffer_records=pool_capacity(self._params), native_batch=nb,
+                         readers=int(readers), prefetch_buffer=self.prefetch_buffer,
+                         batch_floats=batch_floats(self._params))
+        check_footprint(held, f"shuffle_buffer={shuffle_buffer!r} ({pool_capacity(self._params):,} records), "
+                              f"native_batch={nb}, readers={readers}, prefetch_buffer={prefetch_buffer}, "
+                              f"batch_size={batch_size}")
+        self.memory = held
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
         self._res.arena = Arena(self.schema, batch_floats(self._params), keep=2 * (self.prefetch_buffer + 4))
         self._describe()

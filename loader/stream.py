@@ -29,7 +29,7 @@ from .parts import PartSplit, split_part
 from .plan import EpochPlan, reader_source
 from .pool import Pool
 
-__all__ = ["StreamParams", "EpochStream", "Arena", "plan_part", "batch_floats"]
+__all__ = ["StreamParams", "EpochStream", "Arena", "plan_part", "batch_floats", "pool_capacity"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,13 @@ def batch_floats(p: StreamParams) -> int:
     """Floats in one caller batch: x and the labels asked for (one buffer, see ``Arena``)."""
     s = p.schema
     return p.batch_size * (s.x_floats + sum(lab.width for lab in s.labels if lab.name in p.label_names))
+
+
+def pool_capacity(p: StreamParams) -> int:
+    """Records in the shuffle buffer: a batch may need one record per sample (a date's last pack
+    can hold a single window), so at least a batch and two native batches."""
+    floor = p.batch_size + 2 * p.native_batch
+    return max(p.buffer_records, floor) if p.shuffle else floor
 
 
 def plan_part(plan: EpochPlan, p: StreamParams) -> PartSplit:
@@ -262,9 +269,7 @@ class EpochStream:
     def _produce(self, natives: list) -> None:
         p = self.params
         bs = p.batch_size
-        # A batch may need one record per sample (a date's last pack can hold a single window).
-        floor = bs + 2 * p.native_batch
-        self._pool = pool = self._arena.pool(max(p.buffer_records, floor) if p.shuffle else floor)
+        self._pool = pool = self._arena.pool(pool_capacity(p))
         rng = np.random.default_rng([p.seed, self.epoch, p.part_index]) if p.shuffle else None
         shared = self._shared()
         seen = np.zeros(len(self.split.trims), np.int64)

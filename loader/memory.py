@@ -1,0 +1,93 @@
+"""What a ``ShardIter`` holds in memory, computed from its settings before anything is allocated,
+and the ``shuffle_buffer`` setting read as records or bytes.
+
+Two epoch streams are alive at once near an epoch's end (this one and the next one, which starts
+filling half way through), so the per-stream parts count twice:
+
+- the shuffle buffer: ``shuffle_buffer`` records, kept compact (a run's rows, not its windows);
+- MXNet's native iterators: ``readers`` of them, each queueing up to 16 record batches of
+  ``native_batch`` records in its own thread (fixed in MXNet 1.9.1, whatever ``prefetch_buffer``);
+- caller batches: ``prefetch_buffer`` ready ones per stream, plus a few MXNet still holds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional, Union
+
+from shardgen.layout import Schema
+
+from .errors import LoaderError
+
+__all__ = ["NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "pool_bytes", "footprint", "parse_size",
+           "check_footprint", "format_bytes"]
+
+NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
+MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return None
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} TiB"  # pragma: no cover
+
+
+def parse_size(value: Union[int, str], what: str = "shuffle_buffer") -> tuple[str, int]:
+    """``("records", n)`` for an integer, ``("bytes", n)`` for a string with a unit ("256MB", "1GiB")."""
+    if isinstance(value, bool):
+        raise LoaderError(f"{what} must be a record count (int) or a size such as '256MB', got {value!r}")
+    if isinstance(value, int) or (hasattr(value, "__index__") and not isinstance(value, str)):
+        if int(value) < 1:
+            raise LoaderError(f"{what} must be >= 1 record, got {value!r}")
+        return "records", int(value)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*", str(value), re.IGNORECASE)
+    if not isinstance(value, str) or m is None:
+        raise LoaderError(f"{what} must be a record count (int) or a size with a unit such as '256MB' or "
+                          f"'1GiB', got {value!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n < 1:
+        raise LoaderError(f"{what} {value!r} is empty")
+    return "bytes", n
+
+
+def pool_bytes(schema: Schema, capacity: int) -> int:
+    """Bytes of a shuffle buffer of ``capacity`` records (see ``loader.pool.Pool``)."""
+    k, w = schema.pack, schema.label_floats
+    data = schema.layout.run_rows * schema.num_inputs if schema.layout.kind == "runs" else k * schema.x_floats
+    per_record = 4 * data + 4 * k * w + 8 * k + 4 + 8 + 8 * k  # data, labels, starts, day, remaining, live
+    return capacity * per_record
+
+
+def footprint(schema: Schema, *, buffer_records: int, native_batch: int, readers: int, prefetch_buffer: int,
+              batch_floats: int) -> dict:
+    """Bytes each part of an iterator may hold at most, and their total."""
+    parts = {
+        "shuffle buffers": 2 * pool_bytes(schema, buffer_records),
+        "native queues": 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
+        "batch buffers": 2 * (prefetch_buffer + 4) * 4 * batch_floats,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def check_footprint(parts: dict, settings: str, *, share: float = MEMORY_SHARE) -> None:
+    """LoaderError if the iterator would plan to hold more than ``share`` of physical memory."""
+    total, ram = parts["total"], physical_memory()
+    if ram is None or total <= share * ram:
+        return
+    detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if k != "total")
+    raise LoaderError(f"{settings} would hold {format_bytes(total)} ({detail}); this machine has "
+                      f"{format_bytes(ram)} and an iterator may take {share:.0%} of it. Lower shuffle_buffer "
+                      "(records, or a size such as '256MB'), native_batch, readers or prefetch_buffer")
