@@ -71,6 +71,11 @@ def targets(res: dict) -> list[dict]:
             ("cold samples/s: runs / one-sample records", lay["runs"]["cold_samples_per_s"]
              / lay["samples"]["cold_samples_per_s"], ">=", 5.0),
         ]
+    so = res.get("soak")
+    if so:
+        rows += [(f"soak: RSS growth % epochs 5 -> {so['epochs']} (reset every epoch, new date every "
+                  f"{so['publish_every']})", so["rss_growth_pct"], "<=", 5.0),
+                 ("soak: open file descriptors added", so["fds_delta"], "<=", 0)]
     return [{"name": n, "value": v, "target": f"{op} {t}", "met": v >= t if op == ">=" else v <= t}
             for n, v, op, t in rows]
 
@@ -112,6 +117,12 @@ def table(res: dict) -> str:
         lines.append(f"resume at 90%: {rs['resume_s']:.2f}s vs reading there {rs['read_to_s']:.2f}s; "
                      f"{o['records']:,} records: open {o['open_s']:.2f}s, reset {o['reset_s']:.2f}s, "
                      f"stock open {o['stock_open_s']:.2f}s")
+    so = res.get("soak")
+    if so:
+        head = f"soak, {so['epochs']} epochs in {so['seconds']:.0f}s (planned {so['planned_mb']:.0f} MB): "
+        lines += ["", head + "; ".join(
+            f"epoch {x['epoch']}: {x['rss_mb']:.0f} MB RSS, {x['fds']} fds, {x['threads']} threads, generation "
+            f"{x['generation']}" for x in so["samples"])]
     w = res["writer"]
     lines += ["", f"writer: shards {w['shard_no_fsync_mb_per_s']:,.0f} MB/s ({w['shard_mb_per_s']:,.0f} fsync'd, as "
               f"shipped), np.save {w['np_save_mb_per_s']:,.0f} MB/s (no fsync) -> {w['ratio_no_fsync']:.2f}x "

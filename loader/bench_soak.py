@@ -1,0 +1,67 @@
+"""Soak for ``make bench``: one ``ShardIter`` reset every epoch for hundreds of epochs while new
+generations are published, with RSS, open file descriptors and threads sampled along the way."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from shardgen.manifest import MANIFEST_NAME, Manifest
+from shardgen.process import sliding_windows
+from shardgen.store import publish
+from shardgen.writer import write_shard
+
+from .bench_scale import LABELS, LAYOUTS, C, T, _raw, make_store
+from .shard_iter import ShardIter
+
+__all__ = ["soak", "rss_mb"]
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _sample(epoch: int, generation: int) -> dict:
+    return {"epoch": epoch, "rss_mb": rss_mb(), "fds": len(os.listdir("/proc/self/fd")),
+            "threads": threading.active_count(), "generation": generation}
+
+
+def soak(workdir: Path, cache: Path, *, epochs: int = 300, publish_every: int = 10, windows: int = 50_000,
+         batch_size: int = 512, log: Callable[[str], None] = lambda m: None) -> dict:
+    """A demo-sized store (25 dates, runs); every ``publish_every`` epochs a new date is written and
+    published in a rolling window of 25 (the oldest retired), as ``shardgen watch`` does, so the
+    iterator moves to a new plan (new files, new native readers). Samples at epochs 5, 100, ``epochs``."""
+    store = workdir / "soak"
+    _build_s, manifest = make_store(store, LAYOUTS["runs"], 25, windows)
+    per_date, next_day = windows // 25, dt.date.fromisoformat(manifest.shards[-1].date)
+    marks = sorted({5, min(100, epochs), epochs})
+    out: dict = {"epochs": epochs, "publish_every": publish_every, "samples": []}
+    t0 = time.perf_counter()
+    with ShardIter(store, batch_size, cache_dir=cache) as it:
+        out["planned_mb"] = it.memory["total"] / 2**20
+        for epoch in range(1, epochs + 1):
+            for _ in it:
+                pass
+            if epoch % publish_every == 0:
+                next_day += dt.timedelta(days=1)
+                spec = sliding_windows(_raw(next_day, per_date + T - 1), next_day, time_steps=T, num_inputs=C,
+                                       labels=LABELS)
+                schema = Manifest.load(store / MANIFEST_NAME).schema
+                publish(store, schema, 25, [write_shard(store, next_day, spec, None, schema, fsync=False).entry()])
+            it.reset()
+            if epoch in marks:
+                out["samples"].append(_sample(epoch, it.generation))
+                log(f"bench: soak epoch {epoch}: {out['samples'][-1]['rss_mb']:.0f} MB")
+    out["seconds"] = time.perf_counter() - t0
+    first, last = out["samples"][0], out["samples"][-1]
+    out["rss_growth_pct"] = 100 * (last["rss_mb"] - first["rss_mb"]) / first["rss_mb"]
+    mid = out["samples"][1] if len(out["samples"]) > 2 else first
+    out["rss_growth_after_100_pct"] = 100 * (last["rss_mb"] - mid["rss_mb"]) / mid["rss_mb"]
+    out["fds_delta"] = last["fds"] - first["fds"]
+    out["threads_delta"] = last["threads"] - first["threads"]
+    return out
