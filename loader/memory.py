@@ -12,6 +12,7 @@ filling half way through), so the per-stream parts count twice:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 from typing import Optional, Union
@@ -20,13 +21,37 @@ from shardgen.layout import Schema
 
 from .errors import LoaderError
 
-__all__ = ["NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "pool_bytes", "footprint", "parse_size",
+__all__ = ["settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "pool_bytes", "footprint",
+           "parse_size",
            "check_footprint", "format_bytes"]
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+MMAP_THRESHOLD = 1 << 20  # blocks this large or larger get their own mapping, returned when freed
+_SETTLED = False
+
+
+def settle_allocator() -> bool:
+    """Fix glibc's mmap threshold at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``), once per process.
+
+    By default glibc raises the threshold to the size of any mapped block that is freed; MXNet's
+    native iterators, opened every epoch, allocate and free megabyte batches, so after a few epochs
+    those come from the heap and fragment it: RSS grew by 15-20% over 300 epochs after warm-up. A
+    fixed threshold keeps them mapped and returned (flat RSS). Skipped when the process set its own
+    (``MALLOC_MMAP_THRESHOLD_``) or ``SHARDGEN_KEEP_MALLOC=1``, and off glibc."""
+    global _SETTLED
+    if _SETTLED or os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("SHARDGEN_KEEP_MALLOC") == "1":
+        return False
+    _SETTLED = True
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
 
 
 def physical_memory() -> Optional[int]:

@@ -4,6 +4,7 @@ the next one in the background, and taking just the label array of each batch.""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import tempfile
@@ -11,10 +12,12 @@ import threading
 from typing import Iterator, Optional
 
 import mxnet as mx
+import numpy as np
+from mxnet.base import _LIB, check_call
 
 from .plan import ReaderSource
 
-__all__ = ["open_record_iter", "epoch_seed", "next_label"]
+__all__ = ["open_record_iter", "epoch_seed", "next_label", "copy_into"]
 
 _CHATTER = re.compile(rb"ImageRecordIOParser2: .* threads for decoding")
 _STDERR_LOCK = threading.Lock()
@@ -65,3 +68,13 @@ def next_label(native: mx.io.DataIter) -> Optional[mx.nd.NDArray]:
         label, native.first_batch = native.first_batch.label[0], None
         return label
     return native.getlabel() if native.iter_next() else None
+
+
+def copy_into(array: mx.nd.NDArray, out: np.ndarray) -> np.ndarray:
+    """``array.asnumpy()`` into ``out``, a float32 buffer reused batch after batch (a fresh array of
+    a megabyte or more per batch churned the allocator), as a view of ``array``'s shape."""
+    n = array.size
+    if n > out.size or array.dtype != np.float32:
+        raise ValueError(f"an array of {n} {array.dtype} does not fit a buffer of {out.size} float32")
+    check_call(_LIB.MXNDArraySyncCopyToCPU(array.handle, out.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(n)))
+    return out.reshape(-1)[:n].reshape(array.shape)

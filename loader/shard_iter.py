@@ -30,7 +30,7 @@ from shardgen.manifest import ShardEntry
 
 from .errors import LoaderError
 from .generations import Choice, agreed_start
-from .memory import check_footprint, footprint, parse_size, pool_bytes
+from .memory import check_footprint, footprint, parse_size, pool_bytes, settle_allocator
 from .plan import (
     DateRange,
     EpochPlan,
@@ -175,6 +175,7 @@ class ShardIter(mx.io.DataIter):
                               f"native_batch={nb}, readers={readers}, prefetch_buffer={prefetch_buffer}, "
                               f"batch_size={batch_size}")
         self.memory = held
+        settle_allocator()
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
         self._res.arena = Arena(self.schema, batch_floats(self._params), keep=2 * (self.prefetch_buffer + 4))
         self._describe()

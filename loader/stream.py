@@ -24,7 +24,7 @@ import numpy as np
 from shardgen.layout import Schema
 
 from .errors import LoaderError
-from .native import epoch_seed, next_label, open_record_iter
+from .native import copy_into, epoch_seed, next_label, open_record_iter
 from .parts import PartSplit, split_part
 from .plan import EpochPlan, reader_source
 from .pool import Pool
@@ -224,14 +224,16 @@ class EpochStream:
         for item in opened:
             if isinstance(item, BaseException):
                 raise item
-        return [[native, b - a] for native, (a, b) in zip(opened, ranges)]
+        floats = p.schema.record_floats  # each reader: [native, records left, its label buffer]
+        return [[native, b - a, np.empty((min(p.native_batch, b - a), floats), np.float32)]
+                for native, (a, b) in zip(opened, ranges)]
 
     def _run(self) -> None:
         natives: list = []
         try:
             natives = self._open()
             self._produce(natives)
-            for native, left in natives:
+            for native, left, _buffer in natives:
                 if not left:  # at its end, MXNet 1.9.1's iterator holds no batch: freeing it leaks none
                     while native.iter_next():
                         pass
@@ -295,7 +297,7 @@ class EpochStream:
                 if label is None:
                     raise LoaderError(f"MXNet's reader ended {reader[1]} records early (generation "
                                       f"{self.plan.generation})")
-                rows = label.asnumpy()[:reader[1]]
+                rows = copy_into(label, reader[2])[:reader[1]]
                 reader[1] -= len(rows)
                 pool.add(rows, *(self._spans(rows, shared, seen) if shared else ()))
             if pool.m < valid or (index == last_real and (pool.m != valid or (seen != 1).any())):
