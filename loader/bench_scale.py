@@ -20,6 +20,7 @@ from shardgen.process import sliding_windows
 from shardgen.store import publish
 from shardgen.writer import write_shard
 
+from .native import quiet_native_info
 from .plan import default_cache_dir
 from .shard_iter import ShardIter
 
@@ -202,8 +203,9 @@ def open_reset(folder: Path, cache: Path, records: int, n_dates: int = 200) -> d
     paths = ";".join(str(store / s.rec) for s in Manifest.load(store / MANIFEST_NAME).shards)
     combined = folder / "many_comb.idx"
     shutil.copy(idx, combined)
-    stock = mx.io.ImageRecordIter(path_imgrec=paths, path_imgidx=str(combined), data_shape=(1, 1, 1),
-                                  label_width=floats, batch_size=512, shuffle=True, round_batch=False)
+    with quiet_native_info():  # MXNet's INFO line lists every path
+        stock = mx.io.ImageRecordIter(path_imgrec=paths, path_imgidx=str(combined), data_shape=(1, 1, 1),
+                                      label_width=floats, batch_size=512, shuffle=True, round_batch=False)
     stock_open = time.perf_counter() - t0
     del stock
     return {"records": records, "open_s": opened, "reset_s": reset, "stock_open_s": stock_open,
@@ -233,6 +235,9 @@ def scale_suite(workdir: Path, *, quick: bool, seconds: float, log: Callable[[st
     log("bench: readers, randomness, resume, open/reset")
     out["readers"] = {str(r): shuffled_rate(workdir / "shards_200", cache, seconds, readers=r) for r in (1, 2)}
     out["randomness"] = randomness(workdir / "shards_200", cache, total // 200)
-    out["resume"] = resume_cost(workdir / "shards_200", cache)
+    log("bench: resume at 90% over 500 shards")
+    make_store(workdir / "resume_500", LAYOUTS["runs"], 50 if quick else 500, 20_000 if quick else 2_000_000)
+    out["resume"] = resume_cost(workdir / "resume_500", cache)
+    shutil.rmtree(workdir / "resume_500", ignore_errors=True)
     out["open_reset"] = open_reset(workdir, cache, 20_000 if quick else 2_000_000)
     return out
