@@ -164,8 +164,7 @@ def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache,
     import loader.stream as module
 
     with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
-        it.next()  # the first batch waits for the native iterator to start
-        time.sleep(0.2)
+        time.sleep(0.3)  # the native iterator starts and the producer fills its queue
         for _ in it:
             time.sleep(0.05)
         assert it.stats["batches"] == 9 and it.stats["stall_fraction"] < 0.2, it.stats
