@@ -284,13 +284,26 @@ def test_kill_9_at_several_points_converges(tmp_path, watchers):
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     ref = Manifest.load(tmp_path / "ref" / "shards" / "manifest.json")
-    cfg = write_config(tmp_path / "run", end="2024-01-12", window=5, jobs=2, modes={"*": "slow:0.2"})
-    for delay in (0.3, 0.9, 1.6):
-        w = watchers(cfg, "--interval", "0.2")
-        time.sleep(delay)
-        w.kill()
-    w = watchers(cfg, "--interval", "0.2")
+    cfg = write_config(tmp_path / "run", end="2024-01-12", window=5, jobs=2, modes={"*": "slow:0.3"})
     store = tmp_path / "run" / "shards"
+
+    def sidecars():
+        return {p.name[:10] for p in store.glob("20??-??-??.json")}
+
+    # kill -9 at observed progress: a generator running, then a shard written but not yet published
+    for what, reached in [("a generator running", lambda r0, s0: len(runs(tmp_path / "run")) > r0),
+                          ("a new shard on disk", lambda r0, s0: len(sidecars()) > s0)]:
+        r0, s0 = len(runs(tmp_path / "run")), len(sidecars())
+        w = watchers(cfg, "--interval", "0.2")
+        wait_for(lambda: reached(r0, s0) or w.proc.poll() is not None, timeout=60, what=what)  # noqa: B023
+        w.kill()
+        assert w.proc.returncode == -signal.SIGKILL
+        done = published(store) if (store / "manifest.json").exists() else []
+        assert done != [s.date for s in ref.shards], f"the killed run had finished at {what}"
+        if done:
+            assert verify_store(store)[1] == []
+    assert sidecars(), "the killed runs left nothing to converge from"  # partial: some shards, not all
+    w = watchers(cfg, "--interval", "0.2")
     wait_for(lambda: published(store) == [s.date for s in ref.shards], timeout=60, what="convergence")
     assert w.stop()[0] == 0
     m = Manifest.load(store / "manifest.json")
