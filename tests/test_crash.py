@@ -67,7 +67,7 @@ def test_kill_9_mid_build_then_rerun(cfg_dir):
         r0, s0 = len(runs(cfg_dir)), len(sidecars(store))
         proc = start_build(cfg_path)
         try:
-            wait_until(lambda: reached(r0, s0) or proc.poll() is not None, what)
+            wait_until(lambda: reached(r0, s0) or proc.poll() is not None, what)  # noqa: B023 - waited on here
         finally:
             kill_group(proc)  # the coordinator and its workers, at once
         assert proc.returncode == -signal.SIGKILL, f"the build ended before {what}"

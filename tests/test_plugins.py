@@ -136,7 +136,6 @@ def test_a_remote_dask_cluster_gets_the_plugin_uploaded(tmp_path, monkeypatch):
             'backend = "loky"', f'backend = "dask"\nscheduler = "{cluster.scheduler_address}"'))
         report = build(load_config(cfg_path))
         assert not report.failed and len(report.published) == 4
-        print("DEBUG", report, client.run(lambda: (__import__("os").getpid(), [m for m in __import__("sys").modules if "shardgen" in m or "proc" in m])))
         assert (hidden / "myproc.py").exists() and not (tmp_path / "proj" / "myproc.py").exists()
         shipped = client.run(lambda dask_worker: sorted(p.name for p in __import__("pathlib").Path(
             dask_worker.local_directory).glob("*.py")))
