@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import mxnet as mx
 import numpy as np
@@ -151,16 +151,22 @@ def train_module(args: argparse.Namespace, ctx: list) -> list[dict]:
     out = mx.sym.flatten(mx.sym.FullyConnected(hidden, num_hidden=1))
     net = mx.sym.LinearRegressionOutput(out, label=mx.sym.var(args.target), name="out")
     mod = mx.mod.Module(net, data_names=[it.provide_data[0].name], label_names=[args.target], context=ctx)
-    history = []
+    history: list[dict] = []
+    mse = [float("nan")]
+
+    def on_batch(param: Any) -> None:  # the metric accumulates over the epoch
+        mse[0] = float(param.eval_metric.get()[1])
 
     def on_epoch(epoch, *_):
-        s = it.history[-1] if it.history else it.stats
-        history.append({"epoch": epoch, "samples_per_s": s["samples_per_s"], "stall_pct": 100 * s["stall_fraction"]})
-        print(f"epoch {epoch}: {s['samples_per_s']:,.0f} samples/s, data stall {100 * s['stall_fraction']:.1f}%",
-              flush=True)
+        s = it.stats  # fit() calls this before it resets the iterator
+        history.append({"epoch": epoch, "batches": s["batches"], "samples": s["samples"], "train_mse": mse[0],
+                        "samples_per_s": s["samples_per_s"], "stall_pct": 100 * s["stall_fraction"]})
+        print(f"epoch {epoch}: train mse {mse[0]:.4f} | {s['batches']} batches, {s['samples']} samples, "
+              f"{s['samples_per_s']:,.0f} samples/s, data stall {100 * s['stall_fraction']:.1f}%", flush=True)
 
     mod.fit(it, num_epoch=args.epochs, optimizer="adam", optimizer_params={"learning_rate": args.lr},
-            eval_metric="mse", epoch_end_callback=on_epoch, initializer=mx.init.Xavier())
+            eval_metric="mse", batch_end_callback=on_batch, epoch_end_callback=on_epoch,
+            initializer=mx.init.Xavier())
     it.close()
     return history
 

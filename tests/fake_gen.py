@@ -53,7 +53,10 @@ def main() -> int:
         print("line one\nfake generator exploded for " + a.date, file=sys.stderr)
         return 3
     if mode == "hang":
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", a.modes])  # modes: for pgrep
+        # argv names the modes file (unique to a test's folder): tests find this child by it
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", a.modes])
+        with open(str(modes_path) + ".children", "a") as fh:
+            fh.write(f"{child.pid}\n")
         print("hanging", file=sys.stderr, flush=True)
         time.sleep(600)
         return 0

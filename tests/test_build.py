@@ -1,9 +1,11 @@
 """The sharding stage in-process: round trip, generator failures, processors, window, idempotence."""
 
 import datetime as dt
+import os
 import re
-import subprocess
+import signal
 import time
+from pathlib import Path
 
 import mxnet as mx
 import numpy as np
@@ -104,14 +106,41 @@ def test_bad_generator_fails_that_date_only(cfg_dir, mode, match):
 
 
 def test_hanging_generator_is_killed_with_its_children(cfg_dir):
+    import threading
+
     cfg = load_config(write_config(cfg_dir, modes={"2024-01-03": "hang"}, timeout=1.5, retries=1))
+    children = cfg_dir / "modes.json.children"
+    seen = {}  # pid -> command line, of each child observed running while the build ran
+
+    def watch():
+        while not done.is_set():
+            for pid in (children.read_text().split() if children.exists() else []):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if str(cfg_dir / "modes.json").encode() in argv:
+                    seen.setdefault(int(pid), argv)
+            time.sleep(0.05)
+
+    done = threading.Event()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     t0 = time.monotonic()
-    report = build(cfg, dates=[dt.date(2024, 1, 3)])
+    try:
+        report = build(cfg, dates=[dt.date(2024, 1, 3)])
+    finally:
+        done.set()
+        watcher.join()
     assert time.monotonic() - t0 < 15
     assert "timed out after 1.5s and was killed" in report.failed[0][1]
     assert "(after 2 attempts)" in report.failed[0][1]
-    left = subprocess.run(["pgrep", "-f", "time.sleep\\(600\\)"], capture_output=True, text=True).stdout
-    assert left.strip() == "", "the generator's child survived the timeout"
+    assert len(seen) == 2, f"expected one running child per attempt, saw {seen}"
+    left = [pid for pid in seen if Path(f"/proc/{pid}").exists()
+            and Path(f"/proc/{pid}/cmdline").read_bytes()]  # a zombie has an empty command line
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the generator's child survived the timeout"
 
 
 def test_retries_with_backoff_then_success(cfg_dir):

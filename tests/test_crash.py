@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, write_config
+from conftest import ROOT, runs, write_config
 
 from shardgen.config import load_config
 from shardgen.fsutil import HOST_TOKEN, clean_temp_files, host_token, temp_name
@@ -38,16 +38,44 @@ def temp_files(store):
     return [p.name for p in store.iterdir() if ".tmp-" in p.name]
 
 
-@pytest.mark.parametrize("kill_after", [0.4, 1.0, 1.7])
-def test_kill_9_mid_build_then_rerun(cfg_dir, kill_after):
+def sidecars(store):
+    """Dates whose shard is complete on disk (its sidecar, written last, exists)."""
+    return sorted(p.name[:10] for p in store.glob("20??-??-??.json"))
+
+
+def wait_until(predicate, what, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_kill_9_mid_build_then_rerun(cfg_dir):
+    """kill -9 at observed points of a build (generators running, shards written but not yet
+    published): the published manifest stays intact, the killed run leaves partial state, and a
+    re-run finishes the job."""
     cfg_path = write_config(cfg_dir, end="2024-01-11", jobs=2, modes={"*": "slow:0.25"}, rows=400)
-    proc = start_build(cfg_path)
-    time.sleep(kill_after)
-    kill_group(proc)  # the coordinator and its workers, at once
     store = cfg_dir / "shards"
-    if store.exists() and (store / "manifest.json").exists():
-        Manifest.load(store / "manifest.json")  # whatever was published is readable
+    first = start_build(cfg_path, "--end", "2024-01-03")
+    assert first.wait(timeout=120) == 0
+    published = Manifest.load(store / "manifest.json")
+    assert [s.date for s in published.shards] == DATES_8[:2]
+    stages = [("a generator running", lambda r0, s0: len(runs(cfg_dir)) > r0),
+              ("a shard written, not published", lambda r0, s0: len(sidecars(store)) > s0),
+              ("two more shards written", lambda r0, s0: len(sidecars(store)) > s0 + 1)]
+    for what, reached in stages:
+        r0, s0 = len(runs(cfg_dir)), len(sidecars(store))
+        proc = start_build(cfg_path)
+        try:
+            wait_until(lambda: reached(r0, s0) or proc.poll() is not None, what)  # noqa: B023 - waited on here
+        finally:
+            kill_group(proc)  # the coordinator and its workers, at once
+        assert proc.returncode == -signal.SIGKILL, f"the build ended before {what}"
+        assert Manifest.load(store / "manifest.json") == published  # intact: nothing half-published
         assert verify_store(store)[1] == []
+        if what != stages[0][0]:
+            assert set(sidecars(store)) - set(DATES_8[:2]), "no shard left on disk by the killed run"
+    assert len(runs(cfg_dir)) > 2  # the killed runs generated dates
     rerun = start_build(cfg_path)
     out, err = rerun.communicate(timeout=120)
     assert rerun.returncode == 0, err

@@ -32,8 +32,21 @@ def test_a_flip_with_the_mtime_set_back_is_still_caught(tmp_path):
         ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
 
 
-def test_close_from_another_thread_wakes_a_blocked_next(tmp_path):
+def test_close_from_another_thread_wakes_a_blocked_next(tmp_path, monkeypatch):
+    """The producer is stalled inside MXNet's reader; close() must still wake the caller's next()
+    with a LoaderError (not a normal end of epoch), before the producer comes back."""
+    import loader.stream as module
+
     make_store(tmp_path / "s", {"2024-01-02": 300})
+    entered, release = threading.Event(), threading.Event()
+    real = module.next_label
+
+    def stalled(native):
+        entered.set()
+        release.wait(30)
+        return real(native)
+
+    monkeypatch.setattr(module, "next_label", stalled)
     it = ShardIter(tmp_path / "s", 4, readers=1, cache_dir=tmp_path / "c")
     outcome = []
 
@@ -41,16 +54,26 @@ def test_close_from_another_thread_wakes_a_blocked_next(tmp_path):
         try:
             while True:
                 it.next()
-        except Exception as exc:  # noqa: BLE001 - the test records what ended the loop
+        except BaseException as exc:  # noqa: BLE001 - the test records what ended the loop
             outcome.append(exc)
 
     t = threading.Thread(target=consume, daemon=True)
     t.start()
-    time.sleep(0.1)
-    it.close()
-    t.join(timeout=10)
-    assert not t.is_alive(), "next() stayed blocked after close()"
-    assert isinstance(outcome[0], (LoaderError, StopIteration))
+    assert entered.wait(10), "the producer never reached the reader"
+    time.sleep(0.2)
+    assert t.is_alive() and not outcome, "next() returned while the producer was stalled"
+    closer = threading.Thread(target=it.close, daemon=True)
+    closer.start()
+    try:
+        t.join(timeout=10)
+        assert not t.is_alive(), "next() stayed blocked after close()"
+        assert not release.is_set()
+        assert len(outcome) == 1 and isinstance(outcome[0], LoaderError), outcome
+        assert "closed" in str(outcome[0])
+    finally:
+        release.set()
+        closer.join(timeout=10)
+    assert not closer.is_alive(), "close() hung once the producer came back"
 
 
 def test_a_failed_reset_leaves_a_clear_error_and_recovers(tmp_path):

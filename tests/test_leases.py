@@ -93,8 +93,15 @@ def test_lease_from_another_pid_namespace_lives_while_its_heartbeat_is_fresh(tmp
         info = json.loads(path.read_text())
         assert info["host"] == lease._HOST and info["pid"] == pid and not pid_alive(pid)
         assert info["pidns"] != lease._PIDNS and info["boot_id"] == lease._BOOT
-        time.sleep(0.5)  # several heartbeats
-        assert live_lease_generations(store, 60) == [1]
+        beats, last = 0, path.stat().st_mtime_ns
+        deadline = time.monotonic() + 10
+        while beats < 3 and time.monotonic() < deadline:  # the heartbeat (every 0.2 s) moves the mtime
+            time.sleep(0.05)
+            mtime = path.stat().st_mtime_ns
+            beats, last = beats + (mtime != last), mtime
+        assert beats == 3, "the lease's heartbeat never refreshed it"
+        time.sleep(1.0)
+        assert live_lease_generations(store, 1.0) == [1]  # fresh under a TTL far shorter than its age
         assert collect(store, grace_s=0, lease_ttl_s=60) == []
         assert (store / "2024-01-02.rec").exists()
     finally:
@@ -136,6 +143,12 @@ def test_pid_of_another_namespace_or_boot_is_not_trusted(tmp_path):
     assert live_lease_generations(store, 60) == [1, 1, 1]
     dead = write_lease(store, "same-ns-dead.json", pid=pid)
     assert live_lease_generations(store, 60) == [1, 1, 1] and not dead.exists()
+    leases = sorted((store / LEASE_DIR).glob("*.json"))
+    assert len(leases) == 3
+    old = time.time() - 600
+    for path in leases:  # their heartbeat stops: by age they die
+        os.utime(path, (old, old))
+    assert live_lease_generations(store, 60) == [] and not any(p.exists() for p in leases)
 
 
 @pytest.mark.parametrize("skew_s", [3600, -3600])
@@ -175,6 +188,7 @@ def test_a_deleted_lease_is_written_again_within_a_refresh_period(tmp_path, capl
 def test_a_dropped_lease_removes_its_file_and_stops_its_thread(tmp_path):
     store = tmp_path / "s"
     store.mkdir()
+    before = set(threading.enumerate())  # earlier tests' iterators may still hold leases
     lease_ = Lease(store, refresh_s=0.05)
     lease_.renew(1)
     path, thread = lease_.path, lease_._thread
@@ -184,7 +198,7 @@ def test_a_dropped_lease_removes_its_file_and_stops_its_thread(tmp_path):
     assert not path.exists()
     thread.join(timeout=2)
     assert not thread.is_alive()
-    assert not [t for t in threading.enumerate() if t.name == "shardgen-lease"]
+    assert not [t for t in threading.enumerate() if t.name == "shardgen-lease" and t not in before]
 
 
 def test_a_lease_can_be_renewed_after_release(tmp_path):

@@ -98,10 +98,14 @@ def test_shuffle_is_global_reproducible_and_per_epoch(store, cache):
 
     a, b, c = orders(1), orders(1), orders(2)
     assert a == b  # same seed, same generation: same order
-    assert a[0] != a[1] != a[2]  # differs per epoch
+    for order in a + c:
+        # Mixes shards: the 20 records of 2024-01-05 (ids 21..40) spread over the epoch. In order,
+        # or shard by shard, the first half holds 0 or 20 of them; a uniform shuffle 4..16 except
+        # with probability 5e-5 (hypergeometric). (">= 3 dates among the first ten" fails 1 in 10.)
+        assert sorted(order) == list(range(41))
+        assert 4 <= sum(i >= 21 for i in order[:20]) <= 16, order
+    assert a[0] != a[1] and a[1] != a[2] and a[0] != a[2]  # differs per epoch
     assert a[0] != c[0]
-    first_ten = a[0][:10]
-    assert len({i < 7 for i in first_ten} | {i >= 21 for i in first_ten}) > 1  # mixes shards
 
 
 def test_new_generation_only_after_reset(tmp_path, cache):
@@ -148,6 +152,31 @@ def test_stats_report_rates(store, cache):
     s = it.stats
     assert s["samples"] == 41 and s["batches"] == 9
     assert s["samples_per_s"] > 0 and 0 <= s["stall_fraction"] <= 1.0 + 1e-9
+    it.close()
+
+
+def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache, monkeypatch):
+    """A consumer that works 50 ms per batch finds its batches ready; a producer that takes 50 ms
+    per native batch keeps the consumer waiting most of the time."""
+    import time
+
+    import loader.stream as module
+
+    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
+        time.sleep(0.3)  # the native iterator starts and the producer fills its queue
+        for _ in it:
+            time.sleep(0.05)
+        assert it.stats["batches"] == 9 and it.stats["stall_fraction"] < 0.2, it.stats
+    real = module.next_label
+
+    def slow(native):
+        time.sleep(0.05)
+        return real(native)
+
+    monkeypatch.setattr(module, "next_label", slow)
+    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
+        assert sum(5 - b.pad for b in it) == 41
+        assert it.stats["stall_fraction"] > 0.8, it.stats
 
 
 def test_label_names_subset_and_for_kvstore(store, cache):
@@ -283,33 +312,64 @@ def test_date_selection_changes_at_the_next_reset(store, cache):
     assert it.dates == ("2024-01-04", None)
 
 
+def _within(seconds, fn, what):
+    """``fn()`` run in a thread: its result or the exception it raised; fails if it is still
+    running after ``seconds``."""
+    import threading
+
+    out = []
+
+    def run():
+        try:
+            out.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=seconds)
+    assert not t.is_alive(), f"{what} hung"
+    return out[0]
+
+
 def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, monkeypatch):
-    """The producer runs ahead; an error it meets while its queue is full must not block reset/close."""
-    it = ShardIter(store, 1, prefetch_buffer=1, cache_dir=cache)
-    it.next()
-    it.reset()  # the producer is parked on a full queue
-    calls = {"n": 0}
+    """The producer runs ahead; an error it meets while its queue is full must not block reset/close,
+    and next() raises it once the batches before it are taken."""
+    import time
+
     import loader.stream as module
 
+    # One record per native batch, in order: every batch of 1 is one next_label() call.
+    it = ShardIter(store, 1, shuffle=False, native_batch=1, prefetch_buffer=2, cache_dir=cache)
+    it.next()
+    _within(10, it.reset, "reset() with the producer parked on a full queue")
+    calls = {"n": 0}
     real = module.next_label
 
     def failing(native):
         calls["n"] += 1
-        if calls["n"] > 1:  # the first batch fills the queue, the second fails
+        if calls["n"] > 1:  # the first batch goes into the queue, the second fails
             raise RuntimeError("disk went away")
         return real(native)
 
+    def fired(n):
+        deadline = time.monotonic() + 10
+        while calls["n"] < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls["n"] >= n, "the injected failure never fired"
+        time.sleep(0.1)  # the error is queued behind the first batch: the queue is full
+
     monkeypatch.setattr(module, "next_label", failing)
-    it.reset()
-    import time
-
-    time.sleep(0.3)  # the error is raised while the queue is full
-    import threading
-
-    closer = threading.Thread(target=it.close, daemon=True)
-    closer.start()
-    closer.join(timeout=10)
-    assert not closer.is_alive(), "close() hung on the producer"
+    _within(10, it.reset, "reset()")
+    fired(2)
+    assert batch_ids(_within(10, it.next, "next()")) == [0]
+    for _ in range(2):  # the error stays: every later next() raises it
+        exc = _within(10, it.next, "next() after the failure")
+        assert isinstance(exc, RuntimeError) and "disk went away" in str(exc), exc
+    calls["n"] = 0
+    _within(10, it.reset, "reset() after an error")
+    fired(2)
+    _within(10, it.close, "close() with an error in a full queue")
 
 
 def test_exiting_mid_epoch_without_close_is_clean(store, tmp_path):

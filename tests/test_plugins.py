@@ -112,18 +112,31 @@ def test_a_plugin_named_like_a_module_already_in_use_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_remote_dask_cluster_gets_the_plugin_uploaded(tmp_path):
+def test_a_remote_dask_cluster_gets_the_plugin_uploaded(tmp_path, monkeypatch):
+    """A LocalCluster's workers share our filesystem: the plug-in is moved out of the config folder
+    once it is uploaded, so a worker finds it only if the upload happened."""
     from dask.distributed import Client, LocalCluster
 
+    import shardgen.cluster as cluster_mod
     from shardgen.cluster import _close_clients
 
     cfg_path = plugin_config(tmp_path / "proj", jobs=2)
+    real_ship = cluster_mod.ship_plugin
+    hidden = tmp_path / "hidden"
+
+    def ship_then_hide(client, scheduler, plugin):
+        real_ship(client, scheduler, plugin)
+        hidden.mkdir()
+        plugin.rename(hidden / plugin.name)  # the config folder no longer holds it
+
+    monkeypatch.setattr(cluster_mod, "ship_plugin", ship_then_hide)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         cfg_path.write_text(cfg_path.read_text().replace(
             'backend = "loky"', f'backend = "dask"\nscheduler = "{cluster.scheduler_address}"'))
         report = build(load_config(cfg_path))
         assert not report.failed and len(report.published) == 4
+        assert (hidden / "myproc.py").exists() and not (tmp_path / "proj" / "myproc.py").exists()
         shipped = client.run(lambda dask_worker: sorted(p.name for p in __import__("pathlib").Path(
             dask_worker.local_directory).glob("*.py")))
         assert all("myproc.py" in names for names in shipped.values())
@@ -131,3 +144,31 @@ def test_a_remote_dask_cluster_gets_the_plugin_uploaded(tmp_path):
     m = Manifest.load(tmp_path / "proj" / "shards" / "manifest.json")
     assert [s.samples for s in m.shards] == [13] * 4
     assert np.all(first_labels(tmp_path / "proj" / "shards")[5 * 4] > 900)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="found by issue 21: with backend = 'dask' the dates run in the process "
+                                       "that calls build(), not on the cluster's workers")
+def test_the_dask_backend_runs_the_dates_on_the_workers(tmp_path):
+    from dask.distributed import Client, LocalCluster
+
+    from shardgen.cluster import _close_clients
+
+    cfg_path = plugin_config(tmp_path / "proj", jobs=2)
+    pids = tmp_path / "pids.txt"
+    with open(tmp_path / "proj" / "myproc.py", "a") as fh:  # the processor notes which process runs it
+        fh.write(f"\n_windows = windows\n\ndef windows(raw, date, **kw):\n    import os\n"
+                 f"    open({str(pids)!r}, 'a').write(str(os.getpid()) + chr(10))\n"
+                 f"    return _windows(raw, date, **kw)\n")
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        cfg_path.write_text(cfg_path.read_text().replace(
+            'backend = "loky"', f'backend = "dask"\nscheduler = "{cluster.scheduler_address}"'))
+        try:
+            report = build(load_config(cfg_path))
+            workers = set(client.run(lambda: __import__("os").getpid()).values())
+        finally:
+            _close_clients()
+    assert not report.failed and len(report.published) == 4
+    ran = {int(p) for p in pids.read_text().split()}
+    assert len(ran) >= 1 and ran <= workers, f"ran in {ran}, workers {workers}"

@@ -27,11 +27,15 @@ def test_gluon_two_contexts_with_validation(tmp_path):
 
 
 def test_module_fit_example(tmp_path):
-    make_store(tmp_path / "s", {"2024-01-02": 40})
-    r = run_train("--manifest", tmp_path / "s/manifest.json", "--epochs", "1", "--batch-size", "8",
-                  "--module", "--target", "a")
+    make_store(tmp_path / "s", {"2024-01-02": 40, "2024-01-03": 3})
+    r = run_train("--manifest", tmp_path / "s/manifest.json", "--epochs", "2", "--batch-size", "8",
+                  "--module", "--target", "a", "--history-out", tmp_path / "h.json")
     assert r.returncode == 0, r.stderr
-    assert "epoch 0:" in r.stdout
+    hist = json.loads((tmp_path / "h.json").read_text())
+    assert [h["epoch"] for h in hist] == [0, 1]
+    assert all(h["batches"] == 6 and h["samples"] == 43 for h in hist), hist  # ceil(43/8), pad not counted
+    assert all(np.isfinite(h["train_mse"]) and h["train_mse"] > 0 for h in hist), hist
+    assert "epoch 1: train mse" in r.stdout and "6 batches, 43 samples" in r.stdout
 
 
 def test_bad_manifest_is_one_line(tmp_path):
