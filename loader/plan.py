@@ -124,7 +124,7 @@ class EpochPlan:
     counts: np.ndarray = field(compare=False, repr=False, default=None)  # samples per record, global order
     files: Optional[PlanFiles] = field(compare=False, repr=False, default=None)
     offsets: np.ndarray = field(compare=False, repr=False, default=None)  # int64 byte offset of each record
-    keys: np.ndarray = field(compare=False, repr=False, default=None)  # float32 key of each record
+    keys: np.ndarray = field(compare=False, repr=False, default=None)  # float32 key words of each record
     shard_first: np.ndarray = field(compare=False, repr=False, default=None)  # first record of each shard, + n
 
     @property
@@ -135,11 +135,12 @@ class EpochPlan:
         return int(np.searchsorted(self.shard_first, record, side="right")) - 1
 
     def can_split(self, record: int) -> bool:
-        """True when the record's key is unique within its shard (see ``shardgen.layout``), so a
-        reader can tell it apart from the others of its date."""
+        """True when no other record of its shard has the same key and window count (see
+        ``shardgen.layout``), so a reader can tell it apart from the others of its date."""
         s = self.shard_of(record)
-        keys = self.keys[self.shard_first[s]:self.shard_first[s + 1]]
-        return int(np.count_nonzero(keys == self.keys[record])) == 1
+        span = slice(self.shard_first[s], self.shard_first[s + 1])
+        same = (self.keys[span] == self.keys[record]).all(axis=1) & (self.counts[span] == self.counts[record])
+        return int(np.count_nonzero(same)) == 1
 
     def day_of(self, record: int) -> int:
         return day_number(dt.date.fromisoformat(self.shards[self.shard_of(record)].date))

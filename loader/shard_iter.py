@@ -49,7 +49,7 @@ from .stream import Arena, EpochStream, StreamParams, batch_floats, pool_capacit
 
 __all__ = ["ShardIter", "to_datetime64"]
 
-_STATE_VERSION = 2
+_STATE_VERSION = 3  # 3: parts balanced by samples, readers over exact record ranges
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -168,13 +168,7 @@ class ShardIter(mx.io.DataIter):
             native_batch=nb, buffer_records=buffer,
             preprocess_threads=self.preprocess_threads, prefetch_buffer=self.prefetch_buffer,
             label_names=tuple(lab.name for lab in self._labels))
-        held = footprint(self.schema, buffer_records=pool_capacity(self._params), native_batch=nb,
-                         readers=int(readers), prefetch_buffer=self.prefetch_buffer,
-                         batch_floats=batch_floats(self._params))
-        check_footprint(held, f"shuffle_buffer={shuffle_buffer!r} ({pool_capacity(self._params):,} records), "
-                              f"native_batch={nb}, readers={readers}, prefetch_buffer={prefetch_buffer}, "
-                              f"batch_size={batch_size}")
-        self.memory = held
+        self.memory = self._check_memory(self._params, shuffle_buffer)
         settle_allocator()
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
         self._res.arena = Arena(self.schema, batch_floats(self._params), keep=2 * (self.prefetch_buffer + 4))
@@ -355,8 +349,13 @@ class ShardIter(mx.io.DataIter):
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: same shards, same epoch order, the same remaining batches. The
         consumed batches are not assembled again: the stream passes over them."""
-        if state.get("version") != _STATE_VERSION:
-            raise LoaderError(f"state_dict version {state.get('version')!r}, expected {_STATE_VERSION}")
+        version = state.get("version")
+        if version == 2 and state.get("batches"):
+            raise LoaderError(f"state_dict version 2 was saved mid-epoch by a loader that split parts and readers "
+                              f"by records: this one cannot continue that order; resume from the start of epoch "
+                              f"{state.get('epoch')} (set 'batches' to 0) or of the next one")
+        if version not in (2, _STATE_VERSION):
+            raise LoaderError(f"state_dict version {version!r}, expected {_STATE_VERSION}")
         for key in ("batch_size", "num_parts", "part_index", "shuffle", "last_batch", "seed"):
             if state[key] != getattr(self, key):
                 raise LoaderError(f"state_dict was saved with {key}={state[key]!r}, this iterator has "
@@ -364,6 +363,7 @@ class ShardIter(mx.io.DataIter):
         if state["fingerprint"] != self.schema.fingerprint:
             raise LoaderError("state_dict was saved for another schema")
         self._check_open()
+        self._dates = normalize_dates(state.get("dates"))  # the saved selection, from the next reset() on
         shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
         same = (shards == self.plan.shards and int(state["epoch"]) == self.epoch and self._cursor == 0
                 and state["generation"] == self.plan.generation and state.get("pinned") == self._choice.pin
@@ -374,18 +374,32 @@ class ShardIter(mx.io.DataIter):
             self._cursor = int(state["batches"])
             self._ahead_at = max(self._cursor, self._ahead_at)
             return
+        params = dataclasses.replace(self._params, readers=int(state["readers"]),
+                                     native_batch=int(state["native_batch"]),
+                                     buffer_records=int(state["shuffle_buffer"]))
+        self.memory = self._check_memory(params, int(state["shuffle_buffer"]))
         self._close_epoch()
         if state.get("pinned") is not None:
             self._choice = Choice(pin=state["pinned"])
-        self._params = dataclasses.replace(self._params, readers=int(state["readers"]),
-                                           native_batch=int(state["native_batch"]),
-                                           buffer_records=int(state["shuffle_buffer"]))
+        self._params = params
         manifest = load_manifest(self.manifest_path)
         plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
         plan = dataclasses.replace(plan, generation=state["generation"])
         self._start_epoch(plan, skip=int(state["batches"]), epoch=int(state["epoch"]))
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _check_memory(self, params: StreamParams, shuffle_buffer: object) -> dict:
+        """What ``params`` would hold (``loader.memory``); LoaderError before anything is allocated
+        if that is more than the machine can spare."""
+        records = pool_capacity(params)
+        held = footprint(self.schema, buffer_records=records, native_batch=params.native_batch,
+                         readers=params.readers, prefetch_buffer=params.prefetch_buffer,
+                         batch_floats=batch_floats(params))
+        check_footprint(held, f"shuffle_buffer={shuffle_buffer!r} ({records:,} records), "
+                              f"native_batch={params.native_batch}, readers={params.readers}, "
+                              f"prefetch_buffer={params.prefetch_buffer}, batch_size={params.batch_size}")
+        return held
 
     def _check_open(self) -> None:
         if self._closed:

@@ -122,8 +122,11 @@ class EpochStream:
         if smallest < bs:
             which = self.part_samples.index(smallest)
             if smallest == 0:
+                why = ("fewer than parts" if plan.samples < params.num_parts else "and a part boundary fell in a "
+                       "record that cannot be told apart from another of its date (same key words and window count), "
+                       "so it moved to the record's edge (README, 'Several workers'); use fewer parts")
                 raise LoaderError(f"part {which} of {params.num_parts} would be empty: generation {plan.generation} "
-                                  f"has {plan.samples} samples (in {plan.records} records), fewer than parts")
+                                  f"has {plan.samples} samples (in {plan.records} records), {why}")
             raise LoaderError(f"batch_size {bs} is larger than part {which} of {params.num_parts} "
                               f"({smallest} of {plan.samples} samples in generation {plan.generation})")
         self.samples = self.split.samples
@@ -142,6 +145,12 @@ class EpochStream:
         self._x_shape = (params.batch_size, sc.time_steps, sc.num_inputs)
         self._x_size = int(np.prod(self._x_shape))
         self._pool: Optional[Pool] = None
+        b, pos, views = params.batch_size, self._x_size, [(0, self._x_size, self._x_shape)]
+        for lab in sc.labels:  # (start, stop, shape) of each array in a batch's one buffer
+            if lab.name in params.label_names:
+                views.append((pos, pos + b * lab.width, (b,) if lab.width == 1 else (b, lab.width)))
+                pos += b * lab.width
+        self._views = views
         self._thread = threading.Thread(target=self._run, name="shardgen-batches", daemon=True)
         self._thread.start()
 
@@ -247,21 +256,25 @@ class EpochStream:
         finally:
             natives.clear()  # frees the native iterators (their threads stop) in this thread
 
-    def _shared(self) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-        """The records this part shares with a neighbour, as arrays (day, key, lo, hi), or None."""
+    def _shared(self) -> Optional[tuple[np.ndarray, ...]]:
+        """The records this part shares with a neighbour, as arrays (day, key words (n, k), count, lo, hi),
+        or None."""
         trims = self.split.trims
         if not trims:
             return None
         plan = self.plan
         return (np.array([plan.day_of(t.record) for t in trims], np.float32),
-                np.array([plan.keys[t.record] for t in trims], np.float32),
+                np.stack([plan.keys[t.record] for t in trims]).astype(np.float32),
+                np.array([plan.counts[t.record] for t in trims], np.float32),
                 np.array([t.lo for t in trims], np.int64), np.array([t.hi for t in trims], np.int64))
 
     def _spans(self, rows: np.ndarray, shared: tuple, seen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Items ``[lo, hi)`` of each record read: all of them, but of a shared record only this part's."""
-        day, key, lo, hi = shared
-        kw = self.params.schema.key_word
-        match = (rows[:, 1, None] == day[None, :]) & (rows[:, kw, None] == key[None, :])
+        """Items ``[lo, hi)`` of each record read: all of them, but of a shared record only this part's
+        (told apart by day, key words and window count: ``EpochPlan.can_split``)."""
+        day, key, count, lo, hi = shared
+        words = list(self.params.schema.key_words)
+        match = ((rows[:, 1, None] == day[None, :]) & (rows[:, 0, None] == count[None, :])
+                 & (rows[:, words, None] == key.T[None, :, :]).all(axis=1))
         first, last = np.zeros(len(rows), np.int64), np.full(len(rows), self.params.schema.pack, np.int64)
         rec, which = np.nonzero(match)
         first[rec], last[rec] = lo[which], hi[which]
@@ -276,7 +289,7 @@ class EpochStream:
         shared = self._shared()
         seen = np.zeros(len(self.split.trims), np.int64)
         last_real = math.ceil(self.samples / bs) - 1  # batches after it (if any) are all filler
-        turn, last = 0, None
+        turn, saved = 0, None
         for index in range(self.batches):
             if self._halt.is_set():
                 return
@@ -284,7 +297,7 @@ class EpochStream:
             if valid <= 0:
                 # Parts differ by one sample, so a shorter part can run out a batch early (see the
                 # README, "Parts"): its last batch repeats its last real batch's first row as data.
-                if index >= self._skip and not self._offer((index, last, 1)):
+                if index >= self._skip and not self._offer((index, self._repeat(saved), 1)):
                     return
                 continue
             # Fill: shuffling, until the buffer is full; in order, until the batch is there.
@@ -310,8 +323,10 @@ class EpochStream:
                 continue
             flat = self._arena.batch()
             x = flat[:self._x_size].reshape(self._x_shape)
-            last = self._arrays(flat, x, *pool.gather(codes, out=x[:valid])[1:])
-            if index >= self._skip and not self._offer((index, last, valid)):
+            arrays = self._arrays(flat, x, *pool.gather(codes, out=x[:valid])[1:])
+            if index == last_real and self.batches - 1 > last_real:
+                saved = flat.copy()  # what the filler batches after it repeat
+            if index >= self._skip and not self._offer((index, arrays, valid)):
                 return
 
     def _arrays(self, flat: np.ndarray, x: np.ndarray, labels: np.ndarray, days: np.ndarray) -> list:
@@ -324,15 +339,24 @@ class EpochStream:
             fill = np.arange(b) % n
             x[n:] = x[fill[n:]]
             labels, days = labels[fill], days[fill]
-        pos, col, spans = x.size, 0, [(0, x.size, x.shape)]
+        views, col = iter(self._views[1:]), 0
         for lab in s.labels[:-1]:
             if lab.name in p.label_names:
-                flat[pos:pos + b * lab.width].reshape(b, lab.width)[...] = labels[:, col:col + lab.width]
-                spans.append((pos, pos + b * lab.width, (b,) if lab.width == 1 else (b, lab.width)))
-                pos += b * lab.width
+                a, z, _shape = next(views)
+                flat[a:z].reshape(b, lab.width)[...] = labels[:, col:col + lab.width]
             col += lab.width
         if "date" in p.label_names:
-            flat[pos:pos + b] = days
-            spans.append((pos, pos + b, (b,)))
+            a, z, _shape = next(views)
+            flat[a:z] = days
+        return self._wrap(flat)
+
+    def _wrap(self, flat: np.ndarray) -> list:
         whole = mx.nd.from_numpy(flat, zero_copy=True)
-        return [whole[a:z].reshape(shape) for a, z, shape in spans]
+        return [whole[a:z].reshape(shape) for a, z, shape in self._views]
+
+    def _repeat(self, saved: np.ndarray) -> list:
+        """A batch that repeats the last real one (the README's exception), in a buffer of its own:
+        the caller may have changed the original in place."""
+        flat = self._arena.batch()
+        flat[:] = saved
+        return self._wrap(flat)

@@ -38,11 +38,11 @@ _CACHE_LOCK = threading.Lock()
 @dataclass(frozen=True)
 class ShardFrames:
     """What the loader needs of one checked shard: record offsets, the samples in each and each
-    record's key (``Schema.key_word``; zeros for ``samples``)."""
+    record's key (``Schema.key_words``; no columns for ``samples``)."""
 
     offsets: np.ndarray  # int64, one per record
     counts: np.ndarray  # int64 samples per record
-    keys: np.ndarray  # float32, one per record
+    keys: np.ndarray  # float32 (records, len(key_words))
 
     @property
     def samples(self) -> int:
@@ -59,9 +59,9 @@ Columns = Callable[[int, int], np.ndarray]  # cols(a, b): words a..b-1 of every 
 
 
 def _keys(cols: Columns, n_rec: int, schema: Schema) -> np.ndarray:
-    if schema.key_word is None:
-        return np.zeros(n_rec, np.float32)
-    return cols(_P0 + schema.key_word, _P0 + schema.key_word + 1).view("<f4")[:, 0].copy()
+    if not schema.key_words:
+        return np.zeros((n_rec, 0), np.float32)
+    return np.stack([cols(_P0 + w, _P0 + w + 1).view("<f4")[:, 0] for w in schema.key_words], axis=1)
 
 
 def _payload_checks(cols: Columns, n_rec: int, schema: Schema, day: int) -> np.ndarray:
@@ -158,7 +158,7 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
     split = np.flatnonzero(ends - offsets != rb)
     flat = np.frombuffer(buf, "<u4", size // 4)
     counts = np.zeros(len(offsets), np.int64)
-    keys = np.zeros(len(offsets), np.float32)
+    keys = np.zeros((len(offsets), len(schema.key_words)), np.float32)
     first = offsets[whole] // 4
 
     def whole_cols(a: int, b: int) -> np.ndarray:

@@ -46,9 +46,10 @@ windows are packed in a fixed pseudo-random order seeded by the date (windows la
 date's runs are written in a pseudo-random order too, so records hold scattered windows.
 ``id2`` is the record's number within its date (for ``samples``: the window's row).
 
-A packed record is told apart from the other records of its date by its *key*, the payload word
-:attr:`Schema.key_word`: the first item's window number (``windows``) or the run's first row
-(``runs``). The loader uses it to find a record whose windows two distributed parts share.
+A packed record is told apart from the other records of its date by its *key*, the payload words
+:attr:`Schema.key_words`: the first item's window number (``windows``) or the run's first row
+(``runs``), then the first item's first value after its index. The loader uses the key, with the
+window count, to find a record whose windows two distributed parts share.
 """
 
 from __future__ import annotations
@@ -239,11 +240,13 @@ class Schema:
         return slice(HEAD_FLOATS, HEAD_FLOATS + self.layout.pack * self.item_floats)
 
     @property
-    def key_word(self) -> int | None:
-        """Packed layouts: the payload word that tells a record apart within its date (see the
-        module docstring); None for ``samples``, whose records are never shared between parts."""
+    def key_words(self) -> tuple[int, ...]:
+        """Packed layouts: the payload words that tell a record apart within its date (see the
+        module docstring); empty for ``samples``, whose records are never shared between parts."""
         kind = self.layout.kind
-        return None if kind == "samples" else (HEAD_FLOATS if kind == "windows" else 2)
+        if kind == "samples":
+            return ()
+        return (HEAD_FLOATS if kind == "windows" else 2, HEAD_FLOATS + 1)
 
     @property
     def data_slice(self) -> slice:

@@ -205,3 +205,50 @@ def test_resume_in_the_first_epoch_skips_inside_the_running_stream(stores, tmp_p
         assert [keys(b) for b in it] == full[at:]
         it.reset()
         assert sorted(k for b in it for k in keys(b)) == sorted(k for ks in full for k in ks)
+
+
+def test_records_sharing_a_key_are_still_split_exactly(tmp_path):
+    """A processor that repeats window starts makes two runs of a date begin on the same row: the
+    loader tells them apart by the first item's label too, and parts stay exact and balanced."""
+    schema = Schema.create(time_steps=T, num_inputs=C, data_name="seq_var", labels=LABELS, layout=LAYOUTS["runs"])
+    entries, want = [], Counter()
+    (tmp_path / "s").mkdir()
+    for d, rows in zip(DATES[:2], (40, 53)):
+        spec = sliding_windows(raw_for(d)[:rows], d, time_steps=T, num_inputs=C, labels=LABELS)
+        labs = {k: np.repeat(v, 12, axis=0) for k, v in spec.labels.items()}
+        labs["a"] = labs["a"] + (np.tile(np.arange(12, dtype=np.float32), len(spec.starts)) * 1000
+                                 ).reshape(labs["a"].shape)  # duplicates differ in their labels
+        spec = RunSpec(spec.rows, np.repeat(spec.starts, 12), labs, T)
+        entries.append(write_shard(tmp_path / "s", d, spec, None, schema, fsync=False).entry())
+        x, labs = spec.as_windows(T)
+        day = np.full((len(x), 1), (d - dt.date(1970, 1, 1)).days, np.float32)
+        want.update(r.tobytes() for r in np.concatenate([x.reshape(len(x), -1), labs["a"].reshape(len(x), -1),
+                                                         labs["b"], day], axis=1))
+    publish(tmp_path / "s", schema, 0, entries)
+    n = sum(want.values())
+    for parts, bs in ((3, 5), (5, 7)):
+        seen = Counter()
+        for p in range(parts):
+            with ShardIter(tmp_path / "s", bs, seed=1, num_parts=parts, part_index=p, cache_dir=tmp_path) as it:
+                batches = list(it)
+                assert [b.pad for b in batches] == expected_pads(n, parts, bs, p)
+                seen.update(k for b in real_batches(batches, n, parts, p) for k in keys(b))
+        assert seen == want
+
+
+def test_the_exceptions_repeat_batch_is_a_copy(stores, tmp_path):
+    """The caller may change a batch in place; the repeat batch after it still holds stored data."""
+    n = sum(expected().values())
+    parts, bs = next((p, b) for p in (2, 3, 4) for b in range(3, 40) if 1 <= n % (p * b) <= p - 1
+                     and n // p >= b)
+    short = next(p for p in range(parts) if part_sizes(n, parts)[p] == n // parts)
+    want = expected()
+    with ShardIter(stores["runs"], bs, num_parts=parts, part_index=short, cache_dir=tmp_path) as it:
+        batches = []
+        for b in it:
+            if batches:
+                batches[-1].data[0][:] = -1  # an in-place change by the caller, after the next batch came
+            batches.append(b)
+    assert batches[-1].pad == bs - 1 and batches[-1].data[0] is not batches[-2].data[0]
+    restored = keys(batches[-1])
+    assert len(restored) == 1 and restored[0] in want

@@ -421,3 +421,15 @@ def test_an_iterator_dropped_without_close_releases_everything(tmp_path):
     assert not [t.name for t in mine if t.is_alive()]
     assert not list((tmp_path / "s" / "leases").glob("*.json"))
     assert not [p for p in (tmp_path / "c").glob("*/*") if p.is_dir()]
+
+
+def test_load_state_dict_restores_the_date_selection(store, cache):
+    with ShardIter(store, 2, dates=("2024-01-03", "2024-01-04"), cache_dir=cache) as it:
+        it.next()
+        state = it.state_dict()
+    with ShardIter(store, 2, cache_dir=cache) as it:
+        it.load_state_dict(state)
+        assert it.dates == ("2024-01-03", "2024-01-04")
+        assert sum(2 - b.pad for b in it) == 14 - 2
+        it.reset()
+        assert it.records_per_epoch == 14, "the saved selection holds after the next reset()"

@@ -82,3 +82,12 @@ def test_shuffle_buffer_in_bytes_or_records(store, tmp_path):
 def test_bad_shuffle_buffer_values_say_what_is_expected(bad):
     with pytest.raises(LoaderError, match="shuffle_buffer must be"):
         parse_size(bad)
+
+
+def test_load_state_dict_checks_sizes_before_it_lets_go_of_the_epoch(store, tmp_path):
+    with ShardIter(store, 64, cache_dir=tmp_path) as it:
+        state = it.state_dict()
+        state["shuffle_buffer"] = 200_000_000
+        with pytest.raises(LoaderError, match="200,000,000 records.*would hold"):
+            it.load_state_dict(state)
+        assert it.next().data[0].shape[0] == 64, "the epoch in progress is untouched"
