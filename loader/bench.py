@@ -37,7 +37,7 @@ from shardgen.writer import write_shard
 from .baselines import ListBatchIter, question_design_epoch, samples_from_arrays
 from .bench_report import chart, machine_info, table, targets
 from .bench_scale import LAYOUTS, scale_suite
-from .bench_soak import soak
+from .bench_soak import soak_in_subprocess
 from .plan import default_cache_dir
 from .shard_iter import ShardIter
 
@@ -439,8 +439,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         res["build"] = build_speedup(workdir, 3 if args.quick else 60)
         res["scale"] = scale_suite(workdir, quick=args.quick, seconds=seconds, log=log)
         log("bench: soak")
-        res["soak"] = soak(workdir, cache, epochs=12 if args.quick else 300, publish_every=3 if args.quick else 10,
-                           windows=5000 if args.quick else 50_000, batch_size=bs, log=log)
+        res["soak"] = soak_in_subprocess(workdir, cache, epochs=12 if args.quick else 300,
+                                         publish_every=3 if args.quick else 10,
+                                         windows=5000 if args.quick else 50_000, batch_size=bs)
         res["targets"] = targets(res)
     finally:
         if args.workdir is None:

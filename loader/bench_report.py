@@ -75,7 +75,8 @@ def targets(res: dict) -> list[dict]:
     if so:
         rows += [(f"soak: RSS growth % epochs 5 -> {so['epochs']} (reset every epoch, new date every "
                   f"{so['publish_every']})", so["rss_growth_pct"], "<=", 5.0),
-                 ("soak: open file descriptors added", so["fds_delta"], "<=", 0)]
+                 ("soak: file descriptors added, epochs 100 -> 300", so["fds_delta"], "<=", 0),
+                 ("soak: threads added, epochs 100 -> 300", so["threads_delta"], "<=", 0)]
     return [{"name": n, "value": v, "target": f"{op} {t}", "met": v >= t if op == ">=" else v <= t}
             for n, v, op, t in rows]
 
