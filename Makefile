@@ -29,10 +29,10 @@ train: install
 
 bench: install
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) -m loader.bench
+	$(PY) -m benchmarks
 
 lint: install
-	$(VENV)/bin/ruff check shardgen loader tests
+	$(VENV)/bin/ruff check shardgen loader tests benchmarks
 
 clean:
 	rm -rf build raw shards .pytest_cache

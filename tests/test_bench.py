@@ -1,4 +1,4 @@
-"""`python -m loader.bench --quick` runs and writes well-formed results (not timings: `make bench` does those)."""
+"""`python -m benchmarks --quick` runs and writes well-formed results (not timings: `make bench` does those)."""
 
 import json
 import subprocess
@@ -15,7 +15,7 @@ LOADERS = ["NDArrayIter (RAM)", "Python DataIter", "PrefetchingIter(Python)", "G
 
 def test_quick_bench_writes_results(tmp_path):
     out = tmp_path / "results.json"
-    r = subprocess.run([sys.executable, "-m", "loader.bench", "--quick", "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out),
                         "--chart", str(tmp_path / "chart.png"), "--workdir", str(tmp_path / "work")],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""What users try before this project, implemented correctly, for ``loader.bench`` to compare.
+"""What users try before this project, implemented correctly, for ``python -m benchmarks`` to compare.
 
 * ``ListBatchIter``: the pattern from the question -- a Python ``mx.io.DataIter`` that keeps a
   list of samples and builds each batch from it (``np.stack`` + ``mx.nd.array``) in ``next()``.

@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from loader.shard_iter import ShardIter
 from shardgen.manifest import MANIFEST_NAME, Manifest
 from shardgen.process import sliding_windows
 from shardgen.store import publish
 from shardgen.writer import write_shard
 
-from .bench_scale import LABELS, LAYOUTS, C, T, _raw, make_store
-from .shard_iter import ShardIter
+from .scale import LABELS, LAYOUTS, C, T, _raw, make_store
 
 __all__ = ["soak", "soak_in_subprocess", "rss_mb"]
 
@@ -80,7 +80,7 @@ def soak(workdir: Path, cache: Path, *, epochs: int = 300, publish_every: int = 
 
 def soak_in_subprocess(workdir: Path, cache: Path, **kw: object) -> dict:
     """``soak`` in a fresh interpreter, so its RSS is the iterator's and not the rest of the bench's."""
-    code = ("import json, sys; from pathlib import Path; from loader.bench_soak import soak; "
+    code = ("import json, sys; from pathlib import Path; from benchmarks.soak import soak; "
             f"print(json.dumps(soak(Path({str(workdir)!r}), Path({str(cache)!r}), **{kw!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600,
                          cwd=Path(__file__).resolve().parent.parent)

@@ -1,4 +1,4 @@
-"""The report side of ``loader.bench``: machine facts, the targets from the issue, the table and
+"""The report side of ``python -m benchmarks``: machine facts, the targets from the issue, the table and
 the chart (matplotlib is optional: without it there is no chart)."""
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def chart(res: dict, path: Path) -> Optional[str]:
     a2.set_xlabel("% of wall time waiting for data")
     a2.set_title("data stall (consumer at 50% / 90% of each loader's max rate)")
     a2.legend()
-    fig.suptitle(f"loader.bench on {res['machine']['nproc']} cores, {res['machine']['date']}")
+    fig.suptitle(f"benchmarks on {res['machine']['nproc']} cores, {res['machine']['date']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -1,4 +1,4 @@
-"""``loader.bench`` at scale: record layouts, many shards, stock MXNet on one file, randomness of
+"""``python -m benchmarks`` at scale: record layouts, many shards, stock MXNet on one file, randomness of
 the shuffle buffer, parallel readers, resumption, and open/reset at 2M records. Every figure is
 measured in the same run as the baseline it is compared with."""
 
@@ -14,15 +14,14 @@ from typing import Callable
 import mxnet as mx
 import numpy as np
 
+from loader.native import quiet_native_info
+from loader.plan import default_cache_dir
+from loader.shard_iter import ShardIter
 from shardgen.layout import LabelSpec, Layout, Schema
 from shardgen.manifest import MANIFEST_NAME, Manifest
 from shardgen.process import sliding_windows
 from shardgen.store import publish
 from shardgen.writer import write_shard
-
-from .native import quiet_native_info
-from .plan import default_cache_dir
-from .shard_iter import ShardIter
 
 __all__ = ["LAYOUTS", "make_store", "shuffled_rate", "stock_one_file", "randomness", "scale_suite"]
 

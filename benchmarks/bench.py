@@ -1,4 +1,4 @@
-"""``python -m loader.bench`` (``make bench``): the loader and the writer beside the alternatives
+"""``python -m benchmarks`` (``make bench``): the loader and the writer beside the alternatives
 users actually try, all measured in one run on the same data so that ratios are fair on a noisy
 machine. Writes a table to stdout, ``bench/results.json`` and (with matplotlib) a PNG chart.
 
@@ -28,6 +28,8 @@ from typing import Callable, Iterator, Optional, Sequence
 import mxnet as mx
 import numpy as np
 
+from loader.plan import default_cache_dir
+from loader.shard_iter import ShardIter
 from shardgen.layout import LabelSpec, Schema, day_number
 from shardgen.manifest import MANIFEST_NAME, Manifest
 from shardgen.process import sliding_windows
@@ -35,11 +37,9 @@ from shardgen.store import publish
 from shardgen.writer import write_shard
 
 from .baselines import ListBatchIter, question_design_epoch, samples_from_arrays
-from .bench_report import chart, machine_info, table, targets
-from .bench_scale import LAYOUTS, scale_suite
-from .bench_soak import soak_in_subprocess
-from .plan import default_cache_dir
-from .shard_iter import ShardIter
+from .report import chart, machine_info, table, targets
+from .scale import LAYOUTS, scale_suite
+from .soak import soak_in_subprocess
 
 __all__ = ["main"]
 
@@ -392,7 +392,7 @@ def build_speedup(workdir: Path, n_dates: int) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loader.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small and short (for CI): checks it runs, not speed")
     p.add_argument("--samples", type=int, help="samples in the loader comparison (default 100000; quick 6000)")
     p.add_argument("--batch-size", type=int, default=512)

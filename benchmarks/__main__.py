@@ -1,0 +1,7 @@
+"""``python -m benchmarks``: the full benchmark (``--quick`` for a smoke run)."""
+
+import sys
+
+from .bench import main
+
+sys.exit(main())
