@@ -1,5 +1,6 @@
-"""What a ``ShardIter`` holds in memory, computed from its settings before anything is allocated,
-and the ``shuffle_buffer`` setting read as records or bytes.
+"""What a ``ShardIter`` holds in memory: computed from its settings before anything is allocated
+(the ``shuffle_buffer`` setting read as records or bytes), and kept by an ``Arena`` from epoch to
+epoch instead of allocated anew.
 
 Two epoch streams are alive at once near an epoch's end (this one and the next one, which starts
 filling half way through), so the per-stream parts count twice:
@@ -15,15 +16,19 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import sys
+import threading
 from typing import Optional, Union
+
+import numpy as np
 
 from shardgen.layout import Schema
 
 from .errors import LoaderError
+from .shuffle_buffer import ShuffleBuffer
 
-__all__ = ["settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "pool_bytes", "footprint",
-           "parse_size",
-           "check_footprint", "format_bytes"]
+__all__ = ["Arena", "settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "shuffle_buffer_bytes",
+           "footprint", "parse_size", "check_footprint", "format_bytes"]
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
@@ -87,8 +92,8 @@ def parse_size(value: Union[int, str], what: str = "shuffle_buffer") -> tuple[st
     return "bytes", n
 
 
-def pool_bytes(schema: Schema, capacity: int) -> int:
-    """Bytes of a shuffle buffer of ``capacity`` records (see ``loader.pool.Pool``)."""
+def shuffle_buffer_bytes(schema: Schema, capacity: int) -> int:
+    """Bytes of a shuffle buffer of ``capacity`` records (see ``loader.shuffle_buffer.ShuffleBuffer``)."""
     k, w = schema.pack, schema.label_floats
     data = schema.layout.run_rows * schema.num_inputs if schema.layout.kind == "runs" else k * schema.x_floats
     per_record = 4 * data + 4 * k * w + 8 * k + 4 + 8 + 8 * k  # data, labels, starts, day, remaining, live
@@ -99,7 +104,7 @@ def footprint(schema: Schema, *, buffer_records: int, native_batch: int, readers
               batch_floats: int) -> dict:
     """Bytes each part of an iterator may hold at most, and their total."""
     parts = {
-        "shuffle buffers": 2 * pool_bytes(schema, buffer_records),
+        "shuffle buffers": 2 * shuffle_buffer_bytes(schema, buffer_records),
         "native queues": 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
         "batch buffers": 2 * (prefetch_buffer + 4) * 4 * batch_floats,
     }
@@ -116,3 +121,42 @@ def check_footprint(parts: dict, settings: str, *, share: float = MEMORY_SHARE) 
     raise LoaderError(f"{settings} would hold {format_bytes(total)} ({detail}); this machine has "
                       f"{format_bytes(ram)} and an iterator may take {share:.0%} of it. Lower shuffle_buffer "
                       "(records, or a size such as '256MB'), native_batch, readers or prefetch_buffer")
+
+
+class Arena:
+    """The big buffers of an iterator, reused from epoch to epoch: shuffle buffers (one per stream
+    alive, the current and the next epoch's) and batch buffers handed to MXNet without a copy
+    (``from_numpy``), taken back once MXNet lets go of them. Allocating them anew each epoch grew
+    the process by megabytes per epoch (the allocator's heap fragments around 4-128 MB blocks), and
+    freeing and faulting in a fresh 4 MB array per batch cost the caller's ``next()``."""
+
+    def __init__(self, schema: Schema, batch_floats: int, keep: int):
+        self.schema, self.batch_floats, self.keep = schema, batch_floats, keep
+        self._shuffle: list[ShuffleBuffer] = []
+        self._batches: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def shuffle_buffer(self, capacity: int) -> ShuffleBuffer:
+        with self._lock:
+            for i, buffer in enumerate(self._shuffle):
+                if buffer.capacity == capacity:
+                    del self._shuffle[i]
+                    buffer.clear()
+                    return buffer
+        return ShuffleBuffer(self.schema, capacity)
+
+    def give_back(self, buffer: ShuffleBuffer) -> None:
+        with self._lock:  # two streams are alive at most (this epoch's and the next's): keep two
+            self._shuffle = (self._shuffle + [buffer])[-2:]
+
+    def batch(self) -> np.ndarray:
+        """A free batch buffer: one no caller holds any more, or a new one."""
+        with self._lock:
+            for a in self._batches:
+                if sys.getrefcount(a) <= 3:  # the list, this loop and the call: MXNet holds it no more
+                    a.flags.writeable = True
+                    return a
+            a = np.empty(self.batch_floats, np.float32)
+            if len(self._batches) < self.keep:
+                self._batches.append(a)
+            return a

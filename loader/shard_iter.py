@@ -30,7 +30,7 @@ from shardgen.manifest import ShardEntry
 
 from .errors import LoaderError
 from .generations import Choice, agreed_start
-from .memory import check_footprint, footprint, parse_size, pool_bytes, settle_allocator
+from .memory import Arena, check_footprint, footprint, parse_size, settle_allocator, shuffle_buffer_bytes
 from .plan import (
     DateRange,
     EpochPlan,
@@ -44,8 +44,8 @@ from .plan import (
     recheck,
     select_shards,
 )
-from .pool import default_capacity
-from .stream import Arena, EpochStream, StreamParams, batch_floats, pool_capacity
+from .shuffle_buffer import default_capacity
+from .stream import EpochStream, StreamParams, batch_floats, buffer_capacity
 
 __all__ = ["ShardIter", "to_datetime64"]
 
@@ -161,7 +161,7 @@ class ShardIter(mx.io.DataIter):
             buffer = default_capacity(self.schema, nb)
         else:
             unit, amount = parse_size(shuffle_buffer)
-            buffer = amount if unit == "records" else max(1, amount // pool_bytes(self.schema, 1))
+            buffer = amount if unit == "records" else max(1, amount // shuffle_buffer_bytes(self.schema, 1))
         self._params = StreamParams(
             schema=self.schema, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
             num_parts=self.num_parts, part_index=self.part_index, last_batch=last_batch, readers=int(readers),
@@ -392,7 +392,7 @@ class ShardIter(mx.io.DataIter):
     def _check_memory(self, params: StreamParams, shuffle_buffer: object) -> dict:
         """What ``params`` would hold (``loader.memory``); LoaderError before anything is allocated
         if that is more than the machine can spare."""
-        records = pool_capacity(params)
+        records = buffer_capacity(params)
         held = footprint(self.schema, buffer_records=records, native_batch=params.native_batch,
                          readers=params.readers, prefetch_buffer=params.prefetch_buffer,
                          batch_floats=batch_floats(params))

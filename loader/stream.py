@@ -3,7 +3,7 @@
 The part's records (:mod:`loader.parts`: balanced by samples, shared records trimmed) are read by
 ``readers`` native ``ImageRecordIter``s over disjoint record ranges, each with its own I/O thread;
 the producer takes their record batches in a fixed round-robin order into the shuffle buffer
-(:mod:`loader.pool`), draws caller batches from it and splits them into named NDArrays, up to
+(:mod:`loader.shuffle_buffer`), draws caller batches from it and splits them into named NDArrays, up to
 ``prefetch`` batches ahead. Everything is a function of (plan, seed, epoch, part): the same
 batches in the same order every time, and ``skip`` batches can be passed over without being
 assembled (resumption). The thread holds no reference to the ``ShardIter`` that owns the stream.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import math
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -24,12 +23,13 @@ import numpy as np
 from shardgen.layout import Schema
 
 from .errors import LoaderError
+from .memory import Arena
 from .native import copy_into, epoch_seed, next_label, open_record_iter
 from .parts import PartSplit, split_part
 from .plan import EpochPlan, reader_source
-from .pool import Pool
+from .shuffle_buffer import ShuffleBuffer
 
-__all__ = ["StreamParams", "EpochStream", "Arena", "plan_part", "batch_floats", "pool_capacity"]
+__all__ = ["StreamParams", "EpochStream", "plan_part", "batch_floats", "buffer_capacity"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def batch_floats(p: StreamParams) -> int:
     return p.batch_size * (s.x_floats + sum(lab.width for lab in s.labels if lab.name in p.label_names))
 
 
-def pool_capacity(p: StreamParams) -> int:
+def buffer_capacity(p: StreamParams) -> int:
     """Records in the shuffle buffer: a batch may need one record per sample (a date's last pack
     can hold a single window), so at least a batch and two native batches."""
     floor = p.batch_size + 2 * p.native_batch
@@ -68,45 +68,6 @@ def plan_part(plan: EpochPlan, p: StreamParams) -> PartSplit:
     """This part's records, trims and readers (in order, one reader: the order must not depend on
     how reads interleave)."""
     return split_part(plan.counts, p.num_parts, p.part_index, p.readers if p.shuffle else 1, plan.can_split)
-
-
-class Arena:
-    """The big buffers of an iterator, reused from epoch to epoch: shuffle buffers (one per stream
-    alive, the current and the next epoch's) and batch buffers handed to MXNet without a copy
-    (``from_numpy``), taken back once MXNet lets go of them. Allocating them anew each epoch grew
-    the process by megabytes per epoch (the allocator's heap fragments around 4-128 MB blocks), and
-    freeing and faulting in a fresh 4 MB array per batch cost the caller's ``next()``."""
-
-    def __init__(self, schema: Schema, batch_floats: int, keep: int):
-        self.schema, self.batch_floats, self.keep = schema, batch_floats, keep
-        self._pools: list[Pool] = []
-        self._batches: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def pool(self, capacity: int) -> Pool:
-        with self._lock:
-            for i, pool in enumerate(self._pools):
-                if pool.capacity == capacity:
-                    del self._pools[i]
-                    pool.clear()
-                    return pool
-        return Pool(self.schema, capacity)
-
-    def give_back(self, pool: Pool) -> None:
-        with self._lock:  # two streams are alive at most (this epoch's and the next's): keep two
-            self._pools = (self._pools + [pool])[-2:]
-
-    def batch(self) -> np.ndarray:
-        """A free batch buffer: one no caller holds any more, or a new one."""
-        with self._lock:
-            for a in self._batches:
-                if sys.getrefcount(a) <= 3:  # the list, this loop and the call: MXNet holds it no more
-                    a.flags.writeable = True
-                    return a
-            a = np.empty(self.batch_floats, np.float32)
-            if len(self._batches) < self.keep:
-                self._batches.append(a)
-            return a
 
 
 class EpochStream:
@@ -144,7 +105,7 @@ class EpochStream:
         sc = params.schema
         self._x_shape = (params.batch_size, sc.time_steps, sc.num_inputs)
         self._x_size = int(np.prod(self._x_shape))
-        self._pool: Optional[Pool] = None
+        self._buffer: Optional[ShuffleBuffer] = None
         b, pos, views = params.batch_size, self._x_size, [(0, self._x_size, self._x_shape)]
         for lab in sc.labels:  # (start, stop, shape) of each array in a batch's one buffer
             if lab.name in params.label_names:
@@ -186,9 +147,9 @@ class EpochStream:
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
-            pool, self._pool = self._pool, None
-            if pool is not None:
-                self._arena.give_back(pool)
+            buffer, self._buffer = self._buffer, None
+            if buffer is not None:
+                self._arena.give_back(buffer)
 
     # -- producer side ----------------------------------------------------------------------------
 
@@ -284,7 +245,7 @@ class EpochStream:
     def _produce(self, natives: list) -> None:
         p = self.params
         bs = p.batch_size
-        self._pool = pool = self._arena.pool(pool_capacity(p))
+        self._buffer = buffer = self._arena.shuffle_buffer(buffer_capacity(p))
         rng = np.random.default_rng([p.seed, self.epoch, p.part_index]) if p.shuffle else None
         shared = self._shared()
         seen = np.zeros(len(self.split.trims), np.int64)
@@ -301,7 +262,8 @@ class EpochStream:
                     return
                 continue
             # Fill: shuffling, until the buffer is full; in order, until the batch is there.
-            while any(r[1] for r in natives) and (pool.free_slots >= p.native_batch if p.shuffle else pool.m < valid):
+            while any(r[1] for r in natives) and (
+                    buffer.free_slots >= p.native_batch if p.shuffle else buffer.count < valid):
                 reader = natives[turn % len(natives)]
                 turn += 1
                 if not reader[1]:
@@ -312,18 +274,18 @@ class EpochStream:
                                       f"{self.plan.generation})")
                 rows = copy_into(label, reader[2])[:reader[1]]
                 reader[1] -= len(rows)
-                pool.add(rows, *(self._spans(rows, shared, seen) if shared else ()))
-            if pool.m < valid or (index == last_real and (pool.m != valid or (seen != 1).any())):
-                raise LoaderError(f"part {p.part_index} of {p.num_parts} read {pool.m} samples for its batch "
+                buffer.add(rows, *(self._spans(rows, shared, seen) if shared else ()))
+            if buffer.count < valid or (index == last_real and (buffer.count != valid or (seen != 1).any())):
+                raise LoaderError(f"part {p.part_index} of {p.num_parts} read {buffer.count} samples for its batch "
                                   f"{index} of {valid} (generation {self.plan.generation}): records changed "
                                   "under the reader?")
-            codes = pool.draw(valid, rng)
+            codes = buffer.draw(valid, rng)
             if index < self._skip and not (index == last_real and self.batches - 1 >= self._skip):
-                pool.release(codes)
+                buffer.release(codes)
                 continue
             flat = self._arena.batch()
             x = flat[:self._x_size].reshape(self._x_shape)
-            arrays = self._arrays(flat, x, *pool.gather(codes, out=x[:valid])[1:])
+            arrays = self._arrays(flat, x, *buffer.gather(codes, out=x[:valid])[1:])
             if index == last_real and self.batches - 1 > last_real:
                 saved = flat.copy()  # what the filler batches after it repeat
             if index >= self._skip and not self._offer((index, arrays, valid)):

@@ -15,17 +15,18 @@ import numpy as np
 
 from shardgen.layout import Schema
 
-__all__ = ["Pool", "default_capacity"]
+__all__ = ["ShuffleBuffer", "default_capacity"]
 
-POOL_BYTES = 128 << 20  # default shuffle buffer size
-
-
-def default_capacity(schema: Schema, native_batch: int, pool_bytes: int = POOL_BYTES) -> int:
-    """Records the buffer holds by default: ``pool_bytes`` of payload, at least two native batches."""
-    return max(2 * native_batch, min(8192, pool_bytes // (4 * schema.record_floats)))
+DEFAULT_BYTES = 128 << 20  # default shuffle buffer size
 
 
-class Pool:
+def default_capacity(schema: Schema, native_batch: int, nbytes: int = DEFAULT_BYTES) -> int:
+    """Records the buffer holds by default: ``nbytes`` of payload (at most 8192 records), at least
+    two native batches."""
+    return max(2 * native_batch, min(8192, nbytes // (4 * schema.record_floats)))
+
+
+class ShuffleBuffer:
     """Slots for ``capacity`` records of ``schema``; items are ``slot * K + k``."""
 
     def __init__(self, schema: Schema, capacity: int):
@@ -47,7 +48,7 @@ class Pool:
         """Empty, for another epoch (the arrays are kept: no allocation)."""
         self.free = list(range(self.capacity - 1, -1, -1))
         self.remaining[:] = 0
-        self.m = 0  # live items
+        self.count = 0  # items (samples) held
 
     @property
     def free_slots(self) -> int:
@@ -77,23 +78,23 @@ class Pool:
             keep &= (k >= lo[:, None]) & (k < hi[:, None])
         self.remaining[slots] = keep.sum(axis=1)
         codes = (slots[:, None] * self.k + k)[keep]
-        self.live[self.m:self.m + len(codes)] = codes
-        self.m += len(codes)
+        self.live[self.count:self.count + len(codes)] = codes
+        self.count += len(codes)
 
     def draw(self, n: int, rng: Optional[np.random.Generator]) -> np.ndarray:
         """``n`` live items: uniformly at random, or the oldest first when ``rng`` is None."""
-        n = min(n, self.m)
+        n = min(n, self.count)
         if rng is None:
             codes = self.live[:n].copy()
-            self.live[:self.m - n] = self.live[n:self.m]
+            self.live[:self.count - n] = self.live[n:self.count]
         else:
-            pick = rng.choice(self.m, size=n, replace=False)
+            pick = rng.choice(self.count, size=n, replace=False)
             codes = self.live[pick]
             # Swap-remove: fill the holes below m - n with the tail items that were not picked.
-            tail = np.arange(self.m - n, self.m)
-            holes = pick[pick < self.m - n]
+            tail = np.arange(self.count - n, self.count)
+            holes = pick[pick < self.count - n]
             self.live[holes] = self.live[tail[~np.isin(tail, pick)]]
-        self.m -= n
+        self.count -= n
         return codes
 
     def release(self, codes: np.ndarray) -> None:
