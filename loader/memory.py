@@ -25,10 +25,10 @@ import numpy as np
 from shardgen.layout import Schema
 
 from .errors import LoaderError
-from .shuffle_buffer import ShuffleBuffer
+from .shuffle_buffer import ShuffleBuffer, buffer_bytes
 
-__all__ = ["Arena", "settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "shuffle_buffer_bytes",
-           "footprint", "parse_size", "check_footprint", "format_bytes"]
+__all__ = ["Arena", "settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "footprint",
+           "parse_size", "check_footprint", "format_bytes"]
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
@@ -92,19 +92,11 @@ def parse_size(value: Union[int, str], what: str = "shuffle_buffer") -> tuple[st
     return "bytes", n
 
 
-def shuffle_buffer_bytes(schema: Schema, capacity: int) -> int:
-    """Bytes of a shuffle buffer of ``capacity`` records (see ``loader.shuffle_buffer.ShuffleBuffer``)."""
-    k, w = schema.pack, schema.label_floats
-    data = schema.layout.run_rows * schema.num_inputs if schema.layout.kind == "runs" else k * schema.x_floats
-    per_record = 4 * data + 4 * k * w + 8 * k + 4 + 8 + 8 * k  # data, labels, starts, day, remaining, live
-    return capacity * per_record
-
-
 def footprint(schema: Schema, *, buffer_records: int, native_batch: int, readers: int, prefetch_buffer: int,
               batch_floats: int) -> dict:
     """Bytes each part of an iterator may hold at most, and their total."""
     parts = {
-        "shuffle buffers": 2 * shuffle_buffer_bytes(schema, buffer_records),
+        "shuffle buffers": 2 * buffer_bytes(schema, buffer_records),
         "native queues": 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
         "batch buffers": 2 * (prefetch_buffer + 4) * 4 * batch_floats,
     }

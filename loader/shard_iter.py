@@ -30,7 +30,7 @@ from shardgen.manifest import ShardEntry
 
 from .errors import LoaderError
 from .generations import Choice, agreed_start
-from .memory import Arena, check_footprint, footprint, parse_size, settle_allocator, shuffle_buffer_bytes
+from .memory import Arena, check_footprint, footprint, parse_size, settle_allocator
 from .plan import (
     DateRange,
     EpochPlan,
@@ -44,7 +44,7 @@ from .plan import (
     recheck,
     select_shards,
 )
-from .shuffle_buffer import default_capacity
+from .shuffle_buffer import buffer_bytes, default_capacity
 from .stream import EpochStream, StreamParams, batch_floats, buffer_capacity
 
 __all__ = ["ShardIter", "to_datetime64"]
@@ -161,7 +161,7 @@ class ShardIter(mx.io.DataIter):
             buffer = default_capacity(self.schema, nb)
         else:
             unit, amount = parse_size(shuffle_buffer)
-            buffer = amount if unit == "records" else max(1, amount // shuffle_buffer_bytes(self.schema, 1))
+            buffer = amount if unit == "records" else max(1, amount // buffer_bytes(self.schema, 1))
         self._params = StreamParams(
             schema=self.schema, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
             num_parts=self.num_parts, part_index=self.part_index, last_batch=last_batch, readers=int(readers),

@@ -15,7 +15,7 @@ import numpy as np
 
 from shardgen.layout import Schema
 
-__all__ = ["ShuffleBuffer", "default_capacity"]
+__all__ = ["ShuffleBuffer", "default_capacity", "buffer_bytes"]
 
 DEFAULT_BYTES = 128 << 20  # default shuffle buffer size
 
@@ -26,22 +26,30 @@ def default_capacity(schema: Schema, native_batch: int, nbytes: int = DEFAULT_BY
     return max(2 * native_batch, min(8192, nbytes // (4 * schema.record_floats)))
 
 
+def _arrays(schema: Schema, capacity: int) -> dict:
+    """Name -> (shape, dtype) of every array a buffer of ``capacity`` records allocates."""
+    k, c = schema.pack, schema.num_inputs
+    runs = schema.layout.kind == "runs"
+    data = (capacity, schema.layout.run_rows, c) if runs else (capacity, k, schema.time_steps, c)
+    return {"data": (data, np.float32), "labels": ((capacity, k, schema.label_floats), np.float32),
+            "starts": ((capacity, k), np.int64), "day": ((capacity,), np.float32),
+            "remaining": ((capacity,), np.int64), "live": ((capacity * k,), np.int64)}
+
+
+def buffer_bytes(schema: Schema, capacity: int) -> int:
+    """Bytes a buffer of ``capacity`` records holds (its arrays, allocated up front)."""
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in _arrays(schema, capacity).values())
+
+
 class ShuffleBuffer:
     """Slots for ``capacity`` records of ``schema``; items are ``slot * K + k``."""
 
     def __init__(self, schema: Schema, capacity: int):
-        s, k, t, c = schema, schema.pack, schema.time_steps, schema.num_inputs
-        self.schema, self.capacity, self.k = s, capacity, k
-        self.kind = s.layout.kind
-        w = s.label_floats
-        self.data = np.empty((capacity, s.layout.run_rows, c) if self.kind == "runs" else (capacity, k, t, c),
-                             np.float32)
-        self.labels = np.empty((capacity, k, w), np.float32)
-        self.starts = np.zeros((capacity, k), np.int64)
-        self.day = np.zeros(capacity, np.float32)
-        self.remaining = np.zeros(capacity, np.int64)
-        self.live = np.empty(capacity * k, np.int64)
-        self._steps = np.arange(t)
+        self.schema, self.capacity, self.k = schema, capacity, schema.pack
+        self.kind = schema.layout.kind
+        for name, (shape, dtype) in _arrays(schema, capacity).items():
+            setattr(self, name, np.zeros(shape, dtype) if name in ("starts", "day") else np.empty(shape, dtype))
+        self._steps = np.arange(schema.time_steps)
         self.clear()
 
     def clear(self) -> None:

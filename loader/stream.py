@@ -256,8 +256,8 @@ class EpochStream:
                 return
             valid = min(bs, self.samples - index * bs)
             if valid <= 0:
-                # Parts differ by one sample, so a shorter part can run out a batch early (see the
-                # README, "Parts"): its last batch repeats its last real batch's first row as data.
+                # Parts differ by one sample, so a shorter part can run out a batch early (README,
+                # "Several workers and machines"): it repeats its last real batch, pad = batch - 1.
                 if index >= self._skip and not self._offer((index, self._repeat(saved), 1)):
                     return
                 continue

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from loader import LoaderError, ShardIter
-from loader.memory import parse_size, physical_memory, shuffle_buffer_bytes
+from loader.memory import parse_size, physical_memory
+from loader.shuffle_buffer import buffer_bytes
 from shardgen.layout import LabelSpec, Layout, Schema
 from shardgen.process import sliding_windows
 from shardgen.store import publish
@@ -70,7 +71,7 @@ def test_other_sizes_are_checked_at_construction(store, tmp_path, kw):
 
 def test_shuffle_buffer_in_bytes_or_records(store, tmp_path):
     with ShardIter(store, 64, shuffle_buffer="64MB", cache_dir=tmp_path) as it:
-        per = shuffle_buffer_bytes(it.schema, 1)
+        per = buffer_bytes(it.schema, 1)
         assert it.state_dict()["shuffle_buffer"] == 64 * 10**6 // per
         assert it.memory["shuffle buffers"] <= 2 * 64 * 10**6
         assert it.memory["total"] < physical_memory() / 2
