@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from shardgen.layout import Schema
+from shardgen.format.schema import Schema
 
 from .errors import LoaderError
 from .shuffle_buffer import ShuffleBuffer, buffer_bytes

@@ -17,7 +17,7 @@ from mxnet.base import _LIB, check_call
 
 from .plan import ReaderSource
 
-__all__ = ["open_record_iter", "epoch_seed", "next_label", "copy_into"]
+__all__ = ["open_record_iter", "next_label", "copy_into"]
 
 _CHATTER = re.compile(rb"ImageRecordIOParser2: .* threads for decoding")
 _STDERR_LOCK = threading.Lock()
@@ -43,11 +43,6 @@ def quiet_native_info() -> Iterator[None]:
                 rest = [ln for ln in tmp.read().splitlines(keepends=True) if not _CHATTER.search(ln)]
                 if rest:
                     os.write(2, b"".join(rest))
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    """The native shuffle seed of an epoch: the order is a function of (seed, epoch) alone."""
-    return (seed * 1_000_003 + epoch * 7919) % (2**31 - 1)
 
 
 def open_record_iter(source: ReaderSource, *, record_floats: int, batch_size: int, shuffle: bool, seed: int,

@@ -4,7 +4,7 @@ Parts are balanced by samples: of a generation's N samples (in record order), pa
 gets samples ``[p*N//P, (p+1)*N//P)``, i.e. ``N//P`` or ``N//P + 1`` of them. A packed record
 that straddles a boundary is read by both neighbouring parts and each keeps only its own items
 (:class:`Trim`). Where a record cannot be told apart from the others of its date (two records
-with one key, see ``shardgen.layout``), the boundary moves to the nearer record edge instead.
+with one key, see ``shardgen.format``), the boundary moves to the nearer record edge instead.
 
 Each part's records are then cut into ``readers`` contiguous ranges, one per native iterator.
 Everything here is a pure function of the records' counts: every worker computes the same split.

@@ -2,12 +2,9 @@
 reader an MXNet index over exactly its range of records (:func:`reader_source`).
 
 dmlc's ``IndexedRecordIOSplitter`` takes exactly one ``.idx`` whose offsets are global across the
-``;``-joined ``.rec`` files; it sorts them and sizes each entry by the next offset (the last one
-by the end of the last file), and its part ``r`` of ``n`` reads entries ``[r*s, (r+1)*s)`` with
-``s = ceil(entries / n)``, up to the offset of the next part's first entry. So a range of records
-``[first, stop)`` is read exactly by joining only the files it touches and, when record ``stop``
-lies in the same file, listing ``stop - first`` more entries at record ``stop``'s offset and
-reading part 0 of 2: those entries are a second part nobody reads, and they end the range.
+``;``-joined ``.rec`` files. A range of records ``[first, stop)`` is read exactly by joining only
+the files it touches, with the index ``shardgen.format.index.reader_index`` writes (which says
+how dmlc is made to stop at ``stop``).
 """
 
 from __future__ import annotations
@@ -28,9 +25,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from shardgen.errors import ManifestError, ShardError
-from shardgen.frames import VERIFY_MODES, check_shard
+from shardgen.format.check import VERIFY_MODES, check_shard
+from shardgen.format.index import reader_index
 from shardgen.fsutil import HOST_TOKEN, pid_alive
-from shardgen.layout import day_number
+from shardgen.format.schema import day_number
 from shardgen.manifest import MANIFEST_NAME, Manifest, ShardEntry
 
 from .errors import LoaderError
@@ -136,7 +134,7 @@ class EpochPlan:
 
     def can_split(self, record: int) -> bool:
         """True when no other record of its shard has the same key and window count (see
-        ``shardgen.layout``), so a reader can tell it apart from the others of its date."""
+        ``Schema.key_words``), so a reader can tell it apart from the others of its date."""
         s = self.shard_of(record)
         span = slice(self.shard_first[s], self.shard_first[s + 1])
         same = (self.keys[span] == self.keys[record]).all(axis=1) & (self.counts[span] == self.counts[record])
@@ -167,15 +165,12 @@ def reader_source(plan: EpochPlan, first: int, stop: int) -> ReaderSource:
             return hit
         f0, f1 = plan.shard_of(first), plan.shard_of(stop - 1)
         base = plan.offsets[plan.shard_first[f0]]
-        offsets = plan.offsets[first:stop] - base
-        parts = 1
-        if stop < plan.shard_first[f1 + 1]:  # record ``stop`` is in the last file: end the range there
-            offsets = np.concatenate((offsets, np.full(stop - first, plan.offsets[stop] - base)))
-            parts = 2
+        end = plan.offsets[stop] - base if stop < plan.shard_first[f1 + 1] else None  # ends inside a file
+        text, parts = reader_index(plan.offsets[first:stop] - base, end)
         index = plan.folder / f"r{first}-{stop}.idx"
         tmp = index.with_suffix(".tmp")
         try:
-            tmp.write_bytes(_index_text(offsets))
+            tmp.write_bytes(text)
             os.replace(tmp, index)
         except OSError as exc:
             raise LoaderError(f"{index}: cannot write a reader's index ({exc.strerror}); pass cache_dir= a "
@@ -226,21 +221,6 @@ def _open_shard(store: Path, s: ShardEntry) -> int:
         raise LoaderError(f"{rec}: shard file is missing (listed in the manifest for {s.date})") from None
     except OSError as exc:
         raise LoaderError(f"{rec}: cannot open the shard of {s.date} ({exc.strerror})") from None
-
-
-def _index_text(offsets: np.ndarray) -> bytes:
-    """MXNet's text index, built with numpy (a Python join took 0.5 s at 2M records). dmlc ignores
-    keys and line order (it sorts offsets), so every key is 0; offsets are zero-padded decimals."""
-    if not len(offsets):
-        return b""
-    width = max(1, len(str(int(offsets.max()))))
-    lines = np.empty((len(offsets), width + 3), np.uint8)
-    lines[:, 0], lines[:, 1], lines[:, -1] = ord("0"), ord("\t"), ord("\n")
-    value = offsets.astype(np.uint64)
-    for col in range(width + 1, 1, -1):  # last digit first
-        lines[:, col] = (value % 10).astype(np.uint8) + ord("0")
-        value //= 10
-    return lines.tobytes()
 
 
 _SEQ = itertools.count()

@@ -3,7 +3,7 @@
 none of them holding the GIL). Records carry a pack of windows or a run of rows; a producer
 thread mixes them in a shuffle buffer and cuts the caller's batches (:mod:`loader.stream`), so
 ``next()`` only takes a ready batch. The next epoch's stream starts before this one ends, so
-``reset()`` is nearly free. Every shard is checked (:mod:`shardgen.frames`) before MXNet reads it.
+``reset()`` is nearly free. Every shard is checked (:mod:`shardgen.format.check`) before MXNet reads it.
 
 Epochs are exact: every sample of this part once, with ``pad`` counted here. The order is a
 function of seed, epoch and selection alone: reproducible, and resumable from ``state_dict()``
@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 import mxnet as mx
 import numpy as np
 
-from shardgen.frames import VERIFY_MODES
+from shardgen.format.check import VERIFY_MODES
 from shardgen.lease import Lease
 from shardgen.manifest import ShardEntry
 

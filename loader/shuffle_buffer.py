@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from shardgen.layout import Schema
+from shardgen.format.schema import Schema
 
 __all__ = ["ShuffleBuffer", "default_capacity", "buffer_bytes"]
 
@@ -28,10 +28,8 @@ def default_capacity(schema: Schema, native_batch: int, nbytes: int = DEFAULT_BY
 
 def _arrays(schema: Schema, capacity: int) -> dict:
     """Name -> (shape, dtype) of every array a buffer of ``capacity`` records allocates."""
-    k, c = schema.pack, schema.num_inputs
-    runs = schema.layout.kind == "runs"
-    data = (capacity, schema.layout.run_rows, c) if runs else (capacity, k, schema.time_steps, c)
-    return {"data": (data, np.float32), "labels": ((capacity, k, schema.label_floats), np.float32),
+    k = schema.pack
+    return {"data": ((capacity,) + schema.codec.slot_shape(schema), np.float32), "labels": ((capacity, k, schema.label_floats), np.float32),
             "starts": ((capacity, k), np.int64), "day": ((capacity,), np.float32),
             "remaining": ((capacity,), np.int64), "live": ((capacity * k,), np.int64)}
 
@@ -46,7 +44,7 @@ class ShuffleBuffer:
 
     def __init__(self, schema: Schema, capacity: int):
         self.schema, self.capacity, self.k = schema, capacity, schema.pack
-        self.kind = schema.layout.kind
+        self.codec = schema.codec
         for name, (shape, dtype) in _arrays(schema, capacity).items():
             setattr(self, name, np.zeros(shape, dtype) if name in ("starts", "day") else np.empty(shape, dtype))
         self._steps = np.arange(schema.time_steps)
@@ -65,21 +63,15 @@ class ShuffleBuffer:
     def add(self, payload: np.ndarray, lo: Optional[np.ndarray] = None, hi: Optional[np.ndarray] = None) -> None:
         """Records ``(m, F)`` as the native iterator returns them (their framing already checked);
         of record ``i`` only items ``[lo[i], hi[i])`` when given (a record shared between parts)."""
-        s, n_rec = self.schema, len(payload)
+        n_rec = len(payload)
         slots = np.array([self.free.pop() for _ in range(n_rec)], np.int64)
-        if self.kind == "samples":
-            counts = np.ones(n_rec, np.int64)
-            self.data[slots, 0] = payload[:, :s.x_floats].reshape(n_rec, s.time_steps, s.num_inputs)
-            self.labels[slots, 0] = payload[:, s.x_floats:s.x_floats + s.label_floats]
-            self.day[slots] = payload[:, -1]
-        else:
-            counts = payload[:, 0].astype(np.int64)
-            self.day[slots] = payload[:, 1]
-            items = payload[:, s.items_slice].reshape(n_rec, self.k, s.item_floats)
-            self.labels[slots] = items[:, :, 1:]
-            self.data[slots] = payload[:, s.data_slice].reshape((n_rec,) + self.data.shape[1:])
-            if self.kind == "runs":
-                self.starts[slots] = items[:, :, 0].astype(np.int64)
+        records = self.codec.decode(payload, self.schema)
+        counts = records.counts
+        self.day[slots] = records.day
+        self.labels[slots] = records.labels
+        self.data[slots] = records.data
+        if records.starts is not None:
+            self.starts[slots] = records.starts
         k = np.arange(self.k)[None, :]
         keep = k < counts[:, None]
         if lo is not None:
@@ -117,7 +109,7 @@ class ShuffleBuffer:
         items, then release them. Indices were checked with the shard (frames), so take() clips
         instead of buffering its output."""
         slot = codes // self.k
-        if self.kind == "runs":  # one flat take: rows of slot s start at s * run_rows
+        if self.codec.rows:  # one flat take: rows of slot s start at s * rows per slot
             rows = self.data.reshape(-1, self.data.shape[-1])
             first = slot * self.data.shape[1] + self.starts.reshape(-1)[codes]
             x = np.take(rows, first[:, None] + self._steps, axis=0, out=out, mode="clip")

@@ -20,13 +20,14 @@ from typing import Optional
 import mxnet as mx
 import numpy as np
 
-from shardgen.layout import Schema
+from shardgen.format.schema import Schema
 
 from .errors import LoaderError
 from .memory import Arena
-from .native import copy_into, epoch_seed, next_label, open_record_iter
+from .native import copy_into, next_label, open_record_iter
 from .parts import PartSplit, split_part
 from .plan import EpochPlan, reader_source
+from .seeding import epoch_shuffle
 from .shuffle_buffer import ShuffleBuffer
 
 __all__ = ["StreamParams", "EpochStream", "plan_part", "batch_floats", "buffer_capacity"]
@@ -168,7 +169,7 @@ class EpochStream:
                     self._cond.wait(0.1)
         return True
 
-    def _open(self) -> list:
+    def _open(self, seeds: list[int]) -> list:
         """The native iterators, opened side by side (each parses the combined index; ctypes
         releases the GIL)."""
         p, plan = self.params, self.plan
@@ -180,7 +181,7 @@ class EpochStream:
                 opened[r] = open_record_iter(
                     reader_source(plan, first, stop), record_floats=p.schema.record_floats,
                     batch_size=min(p.native_batch, stop - first), shuffle=p.shuffle,
-                    seed=epoch_seed(p.seed + r, self.epoch), preprocess_threads=p.preprocess_threads,
+                    seed=seeds[r], preprocess_threads=p.preprocess_threads,
                     prefetch_buffer=1)
             except BaseException as exc:  # raised below, in the producer thread
                 opened[r] = exc
@@ -201,8 +202,10 @@ class EpochStream:
     def _run(self) -> None:
         natives: list = []
         try:
-            natives = self._open()
-            self._produce(natives)
+            p = self.params
+            seeds, rng = epoch_shuffle(p.seed, self.epoch, p.part_index, len(self.split.readers), p.shuffle)
+            natives = self._open(seeds)
+            self._produce(natives, rng)
             for native, left, _buffer in natives:
                 if not left:  # at its end, MXNet 1.9.1's iterator holds no batch: freeing it leaks none
                     while native.iter_next():
@@ -242,11 +245,10 @@ class EpochStream:
         np.add.at(seen, which, 1)
         return first, last
 
-    def _produce(self, natives: list) -> None:
+    def _produce(self, natives: list, rng: Optional[np.random.Generator]) -> None:
         p = self.params
         bs = p.batch_size
         self._buffer = buffer = self._arena.shuffle_buffer(buffer_capacity(p))
-        rng = np.random.default_rng([p.seed, self.epoch, p.part_index]) if p.shuffle else None
         shared = self._shared()
         seen = np.zeros(len(self.split.trims), np.int64)
         last_real = math.ceil(self.samples / bs) - 1  # batches after it (if any) are all filler

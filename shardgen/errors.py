@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .format.errors import ShardError, ShardgenError
+
 __all__ = [
     "ShardgenError",
     "ConfigError",
@@ -13,10 +15,6 @@ __all__ = [
     "LockError",
     "Interrupted",
 ]
-
-
-class ShardgenError(Exception):
-    """Base class of every error shardgen raises on purpose."""
 
 
 class ConfigError(ShardgenError):
@@ -33,10 +31,6 @@ class RawDataError(ShardgenError):
 
 class ProcessorError(ShardgenError):
     """The processor raised, or returned windows of the wrong shape, dtype or with NaNs."""
-
-
-class ShardError(ShardgenError):
-    """A shard on disk is incomplete, corrupt or does not match the manifest."""
 
 
 class ManifestError(ShardgenError):

@@ -166,9 +166,10 @@ def run_processor(fn: Callable, raw: np.ndarray, date: dt.date, schema: Schema,
     if not (isinstance(result, tuple) and len(result) == 2):
         raise ProcessorError(f"{date}: processor must return RunSpec(rows, starts, labels) or (x, labels_dict), "
                              f"got {type(result).__name__}")
-    if schema.layout.kind == "runs":
-        raise ProcessorError(f"{date}: the processor returned windows (x, labels), but store.layout = 'runs' "
-                             "needs RunSpec(rows, starts, labels); set store.layout = 'windows' or return a RunSpec")
+    if schema.codec.rows:
+        raise ProcessorError(f"{date}: the processor returned windows (x, labels), but store.layout = "
+                             f"{schema.layout.kind!r} needs RunSpec(rows, starts, labels); set store.layout = "
+                             "'windows' or return a RunSpec")
     x, labs = result
     want = (schema.time_steps, schema.num_inputs)
     if not isinstance(x, np.ndarray) or x.ndim != 3 or x.shape[1:] != want:

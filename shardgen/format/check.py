@@ -1,0 +1,266 @@
+"""The shard check: a shard's framing and the payload words the reader relies on, before MXNet's
+native reader meets it. Shared by ``shardgen verify`` and the loader (which checks every shard
+before MXNet reads it).
+
+dmlc aborts the whole process (``dmlc::Error`` thrown in a native thread) on a bad magic or length
+word, and MXNet fails without naming the file on a bad header flag or image. So every shard is
+checked here first, once per process and file version (inode, size, mtime, ctime): the framing of
+every record (magic, length, cflag, header flag == record_floats, id == the date's day, the
+constant image and padding) and what the codec checks inside the payload (items used, day, runs'
+row counts and window starts). The check reads a few words per record through a memory map; the
+common case (no record split by dmlc's magic word) is vectorised. ``verify="sha256"`` also hashes
+the whole file against the manifest, so a flipped payload byte is an error, not wrong data.
+
+The published shard is described by any object with ``date`` (ISO), ``records``, ``bytes``,
+``sha256`` and ``windows`` (0: unknown), such as the manifest's ``ShardEntry``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import numpy as np
+
+from .codec import Columns, Damage
+from .errors import ShardError
+from .framing import HEADER_BYTES, MAGIC, PAYLOAD_WORD, data_bytes, image_tail, split_lrec
+from .index import parse_index
+from .schema import Schema, day_number
+
+__all__ = ["VERIFY_MODES", "ShardFrames", "Published", "check_shard", "read_offsets"]
+
+VERIFY_MODES = ("frame", "sha256", "none")
+_CACHE: dict = {}
+_CACHE_LOCK = threading.Lock()
+
+
+class Published(Protocol):
+    date: str
+    records: int
+    bytes: int
+    sha256: str
+    windows: int
+
+
+@dataclass(frozen=True)
+class ShardFrames:
+    """What the loader needs of one checked shard: record offsets, the samples in each and each
+    record's key (``Schema.key_words``; no columns when records are never shared)."""
+
+    offsets: np.ndarray  # int64, one per record
+    counts: np.ndarray  # int64 samples per record
+    keys: np.ndarray  # float32 (records, len(key_words))
+
+    @property
+    def samples(self) -> int:
+        return int(self.counts.sum())
+
+
+def _keys(cols: Columns, n_rec: int, schema: Schema) -> np.ndarray:
+    words = schema.key_words
+    if not words:
+        return np.zeros((n_rec, 0), np.float32)
+    return np.stack([cols(PAYLOAD_WORD + w, PAYLOAD_WORD + w + 1).view("<f4")[:, 0] for w in words], axis=1)
+
+
+def _whole_records(cols: Columns, n_rec: int, schema: Schema, day: int) -> np.ndarray:
+    """Records of exactly ``record_bytes``, whole (not split): checked column-wise, reading only
+    the words that matter (header, the codec's payload words, image)."""
+    f = schema.record_floats
+    header = cols(0, PAYLOAD_WORD)
+    for col, want, what in ((0, MAGIC, "bad magic word"), (1, data_bytes(f, schema.image), "bad length word"),
+                            (2, f, f"header flag is not {f}"), (3, 0, "header label is not 0"),
+                            (4, day, f"id is not day {day}"), (5, 0, f"id is not day {day}")):
+        bad = header[:, col] != want
+        if bad.any():
+            raise Damage(int(np.flatnonzero(bad)[0]), what)
+    bad = (cols(PAYLOAD_WORD + f, schema.record_bytes // 4) != image_tail(f, schema.image)).any(axis=1)
+    if bad.any():
+        raise Damage(int(np.flatnonzero(bad)[0]), "image bytes differ from the constant image")
+    return schema.codec.check(cols, n_rec, schema, day)
+
+
+def _reassemble(data: memoryview, start: int, end: int) -> bytes:
+    """The data of a record dmlc split at magic words (the magic words put back)."""
+    pos, body = start, b""
+    while True:
+        if pos + 8 > end:
+            raise Damage(0, "record runs past its index entry")
+        magic, word = np.frombuffer(data, "<u4", 2, pos)
+        cflag, length = split_lrec(word)
+        if magic != MAGIC:
+            raise Damage(0, f"bad magic word at byte {pos}")
+        if (cflag == 0 and body) or (cflag in (2, 3) and pos == start) or (cflag == 1 and pos != start):
+            raise Damage(0, f"bad continuation flag {cflag} at byte {pos}")
+        if pos + 8 + length > end:
+            raise Damage(0, "record runs past its index entry")
+        body += bytes(data[pos + 8: pos + 8 + length])
+        pos += 8 + length + (-length % 4)
+        if cflag in (0, 3):
+            break
+        body += np.uint32(MAGIC).tobytes()
+    if pos != end:
+        raise Damage(0, f"record spans {pos - start} bytes, the index says {end - start}")
+    return body
+
+
+def _one_split_record(data: memoryview, start: int, end: int, schema: Schema, day: int) -> np.ndarray:
+    """A split record, reassembled and checked; its words laid out as a whole record's."""
+    f = schema.record_floats
+    body = _reassemble(data, start, end)
+    want = data_bytes(f, schema.image)
+    if len(body) != want:
+        raise Damage(0, f"record has {len(body)} data bytes, expected {want}")
+    flag, _label, rid = np.frombuffer(body, "<u4", 3)
+    if flag != f or rid != day:
+        raise Damage(0, f"header flag is not {f} or id is not day {day}")
+    if body[HEADER_BYTES + 4 * f:] != schema.image:
+        raise Damage(0, "image bytes differ from the constant image")
+    return np.frombuffer(b"\0" * 8 + body + b"\0" * (-len(body) % 4), "<u4")
+
+
+def _renumber(where: np.ndarray, run):
+    """Run ``run()``; a Damage it raises names ``where[record]`` instead of ``record``."""
+    try:
+        return run()
+    except Damage as bad:
+        raise Damage(int(where[bad.record]), bad.what) from None
+
+
+def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The general case (some record split at a magic word): whole records column-wise as in
+    ``_whole_records`` (gathered by offset), only the split ones one by one."""
+    size, rb = len(buf), schema.record_bytes
+    ends = np.append(offsets[1:], size)
+    if (offsets % 4).any():
+        raise Damage(int(np.flatnonzero(offsets % 4)[0]), "record is not 4-byte aligned")
+    whole = np.flatnonzero(ends - offsets == rb)
+    split = np.flatnonzero(ends - offsets != rb)
+    flat = np.frombuffer(buf, "<u4", size // 4)
+    counts = np.zeros(len(offsets), np.int64)
+    keys = np.zeros((len(offsets), len(schema.key_words)), np.float32)
+    first = offsets[whole] // 4
+
+    def whole_cols(a: int, b: int) -> np.ndarray:
+        return flat[first[:, None] + np.arange(a, b)]
+
+    counts[whole] = _renumber(whole, lambda: _whole_records(whole_cols, len(whole), schema, day))
+    keys[whole] = _keys(whole_cols, len(whole), schema)
+    if len(split):
+        rebuilt = np.empty((len(split), rb // 4), np.uint32)
+        for j, i in enumerate(split.tolist()):
+            words = _renumber(np.array([i]), lambda: _one_split_record(buf, int(offsets[i]), int(ends[i]), schema, day))
+            rebuilt[j, :len(words)] = words[:rb // 4]
+
+        def split_cols(a: int, b: int) -> np.ndarray:
+            return rebuilt[:, a:b]
+
+        counts[split] = _renumber(split, lambda: schema.codec.check(split_cols, len(split), schema, day))
+        keys[split] = _keys(split_cols, len(split), schema)
+    return counts, keys
+
+
+def read_offsets(idx_path: str, entry: Published) -> np.ndarray:
+    """The record offsets a shard's ``.idx`` lists, checked against the manifest's entry."""
+    try:
+        with open(idx_path, "rb") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ShardError(f"{idx_path}: cannot read the index of {entry.date} ({exc.strerror})") from None
+    try:
+        offsets = parse_index(text)[1]
+    except ValueError:
+        raise ShardError(f"{idx_path}: malformed index of {entry.date} (expected 'key<TAB>offset' lines)") from None
+    if len(offsets) != entry.records:
+        raise ShardError(f"{idx_path}: {len(offsets)} records, the manifest says {entry.records} ({entry.date})")
+    if len(offsets) and (offsets[0] != 0 or (np.diff(offsets) <= 0).any() or offsets[-1] >= entry.bytes):
+        raise ShardError(f"{idx_path}: offsets are not increasing within the {entry.bytes}-byte file ({entry.date})")
+    return offsets
+
+
+def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify: str,
+          entry: Published) -> tuple[Optional[tuple[np.ndarray, np.ndarray]], object]:
+    """((counts, keys), None), or (None, "sha256" | (record, what)); no view of ``buf`` outlives the call."""
+    if verify == "sha256" and hashlib.sha256(buf).hexdigest() != entry.sha256:
+        return None, "sha256"
+    rb = schema.record_bytes
+    try:
+        if len(offsets) * rb == len(buf) and (np.diff(offsets) == rb).all():
+            words = np.frombuffer(buf, "<u4").reshape(len(offsets), rb // 4)
+
+            def cols(a: int, b: int) -> np.ndarray:
+                return words[:, a:b]
+
+            keys = _keys(cols, len(offsets), schema)
+            if verify == "none":
+                return (schema.codec.counts(cols, len(offsets), schema), keys), None
+            return (_whole_records(cols, len(offsets), schema, day), keys), None
+        return _split_records(buf, offsets, schema, day), None
+    except Damage as bad:  # leaving the block drops the exception and its frames (views of the map)
+        problem = (bad.record, bad.what)
+    except (ValueError, IndexError, TypeError) as exc:  # bytes no check foresaw: still damage, named
+        problem = ("?", f"{type(exc).__name__}: {exc}")
+    return None, problem
+
+
+def _scan_file(fd: int, size: int, idx_path: str, entry: Published, schema: Schema, verify: str,
+               check_index: bool) -> tuple[np.ndarray, Optional[tuple], object]:
+    day = day_number(dt.date.fromisoformat(entry.date))
+    rb = schema.record_bytes
+    if entry.records * rb == size:  # every record whole and of one size: no index to parse
+        offsets = np.arange(entry.records, dtype=np.int64) * rb
+        if check_index and not np.array_equal(read_offsets(idx_path, entry), offsets):
+            raise ShardError(f"{idx_path}: offsets differ from the records of the .rec ({entry.date})")
+    else:
+        offsets = read_offsets(idx_path, entry)
+    with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mm:
+        buf = memoryview(mm)
+        try:
+            found, problem = _scan(buf, offsets, schema, day, verify, entry)
+            if isinstance(problem, tuple) and entry.records * rb == size:
+                # Whole-size records did not frame: maybe split records after all; ask the index.
+                offsets = read_offsets(idx_path, entry)
+                found, problem = _scan(buf, offsets, schema, day, verify, entry)
+        finally:
+            buf.release()
+    return offsets, found, problem
+
+
+def check_shard(fd: int, rec_path: str, idx_path: str, entry: Published, schema: Schema, *,
+                verify: str = "frame", cache: bool = True, check_index: bool = False) -> ShardFrames:
+    """Check the open shard file ``fd`` (what MXNet will read) once per file version; ShardError
+    names the file, the date and the record. ``verify="none"`` only reads counts and sizes.
+    The ``.idx`` is read only when records differ in size (or with ``check_index``): the loader
+    builds its own index from the checked records, stock MXNet readers use the ``.idx``."""
+    st = os.fstat(fd)
+    if st.st_size != entry.bytes:
+        raise ShardError(f"{rec_path}: {st.st_size} bytes, the manifest says {entry.bytes} for {entry.date} "
+                         "(truncated or rewritten?)")
+    # ctime too: mtime can be set back (touch -r, cp -p, rsync -t), ctime cannot from user space.
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, verify, schema.fingerprint,
+           entry.sha256)
+    with _CACHE_LOCK:
+        hit: Optional[ShardFrames] = _CACHE.get(key)
+    if hit is not None and cache:
+        return hit
+    offsets, found, problem = _scan_file(fd, st.st_size, idx_path, entry, schema, verify, check_index)
+    if problem == "sha256":
+        raise ShardError(f"{rec_path}: sha256 differs from the manifest ({entry.date}): the file changed "
+                         "after it was published")
+    if problem is not None:
+        raise ShardError(f"{rec_path}: record {problem[0]} of {entry.date} is damaged ({problem[1]}); run "
+                         "`shardgen verify`, then rebuild it with `shardgen build --force`")
+    frames = ShardFrames(offsets, *found)
+    if entry.windows and frames.samples != entry.windows:
+        raise ShardError(f"{rec_path}: {frames.samples} windows in the records, the manifest says "
+                         f"{entry.windows} ({entry.date})")
+    with _CACHE_LOCK:
+        _CACHE[key] = frames
+    return frames

@@ -1,0 +1,64 @@
+"""The ``.idx`` file: MXNet's text index, one ``key<TAB>offset`` line per record.
+
+A shard's own index (:func:`shard_index_text`) is byte-identical to what
+``mx.recordio.MXIndexedRecordIO`` writes (key = the record's number). dmlc's
+``IndexedRecordIOSplitter`` ignores keys and line order (it sorts the offsets) and sizes each
+record by the next offset, the last by the file's end; the loader's per-reader indexes
+(:func:`reader_index`) rely on exactly that.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["shard_index_text", "reader_index", "parse_index", "combine"]
+
+
+def shard_index_text(offsets: np.ndarray) -> bytes:
+    """A shard's ``.idx``: ``i<TAB>offset`` per record, as MXNet writes it."""
+    return "".join(f"{i}\t{o}\n" for i, o in enumerate(np.asarray(offsets).tolist())).encode()
+
+
+def _fixed_width_text(offsets: np.ndarray) -> bytes:
+    """``0<TAB>offset`` lines built with numpy (a Python join took 0.5 s at 2M records); offsets
+    are zero-padded decimals, which dmlc reads as the same numbers."""
+    if not len(offsets):
+        return b""
+    width = max(1, len(str(int(offsets.max()))))
+    lines = np.empty((len(offsets), width + 3), np.uint8)
+    lines[:, 0], lines[:, 1], lines[:, -1] = ord("0"), ord("\t"), ord("\n")
+    value = offsets.astype(np.uint64)
+    for col in range(width + 1, 1, -1):  # last digit first
+        lines[:, col] = (value % 10).astype(np.uint8) + ord("0")
+        value //= 10
+    return lines.tobytes()
+
+
+def reader_index(offsets: np.ndarray, end: Optional[int] = None) -> tuple[bytes, int]:
+    """An index that makes one dmlc reader read exactly the records at ``offsets`` (relative to
+    the first of the joined files), and the ``num_parts`` to open it with (read part 0).
+
+    When the range stops inside a file, ``end`` is the next record's offset: the index then adds
+    as many sentinel entries at ``end`` as it has records and asks for part 0 of 2. The sentinels
+    bound the last record's size, and dmlc's part 0 stops at part 1's first offset, so nothing
+    past the range is read.
+    """
+    offsets = np.asarray(offsets, np.int64)
+    if end is None:
+        return _fixed_width_text(offsets), 1
+    return _fixed_width_text(np.concatenate((offsets, np.full(len(offsets), end, np.int64)))), 2
+
+
+def parse_index(text: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys, offsets)`` as int64 arrays; ValueError if a line is not two integers."""
+    pairs = np.array(text.split(), dtype=np.int64).reshape(-1, 2)
+    return pairs[:, 0], pairs[:, 1]
+
+
+def combine(offsets: list[np.ndarray], sizes: list[int]) -> np.ndarray:
+    """The offsets of several files' records once the files are concatenated in order."""
+    bases = np.concatenate(([0], np.cumsum(sizes[:-1], dtype=np.int64)))
+    return np.concatenate([np.asarray(o, np.int64) + b for o, b in zip(offsets, bases)]) if offsets else \
+        np.zeros(0, np.int64)

@@ -1,0 +1,20 @@
+"""The layouts a store can use, by name. A new layout is a codec module and one line here."""
+
+from __future__ import annotations
+
+from .codec import Codec
+from .runs import Runs
+from .samples import Samples
+from .windows import Windows
+
+__all__ = ["CODECS", "KINDS", "codec_for"]
+
+CODECS: dict[str, Codec] = {c.kind: c for c in (Samples(), Windows(), Runs())}
+KINDS = tuple(CODECS)
+
+
+def codec_for(kind: str) -> Codec:
+    try:
+        return CODECS[kind]
+    except KeyError:
+        raise ValueError(f"layout must be one of {', '.join(KINDS)}, got {kind!r}") from None
