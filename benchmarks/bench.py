@@ -30,24 +30,22 @@ import numpy as np
 
 from loader.plan import default_cache_dir
 from loader.shard_iter import ShardIter
-from shardgen.layout import LabelSpec, Schema, day_number
+from shardgen.format import day_number
 from shardgen.manifest import MANIFEST_NAME, Manifest
 from shardgen.process import sliding_windows
-from shardgen.store import publish
 from shardgen.writer import write_shard
 
 from .baselines import ListBatchIter, question_design_epoch, samples_from_arrays
 from .report import chart, machine_info, table, targets
-from .scale import LAYOUTS, scale_suite
+from .scale import scale_suite
 from .soak import soak_in_subprocess
+from .stores import LAYOUTS, build, evict, schema_for
 
 __all__ = ["main"]
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMA = Schema.create(time_steps=60, num_inputs=32, data_name="seq_var",
-                       labels=[LabelSpec("bd_return", 1), LabelSpec("eval_y", 4)])
-RUNS_SCHEMA = Schema.create(time_steps=60, num_inputs=32, data_name="seq_var",
-                            labels=[LabelSpec("bd_return", 1), LabelSpec("eval_y", 4)], layout=LAYOUTS["runs"])
+SCHEMA = schema_for(LAYOUTS["samples"])
+RUNS_SCHEMA = schema_for(LAYOUTS["runs"])
 PER_DATE = 2000  # samples per synthetic date
 
 
@@ -76,31 +74,6 @@ def make_data(n: int, seed: int = 0) -> tuple[np.ndarray, list[np.ndarray], list
     labels = [np.concatenate([p[1]["bd_return"][:, 0] for p in parts]),
               np.concatenate([p[1]["eval_y"] for p in parts]), days]
     return x, labels, specs
-
-
-def write_store(store: Path, specs: list, schema: Schema = None) -> float:
-    """Shard the synthetic dates in the default layout (runs); returns seconds spent."""
-    schema = schema or RUNS_SCHEMA
-    store.mkdir(parents=True, exist_ok=True)
-    t0, entries = time.perf_counter(), []
-    for date, spec in specs:
-        entries.append(write_shard(store, date, spec, None, schema).entry())
-    publish(store, schema, 0, entries)
-    return time.perf_counter() - t0
-
-
-def evict(store: Path) -> bool:
-    """Drop the store's files from the page cache (for a cold epoch); False if not possible."""
-    ok = hasattr(os, "posix_fadvise")
-    for path in store.glob("*.rec"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            if ok:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return ok
 
 
 # -- loaders: each a factory of an object with .batches() -> iterator of lists of NDArrays ----
@@ -417,7 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"bench: {n} samples of 60x32 ({n * SCHEMA.record_floats * 4 / 1e9:.2f} GB payload) ...")
         x, labels, specs = make_data(n)
         store = workdir / "store"
-        write_store(store, specs)
+        build(store, RUNS_SCHEMA, specs, fsync=True)
         del specs
         res["loaders"] = {}
         for loader in loaders(x, labels, store, bs, cache):

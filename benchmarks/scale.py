@@ -5,7 +5,6 @@ measured in the same run as the baseline it is compared with."""
 from __future__ import annotations
 
 import datetime as dt
-import os
 import shutil
 import time
 from pathlib import Path
@@ -17,42 +16,13 @@ import numpy as np
 from loader.native import quiet_native_info
 from loader.plan import default_cache_dir
 from loader.shard_iter import ShardIter
-from shardgen.layout import LabelSpec, Layout, Schema
+from shardgen.format import LabelSpec, Schema
 from shardgen.manifest import MANIFEST_NAME, Manifest
-from shardgen.process import sliding_windows
-from shardgen.store import publish
-from shardgen.writer import write_shard
+from shardgen.writer import write_store
 
-__all__ = ["LAYOUTS", "make_store", "shuffled_rate", "stock_one_file", "randomness", "scale_suite"]
+from .stores import LAYOUTS, RUN_PACK, concat_store, evict, make_store
 
-T, C = 60, 32
-LABELS = [LabelSpec("bd_return", 1), LabelSpec("eval_y", 4)]
-RUN_PACK = 64
-LAYOUTS = {"samples": Layout(), "windows": Layout("windows", 8), "runs": Layout("runs", RUN_PACK, T + RUN_PACK - 1)}
-
-
-def _raw(date: dt.date, rows: int) -> np.ndarray:
-    """Rows of one date; feature 0 is the row number, so a window's start can be read back."""
-    rng = np.random.default_rng(date.toordinal())
-    raw = rng.standard_normal((rows, C + 5), dtype=np.float32)
-    raw[:, 0] = np.arange(rows)
-    return raw
-
-
-def make_store(folder: Path, layout: Layout, n_dates: int, windows: int) -> tuple[float, Manifest]:
-    """``windows`` stride-1 windows over ``n_dates`` dates in ``layout``; (build seconds, manifest)."""
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    schema = Schema.create(time_steps=T, num_inputs=C, data_name="seq_var", labels=LABELS, layout=layout)
-    per = windows // n_dates
-    t0, entries = time.perf_counter(), []
-    for i in range(n_dates):
-        date = dt.date(2023, 1, 2) + dt.timedelta(days=i)
-        spec = sliding_windows(_raw(date, per + T - 1), date, time_steps=T, num_inputs=C, labels=LABELS)
-        entries.append(write_shard(folder, date, spec, None, schema, fsync=False).entry())
-    publish(folder, schema, 0, entries)
-    return time.perf_counter() - t0, Manifest.load(folder / MANIFEST_NAME)
-
+__all__ = ["shuffled_rate", "stock_one_file", "randomness", "scale_suite"]
 
 def _drain(it: ShardIter, seconds: float, on_batch: Callable = lambda b: None) -> float:
     """Samples/s over whole epochs (at least one), every array waited on."""
@@ -74,38 +44,12 @@ def shuffled_rate(store: Path, cache: Path, seconds: float, batch_size: int = 51
         return _drain(it, seconds)
 
 
-def evict(store: Path) -> None:
-    for path in store.glob("*.rec"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def cold_rate(store: Path, cache: Path, batch_size: int = 512) -> float:
     evict(store)
     t0 = time.perf_counter()
     with ShardIter(store, batch_size, shuffle=True, cache_dir=cache) as it:
         n = sum(batch_size - b.pad for b in it)
     return n / (time.perf_counter() - t0)
-
-
-def concat_store(manifest_dir: Path, out: Path) -> tuple[str, str, int]:
-    """The store's shards as ONE .rec with its .idx (stock MXNet's best case)."""
-    m = Manifest.load(manifest_dir / MANIFEST_NAME)
-    out.mkdir(parents=True, exist_ok=True)
-    lines, base, key = [], 0, 0
-    with open(out / "all.rec", "wb") as fh:
-        for s in m.shards:
-            fh.write((manifest_dir / s.rec).read_bytes())
-            for line in (manifest_dir / s.idx).read_text().split("\n"):
-                if line:
-                    lines.append(f"{key}\t{int(line.split()[1]) + base}\n")
-                    key += 1
-            base += s.bytes
-    (out / "all.idx").write_text("".join(lines))
-    return str(out / "all.rec"), str(out / "all.idx"), m.schema.record_floats
 
 
 def stock_one_file(rec: str, idx: str, floats: int, seconds: float, batch_size: int = 512) -> dict:
@@ -181,13 +125,9 @@ def open_reset(folder: Path, cache: Path, records: int, n_dates: int = 200) -> d
     store = folder / "many"
     if not (store / MANIFEST_NAME).exists():
         shutil.rmtree(store, ignore_errors=True)
-        store.mkdir(parents=True)
-        per, entries = records // n_dates, []
-        for i in range(n_dates):
-            date = dt.date(2022, 1, 1) + dt.timedelta(days=i)
-            x = np.arange(per, dtype=np.float32).reshape(per, 1, 1)
-            entries.append(write_shard(store, date, x, {"a": x[:, 0, 0].copy()}, schema, fsync=False).entry())
-        publish(store, schema, 0, entries)
+        x = np.arange(records // n_dates, dtype=np.float32).reshape(-1, 1, 1)
+        write_store(store, schema, ((dt.date(2022, 1, 1) + dt.timedelta(days=i), x, {"a": x[:, 0, 0].copy()})
+                                    for i in range(n_dates)), fsync=False)
     rec, idx, floats = concat_store(store, folder / "many_one")
     t0 = time.perf_counter()
     it = ShardIter(store, 512, cache_dir=cache)

@@ -19,7 +19,7 @@ from shardgen.process import sliding_windows
 from shardgen.store import publish
 from shardgen.writer import write_shard
 
-from .scale import LABELS, LAYOUTS, C, T, _raw, make_store
+from .stores import LABELS, LAYOUTS, C, T, make_store, raw_rows
 
 __all__ = ["soak", "soak_in_subprocess", "rss_mb"]
 
@@ -59,7 +59,7 @@ def soak(workdir: Path, cache: Path, *, epochs: int = 300, publish_every: int = 
                 pass
             if epoch % publish_every == 0:
                 next_day += dt.timedelta(days=1)
-                spec = sliding_windows(_raw(next_day, per_date + T - 1), next_day, time_steps=T, num_inputs=C,
+                spec = sliding_windows(raw_rows(next_day, per_date + T - 1), next_day, time_steps=T, num_inputs=C,
                                        labels=LABELS)
                 schema = Manifest.load(store / MANIFEST_NAME).schema
                 publish(store, schema, 25, [write_shard(store, next_day, spec, None, schema, fsync=False).entry()])

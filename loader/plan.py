@@ -27,8 +27,8 @@ import numpy as np
 from shardgen.errors import ManifestError, ShardError
 from shardgen.format.check import VERIFY_MODES, check_shard
 from shardgen.format.index import reader_index
-from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.format.schema import day_number
+from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.manifest import MANIFEST_NAME, Manifest, ShardEntry
 
 from .errors import LoaderError

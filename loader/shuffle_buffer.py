@@ -29,7 +29,8 @@ def default_capacity(schema: Schema, native_batch: int, nbytes: int = DEFAULT_BY
 def _arrays(schema: Schema, capacity: int) -> dict:
     """Name -> (shape, dtype) of every array a buffer of ``capacity`` records allocates."""
     k = schema.pack
-    return {"data": ((capacity,) + schema.codec.slot_shape(schema), np.float32), "labels": ((capacity, k, schema.label_floats), np.float32),
+    return {"data": ((capacity,) + schema.codec.slot_shape(schema), np.float32),
+            "labels": ((capacity, k, schema.label_floats), np.float32),
             "starts": ((capacity, k), np.int64), "day": ((capacity,), np.float32),
             "remaining": ((capacity,), np.int64), "live": ((capacity * k,), np.int64)}
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Mapping, Sequence, Union
 import numpy as np
 
 from .errors import ProcessorError
-from .layout import LabelSpec, Schema
+from .format.schema import LabelSpec, Schema
 
 __all__ = ["RunSpec", "WindowSet", "sliding_windows", "run_processor", "Windows"]
 

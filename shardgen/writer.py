@@ -13,19 +13,20 @@ import json
 import queue
 import threading
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Iterable, Mapping, Optional, Union
 
 import numpy as np
 
 from .errors import ShardError
-from .fsutil import atomic_write
 from .format.framing import frame_records
 from .format.index import shard_index_text
 from .format.schema import Schema, day_number
-from .manifest import Sidecar, shard_stem
+from .fsutil import atomic_write
+from .manifest import Manifest, Sidecar, shard_stem
 from .process import RunSpec, WindowSet, as_window_set
+from .store import publish
 
-__all__ = ["write_shard", "shard_paths"]
+__all__ = ["write_shard", "write_store", "shard_paths"]
 
 
 def shard_paths(store: Path, date: dt.date, version: int = 1) -> dict[str, Path]:
@@ -83,3 +84,13 @@ def write_shard(store: Path, date: dt.date, x: Union[np.ndarray, RunSpec, Window
                       rec=paths["rec"].name, idx=paths["idx"].name, windows=ws.n)
     atomic_write(paths["json"], json.dumps(sidecar.to_json(), sort_keys=True).encode(), fsync=fsync)
     return sidecar
+
+
+def write_store(store: Path, schema: Schema, shards: Iterable[tuple], *, window: int = 0,
+                fsync: bool = True) -> Optional[Manifest]:
+    """Write shards from windows already in hand and publish them as one generation: for stores
+    made without a generator (tests, benchmarks, a notebook). ``shards`` yields ``(date, x,
+    labels)`` as :func:`write_shard` takes them; returns the new manifest."""
+    Path(store).mkdir(parents=True, exist_ok=True)
+    entries = [write_shard(store, date, x, labels, schema, fsync=fsync).entry() for date, x, labels in shards]
+    return publish(store, schema, window, entries)

@@ -102,22 +102,23 @@ def make_store(store: Path, counts: dict, *, window: int = 0, t: int = 3, c: int
     windows layout with that many windows per record."""
     import datetime as dt
 
-    from shardgen.layout import LabelSpec, Layout, Schema
-    from shardgen.store import publish
-    from shardgen.writer import write_shard
+    from shardgen.format import LabelSpec, Layout, Schema
+    from shardgen.writer import write_store
 
     schema = Schema.create(time_steps=t, num_inputs=c, data_name="seq_var",
                            labels=[LabelSpec("a", 1), LabelSpec("b", 2)],
                            layout=Layout("windows", pack) if pack > 1 else Layout())
-    store.mkdir(parents=True, exist_ok=True)
-    entries, next_id = [], base_id
-    for date, n in sorted(counts.items()):
-        ids = np.arange(next_id, next_id + n, dtype=np.float32)
-        next_id += n
-        x = np.repeat(ids, t * c).reshape(n, t, c) + np.arange(t * c, dtype=np.float32).reshape(t, c) / 100
-        labels = {"a": ids, "b": np.stack([ids * 2, -ids], axis=1).astype(np.float32)}
-        entries.append(write_shard(store, dt.date.fromisoformat(date), x, labels, schema, fsync=False).entry())
-    publish(store, schema, window, entries)
+
+    def shards():
+        next_id = base_id
+        for date, n in sorted(counts.items()):
+            ids = np.arange(next_id, next_id + n, dtype=np.float32)
+            next_id += n
+            x = np.repeat(ids, t * c).reshape(n, t, c) + np.arange(t * c, dtype=np.float32).reshape(t, c) / 100
+            labels = {"a": ids, "b": np.stack([ids * 2, -ids], axis=1).astype(np.float32)}
+            yield dt.date.fromisoformat(date), x, labels
+
+    write_store(store, schema, shards(), window=window, fsync=False)
     return schema
 
 

@@ -25,8 +25,17 @@ from __future__ import annotations
 from .check import VERIFY_MODES, ShardFrames, check_shard, read_offsets
 from .codec import HEAD_FLOATS, Codec, Decoded
 from .errors import ShardError, ShardgenError
-from .framing import (BMP_1X1, HEADER_BYTES, MAGIC, MAX_RECORD_BYTES, PNG_1X1, FramedRecords, frame_record,
-                      frame_records, record_data)
+from .framing import (
+                      BMP_1X1,
+                      HEADER_BYTES,
+                      MAGIC,
+                      MAX_RECORD_BYTES,
+                      PNG_1X1,
+                      FramedRecords,
+                      frame_record,
+                      frame_records,
+                      record_data,
+)
 from .index import combine, parse_index, reader_index, shard_index_text
 from .registry import CODECS, KINDS, codec_for
 from .schema import LabelSpec, Layout, Schema, day_number, from_day_number, unpack_samples

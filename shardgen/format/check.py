@@ -156,7 +156,10 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
     if len(split):
         rebuilt = np.empty((len(split), rb // 4), np.uint32)
         for j, i in enumerate(split.tolist()):
-            words = _renumber(np.array([i]), lambda: _one_split_record(buf, int(offsets[i]), int(ends[i]), schema, day))
+            try:
+                words = _one_split_record(buf, int(offsets[i]), int(ends[i]), schema, day)
+            except Damage as bad:
+                raise Damage(i, bad.what) from None
             rebuilt[j, :len(words)] = words[:rb // 4]
 
         def split_cols(a: int, b: int) -> np.ndarray:

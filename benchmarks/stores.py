@@ -1,0 +1,84 @@
+"""The stores every benchmark reads: one schema (the question's shapes: 60 steps x 32 inputs, a
+return and four eval labels), one builder, one page-cache eviction and stock MXNet's best case
+(the store concatenated into one file)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from shardgen.format import LabelSpec, Layout, Schema
+from shardgen.format.index import combine, parse_index, shard_index_text
+from shardgen.manifest import MANIFEST_NAME, Manifest
+from shardgen.process import sliding_windows
+from shardgen.writer import write_store
+
+__all__ = ["T", "C", "LABELS", "RUN_PACK", "LAYOUTS", "schema_for", "raw_rows", "build", "make_store", "evict",
+           "concat_store"]
+
+T, C = 60, 32
+LABELS = [LabelSpec("bd_return", 1), LabelSpec("eval_y", 4)]
+RUN_PACK = 64
+LAYOUTS = {"samples": Layout(), "windows": Layout("windows", 8), "runs": Layout("runs", RUN_PACK, T + RUN_PACK - 1)}
+
+
+def schema_for(layout: Layout) -> Schema:
+    return Schema.create(time_steps=T, num_inputs=C, data_name="seq_var", labels=LABELS, layout=layout)
+
+
+def raw_rows(date: dt.date, rows: int) -> np.ndarray:
+    """Rows of one date; feature 0 is the row number, so a window's start can be read back."""
+    rng = np.random.default_rng(date.toordinal())
+    raw = rng.standard_normal((rows, C + 5), dtype=np.float32)
+    raw[:, 0] = np.arange(rows)
+    return raw
+
+
+def build(folder: Path, schema: Schema, specs: Iterable[tuple], *, fsync: bool = False) -> tuple[float, Manifest]:
+    """A fresh store of ``(date, RunSpec)`` pairs; (build seconds, manifest)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    t0 = time.perf_counter()
+    write_store(folder, schema, ((date, spec, None) for date, spec in specs), fsync=fsync)
+    return time.perf_counter() - t0, Manifest.load(folder / MANIFEST_NAME)
+
+
+def make_store(folder: Path, layout: Layout, n_dates: int, windows: int) -> tuple[float, Manifest]:
+    """``windows`` stride-1 windows over ``n_dates`` dates in ``layout``; (build seconds, manifest)."""
+    per = windows // n_dates
+    dates = [dt.date(2023, 1, 2) + dt.timedelta(days=i) for i in range(n_dates)]
+    specs = ((d, sliding_windows(raw_rows(d, per + T - 1), d, time_steps=T, num_inputs=C, labels=LABELS))
+             for d in dates)
+    return build(folder, schema_for(layout), specs)
+
+
+def evict(store: Path) -> bool:
+    """Drop the store's files from the page cache (for a cold epoch); False if not possible."""
+    ok = hasattr(os, "posix_fadvise")
+    for path in Path(store).glob("*.rec"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            if ok:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return ok
+
+
+def concat_store(manifest_dir: Path, out: Path) -> tuple[str, str, int]:
+    """The store's shards as ONE .rec with its .idx (stock MXNet's best case)."""
+    m = Manifest.load(manifest_dir / MANIFEST_NAME)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "all.rec", "wb") as fh:
+        for s in m.shards:
+            fh.write((manifest_dir / s.rec).read_bytes())
+    offsets = combine([parse_index((manifest_dir / s.idx).read_bytes())[1] for s in m.shards],
+                      [s.bytes for s in m.shards])
+    (out / "all.idx").write_bytes(shard_index_text(offsets))
+    return str(out / "all.rec"), str(out / "all.idx"), m.schema.record_floats
