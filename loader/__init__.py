@@ -1,12 +1,14 @@
 """The training side: read a shardgen manifest through MXNet's native record iterator.
 
-Importing ``loader`` also registers an exit hook (``loader.shutdown``) that waits for MXNet's
+Importing ``loader`` also registers an exit hook (``loader.lifecycle``) that waits for MXNet's
 engine before MXNet shuts down, so a ``dist_sync`` worker exits cleanly, and ends a failing
 ``dist_sync`` worker at once with its exit code instead of hanging in MXNet's kvstore teardown.
 """
 
-from . import shutdown  # noqa: F401  (the exit hook)
+from . import lifecycle
 from .errors import LoaderError
 from .shard_iter import ShardIter, to_datetime64
+
+lifecycle.install()
 
 __all__ = ["ShardIter", "LoaderError", "to_datetime64"]

@@ -13,9 +13,7 @@ without re-reading what was consumed.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import threading
 import time
 import weakref
 from pathlib import Path
@@ -24,19 +22,19 @@ from typing import Any, Optional, Sequence
 import mxnet as mx
 import numpy as np
 
-from shardgen.format.check import VERIFY_MODES
 from shardgen.lease import Lease
 from shardgen.manifest import ShardEntry
 
+from . import lifecycle
+from .checkpoint import check_state, state_of
+from .epochs import Epochs
 from .errors import LoaderError
 from .generations import Choice, agreed_start
-from .memory import Arena, check_footprint, footprint, parse_size, settle_allocator
+from .memory import Arena, settle_allocator
 from .plan import (
     DateRange,
     EpochPlan,
     default_cache_dir,
-    drop,
-    hold,
     load_manifest,
     make_plan,
     manifest_path_of,
@@ -44,22 +42,10 @@ from .plan import (
     recheck,
     select_shards,
 )
-from .shuffle_buffer import buffer_bytes, default_capacity
-from .stream import EpochStream, StreamParams, batch_floats, buffer_capacity
+from .settings import buffer_records, check_arguments, check_memory, default_native_batch
+from .stream import StreamParams, batch_floats
 
 __all__ = ["ShardIter", "to_datetime64"]
-
-_STATE_VERSION = 3  # 3: parts balanced by samples, readers over exact record ranges
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-def _close_all() -> None:
-    """Stop every iterator's threads before the interpreter (and MXNet's engine) shuts down:
-    native threads still running then crash the process ("pure virtual method called").
-    ``loader.shutdown``'s exit hook calls it, before MXNet's own hook."""
-    for it in list(_LIVE):
-        it.close()
-
 
 def to_datetime64(days: Any) -> np.ndarray:
     """The ``date`` label (float32 days since 1970-01-01) as ``datetime64[D]``."""
@@ -67,40 +53,6 @@ def to_datetime64(days: Any) -> np.ndarray:
     return arr.astype(np.int64).astype("datetime64[D]")
 
 
-
-
-def _default_native_batch(pack: int) -> int:
-    """Records per native batch: about 2048 samples, within [8, 256] records."""
-    return max(8, min(256, math.ceil(2048 / pack)))
-
-
-class _Resources:
-    """What an iterator holds that must be let go even if the iterator is dropped without
-    ``close()``: its streams (threads, native iterators), its plans (open files) and its lease.
-    Threads reference this, never the iterator, so garbage collection can release it."""
-
-    def __init__(self, lease: Lease):
-        self.lease = lease
-        self.stream: Optional[EpochStream] = None
-        self.ahead: Optional[EpochStream] = None
-        self.plan: Optional[EpochPlan] = None
-        self.arena: Optional[Arena] = None
-        self.lock = threading.Lock()
-
-    def close_streams(self) -> None:
-        for name in ("stream", "ahead"):
-            stream = getattr(self, name)
-            setattr(self, name, None)
-            if stream is not None:
-                stream.close()
-
-    def close(self) -> None:
-        with self.lock:
-            self.close_streams()
-            if self.plan is not None:
-                drop(self.plan)
-                self.plan = None
-            self.lease.release()
 
 
 class ShardIter(mx.io.DataIter):
@@ -121,20 +73,9 @@ class ShardIter(mx.io.DataIter):
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
                  verify: str = "frame", readers: int = 2, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None):
-        for name, value, low in (("batch_size", batch_size, 1), ("num_parts", num_parts, 1),
-                                 ("preprocess_threads", preprocess_threads, 1),
-                                 ("prefetch_buffer", prefetch_buffer, 1), ("readers", readers, 1),
-                                 ("native_batch", 1 if native_batch is None else native_batch, 1)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-                raise LoaderError(f"{name} must be an integer >= {low}, got {value!r}")
-        if not isinstance(part_index, (int, np.integer)) or not 0 <= part_index < num_parts:
-            raise LoaderError(f"part_index must be in [0, {num_parts}), got {part_index!r}")
-        if last_batch not in ("pad", "discard"):
-            raise LoaderError(f"last_batch must be 'pad' or 'discard', got {last_batch!r}")
-        if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**31:
-            raise LoaderError(f"seed must be an integer in [0, 2^31), got {seed!r}")
-        if verify not in VERIFY_MODES:
-            raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+        check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
+                        preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
+                        native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify)
         super().__init__(int(batch_size))
         self.manifest_path = manifest_path_of(Path(manifest))
         self.shuffle, self.seed = bool(shuffle), int(seed)
@@ -146,8 +87,8 @@ class ShardIter(mx.io.DataIter):
         self.epoch = 0
         self.history: list[dict] = []
         self._closed = False
-        self._res = _Resources(Lease(self.manifest_path.parent))  # tells gc which generation we read
-        self._finalizer = weakref.finalize(self, self._res.close)
+        self._epochs = Epochs(Lease(self.manifest_path.parent))  # tells gc which generation we read
+        self._finalizer = weakref.finalize(self, self._epochs.close)
         self._choice = Choice(pin=generation)
         manifest_obj = self._choice.manifest(self.manifest_path)
         self.schema = manifest_obj.schema
@@ -156,25 +97,21 @@ class ShardIter(mx.io.DataIter):
         unknown = [n for n in self.label_names if n not in known]
         if unknown or not self.label_names:
             raise LoaderError(f"label_names {list(self.label_names)!r}: choose among {known}")
-        nb = int(native_batch) if native_batch is not None else _default_native_batch(self.schema.pack)
-        if shuffle_buffer is None:
-            buffer = default_capacity(self.schema, nb)
-        else:
-            unit, amount = parse_size(shuffle_buffer)
-            buffer = amount if unit == "records" else max(1, amount // buffer_bytes(self.schema, 1))
+        nb = int(native_batch) if native_batch is not None else default_native_batch(self.schema.pack)
+        buffer = buffer_records(self.schema, shuffle_buffer, nb)
         self._params = StreamParams(
             schema=self.schema, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
             num_parts=self.num_parts, part_index=self.part_index, last_batch=last_batch, readers=int(readers),
             native_batch=nb, buffer_records=buffer,
             preprocess_threads=self.preprocess_threads, prefetch_buffer=self.prefetch_buffer,
             label_names=tuple(lab.name for lab in self._labels))
-        self.memory = self._check_memory(self._params, shuffle_buffer)
+        self.memory = check_memory(self._params, shuffle_buffer)
         settle_allocator()
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
-        self._res.arena = Arena(self.schema, batch_floats(self._params), keep=2 * (self.prefetch_buffer + 4))
+        self._epochs.arena = Arena(self.schema, batch_floats(self._params), keep=2 * (self.prefetch_buffer + 4))
         self._describe()
         self._start_epoch(self._plan_for(manifest_obj, select_shards(manifest_obj, self.dates)))
-        _LIVE.add(self)
+        lifecycle.track(self)
 
     @classmethod
     def for_kvstore(cls, kv: Any, manifest: os.PathLike | str, batch_size: int, **kwargs: Any) -> ShardIter:
@@ -222,7 +159,7 @@ class ShardIter(mx.io.DataIter):
 
     @property
     def plan(self) -> EpochPlan:
-        return self._res.plan
+        return self._epochs.plan
 
     @property
     def generation(self) -> int:
@@ -240,7 +177,7 @@ class ShardIter(mx.io.DataIter):
     @property
     def readers(self) -> int:
         """Native iterators reading this part (fewer than asked when the plan is small)."""
-        return self._res.stream.readers if self._res.stream else 0
+        return self._epochs.stream.readers if self._epochs.stream else 0
 
     def reset(self) -> None:
         """Start the next epoch on the newest manifest generation."""
@@ -268,7 +205,7 @@ class ShardIter(mx.io.DataIter):
         if self._cursor >= self._batches:
             raise StopIteration
         self._check_open()
-        res = self._res
+        res = self._epochs
         if res.stream is None:
             raise LoaderError(f"{self.manifest_path}: no epoch to read: the last reset() failed; fix the cause "
                               "(e.g. the date selection) and call reset() again")
@@ -325,43 +262,12 @@ class ShardIter(mx.io.DataIter):
 
     def state_dict(self) -> dict:
         """Where this iterator is: enough to continue the same epoch in a new process."""
-        return {
-            "version": _STATE_VERSION,
-            "manifest": str(self.manifest_path),
-            "generation": self.plan.generation,
-            "fingerprint": self.plan.fingerprint,
-            "shards": [s.to_json() for s in self.plan.shards],
-            "dates": list(self.dates) if self.dates else None,
-            "epoch": self.epoch,
-            "seed": self.seed,
-            "batches": self._cursor,
-            "batch_size": self.batch_size,
-            "num_parts": self.num_parts,
-            "part_index": self.part_index,
-            "shuffle": self.shuffle,
-            "last_batch": self.last_batch,
-            "readers": self._params.readers,
-            "native_batch": self._params.native_batch,
-            "shuffle_buffer": self._params.buffer_records,
-            "pinned": self._choice.pin,
-        }
+        return state_of(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: same shards, same epoch order, the same remaining batches. The
         consumed batches are not assembled again: the stream passes over them."""
-        version = state.get("version")
-        if version == 2 and state.get("batches"):
-            raise LoaderError(f"state_dict version 2 was saved mid-epoch by a loader that split parts and readers "
-                              f"by records: this one cannot continue that order; resume from the start of epoch "
-                              f"{state.get('epoch')} (set 'batches' to 0) or of the next one")
-        if version not in (2, _STATE_VERSION):
-            raise LoaderError(f"state_dict version {version!r}, expected {_STATE_VERSION}")
-        for key in ("batch_size", "num_parts", "part_index", "shuffle", "last_batch", "seed"):
-            if state[key] != getattr(self, key):
-                raise LoaderError(f"state_dict was saved with {key}={state[key]!r}, this iterator has "
-                                  f"{getattr(self, key)!r}")
-        if state["fingerprint"] != self.schema.fingerprint:
-            raise LoaderError("state_dict was saved for another schema")
+        check_state(self, state)
         self._check_open()
         self._dates = normalize_dates(state.get("dates"))  # the saved selection, from the next reset() on
         shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
@@ -369,15 +275,15 @@ class ShardIter(mx.io.DataIter):
                 and state["generation"] == self.plan.generation and state.get("pinned") == self._choice.pin
                 and (state["readers"], state["native_batch"], state["shuffle_buffer"])
                 == (self._params.readers, self._params.native_batch, self._params.buffer_records))
-        if same and self._res.stream is not None:  # the stream this epoch already started: skip ahead in it
-            self._res.stream.skip_to(int(state["batches"]))
+        if same and self._epochs.stream is not None:  # the stream this epoch already started: skip ahead in it
+            self._epochs.stream.skip_to(int(state["batches"]))
             self._cursor = int(state["batches"])
             self._ahead_at = max(self._cursor, self._ahead_at)
             return
         params = dataclasses.replace(self._params, readers=int(state["readers"]),
                                      native_batch=int(state["native_batch"]),
                                      buffer_records=int(state["shuffle_buffer"]))
-        self.memory = self._check_memory(params, int(state["shuffle_buffer"]))
+        self.memory = check_memory(params, int(state["shuffle_buffer"]))
         self._close_epoch()
         if state.get("pinned") is not None:
             self._choice = Choice(pin=state["pinned"])
@@ -388,18 +294,6 @@ class ShardIter(mx.io.DataIter):
         self._start_epoch(plan, skip=int(state["batches"]), epoch=int(state["epoch"]))
 
     # -- internals ------------------------------------------------------------------------------
-
-    def _check_memory(self, params: StreamParams, shuffle_buffer: object) -> dict:
-        """What ``params`` would hold (``loader.memory``); LoaderError before anything is allocated
-        if that is more than the machine can spare."""
-        records = buffer_capacity(params)
-        held = footprint(self.schema, buffer_records=records, native_batch=params.native_batch,
-                         readers=params.readers, prefetch_buffer=params.prefetch_buffer,
-                         batch_floats=batch_floats(params))
-        check_footprint(held, f"shuffle_buffer={shuffle_buffer!r} ({records:,} records), "
-                              f"native_batch={params.native_batch}, readers={params.readers}, "
-                              f"prefetch_buffer={params.prefetch_buffer}, batch_size={params.batch_size}")
-        return held
 
     def _check_open(self) -> None:
         if self._closed:
@@ -413,26 +307,7 @@ class ShardIter(mx.io.DataIter):
         changes if the epoch cannot start (e.g. a part smaller than a batch): the error is raised
         and the plan's files are let go."""
         epoch = self.epoch if epoch is None else epoch
-        res = self._res
-        with res.lock:
-            previous = res.plan
-            ahead, res.ahead = res.ahead, None
-            if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != epoch or skip):
-                ahead.close()  # reads files of the old plan: gone before its files are let go
-                ahead = None
-            try:
-                stream = ahead if ahead is not None else EpochStream(plan, epoch, self._params, res.arena, skip=skip)
-            except BaseException:
-                if plan.files is not None and (previous is None or previous.folder != plan.folder):
-                    plan.files.close()
-                raise
-            if previous is None or previous.folder != plan.folder:
-                hold(plan)
-            res.plan = plan
-            if previous is not None and previous.folder != plan.folder:
-                drop(previous)
-            res.lease.renew(plan.generation)
-            res.stream = stream
+        stream = self._epochs.start(plan, epoch, self._params, skip)
         self.epoch = epoch
         self._part_samples, self._batches = stream.samples, stream.batches
         self._cursor, self._samples, self._blocked = skip, 0, 0.0
@@ -446,15 +321,10 @@ class ShardIter(mx.io.DataIter):
     def _open_ahead(self) -> None:
         """The next epoch's stream, on this plan, starts filling while this epoch ends (a new
         generation at ``reset()`` discards it)."""
-        res = self._res
-        if res.ahead is None and res.plan is not None:
-            try:
-                res.ahead = EpochStream(res.plan, self.epoch + 1, self._params, res.arena)
-            except LoaderError:
-                res.ahead = None
+        self._epochs.open_ahead(self.epoch + 1, self._params)
 
     def _close_epoch(self) -> None:
-        res = self._res
+        res = self._epochs
         if res.stream is not None:
             if self._cursor:
                 self.history.append(self.stats)
@@ -467,7 +337,7 @@ class ShardIter(mx.io.DataIter):
         if self._closed:
             return
         self._closed = True
-        res = getattr(self, "_res", None)
+        res = getattr(self, "_epochs", None)
         if res is not None:
             if getattr(self, "_cursor", 0) and res.stream is not None:
                 self.history.append(self.stats)

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, make_store
 from proctree import alive, member_pids
 
-from loader.shutdown import exit_steps, wait_for_engine
+from loader.lifecycle import exit_steps, wait_for_engine
 
 COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}
 PLAIN_WORKER = Path(__file__).resolve().parent / "plain_worker.py"

@@ -1,4 +1,5 @@
-"""loader's exit hook: a ``dist_sync`` worker exits, whether it ends normally or fails.
+"""How the loader's process ends: the live iterators, and the one exit hook that closes them and
+lets a ``dist_sync`` worker exit, whether it ends normally or fails.
 
 *Normal end.* A worker whose script ends right after its last ``trainer.step(...)`` still has
 kvstore pushes and pulls in flight in MXNet's engine; MXNet's own exit hook (``MXNotifyShutdown``)
@@ -11,19 +12,19 @@ it). In a process with ``DMLC_ROLE=worker`` a failure (``loader.exitcode``: the 
 printed by then) ends the process at once with its code, MXNet's teardown skipped, so a launcher
 sees the failure and stops the job.
 
-This module imports ``mxnet`` (which registers MXNet's hook) and then registers one hook,
-``_at_exit``; atexit runs hooks last-registered first, so it runs before MXNet's whatever else was
-imported. The order of its steps is ``exit_steps``:
+``install()`` (called once by ``import loader``) registers one hook, ``_at_exit``, after importing
+``mxnet`` (which registers MXNet's hook); atexit runs hooks last-registered first, so ours runs
+before MXNet's, whatever else was imported. Every ``ShardIter`` is ``track``-ed here from its
+construction. The order of the hook's steps is ``exit_steps``:
 
 * normal exit: 1. ``wait_for_engine`` (``mx.nd.waitall()`` in a daemon thread joined for at most
   ``EXIT_WAIT_S`` seconds; a warning is logged if it does not finish, and exit goes on);
-  2. ``close_iterators`` (``loader.shard_iter._close_all``: stops the threads of every live
-  ``ShardIter``); then MXNet's hooks run, and any registered before ``import loader``.
+  2. ``close_iterators`` (``close_all``: stops the threads of every live ``ShardIter``; native
+  threads still running at MXNet's shutdown crash the process, "pure virtual method called");
+  then MXNet's hooks run, and any registered before ``import loader``.
 * failing worker: 1. ``close_iterators``; 2. ``flush`` (logging, stdout, stderr); 3. ``exit_now``
   (``os._exit(code)``): MXNet's hooks, those registered before ``import loader`` and the
   interpreter's teardown do not run.
-
-Importing ``loader`` installs this module, so any script is covered.
 """
 
 from __future__ import annotations
@@ -33,16 +34,30 @@ import logging
 import os
 import sys
 import threading
-from typing import Optional
+import weakref
+from typing import Any, Optional
 
 import mxnet as mx
 
-from . import exitcode, shard_iter
+from . import exitcode
 
-__all__ = ["EXIT_WAIT_S", "wait_for_engine", "exit_steps"]
+__all__ = ["EXIT_WAIT_S", "install", "track", "close_all", "wait_for_engine", "exit_steps"]
 
 log = logging.getLogger(__name__)
 EXIT_WAIT_S = 30.0  # seconds the exit hook waits for MXNet's engine before giving up
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every ShardIter not yet collected
+_INSTALLED: list[bool] = []
+
+
+def track(iterator: Any) -> None:
+    """Close ``iterator`` at exit (if it is still alive then)."""
+    _LIVE.add(iterator)
+
+
+def close_all() -> None:
+    """Stop every live iterator's threads before the interpreter (and MXNet's engine) shuts down."""
+    for it in list(_LIVE):
+        it.close()
 
 
 def exit_steps(failure: Optional[int]) -> tuple[str, ...]:
@@ -103,7 +118,7 @@ def _at_exit() -> None:
             if step == "wait_for_engine":
                 wait_for_engine(EXIT_WAIT_S)
             elif step == "close_iterators":
-                shard_iter._close_all()
+                close_all()
             elif step == "flush":
                 _flush()
     finally:
@@ -111,6 +126,12 @@ def _at_exit() -> None:
             os._exit(code)
 
 
-if _is_worker():
-    exitcode.install()
-atexit.register(_at_exit)
+
+def install() -> None:
+    """Register the exit hook (once), and in a ``dist_sync`` worker start recording exit codes."""
+    if _INSTALLED:
+        return
+    _INSTALLED.append(True)
+    if _is_worker():
+        exitcode.install()
+    atexit.register(_at_exit)

@@ -1,0 +1,81 @@
+"""What a ``ShardIter`` holds between epochs, and how one epoch's stream hands over to the next.
+
+Held: the current plan (open files, ``hold``/``drop`` counted), the stream reading this epoch, the
+stream already filling for the next one, the buffers they share (``Arena``) and the reader
+lease. All of it must be let go even if the iterator is dropped without ``close()``, so threads
+reference this object, never the iterator, and garbage collection can release it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from shardgen.lease import Lease
+
+from .errors import LoaderError
+from .memory import Arena
+from .plan import EpochPlan, drop, hold
+from .stream import EpochStream, StreamParams
+
+__all__ = ["Epochs"]
+
+
+class Epochs:
+    def __init__(self, lease: Lease):
+        self.lease = lease
+        self.stream: Optional[EpochStream] = None
+        self.ahead: Optional[EpochStream] = None
+        self.plan: Optional[EpochPlan] = None
+        self.arena: Optional[Arena] = None
+        self.lock = threading.Lock()
+
+    def start(self, plan: EpochPlan, epoch: int, params: StreamParams, skip: int = 0) -> EpochStream:
+        """Make ``plan`` current and return the stream reading ``epoch`` of it: the one already
+        filling ahead if it reads the same plan and epoch from its start, else a new one. Nothing
+        changes if the epoch cannot start (e.g. a part smaller than a batch): the error is raised
+        and the plan's files are let go."""
+        with self.lock:
+            previous = self.plan
+            ahead, self.ahead = self.ahead, None
+            if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != epoch or skip):
+                ahead.close()  # reads files of the old plan: gone before its files are let go
+                ahead = None
+            try:
+                stream = ahead if ahead is not None else EpochStream(plan, epoch, params, self.arena, skip=skip)
+            except BaseException:
+                if plan.files is not None and (previous is None or previous.folder != plan.folder):
+                    plan.files.close()
+                raise
+            if previous is None or previous.folder != plan.folder:
+                hold(plan)
+            self.plan = plan
+            if previous is not None and previous.folder != plan.folder:
+                drop(previous)
+            self.lease.renew(plan.generation)
+            self.stream = stream
+            return stream
+
+    def open_ahead(self, epoch: int, params: StreamParams) -> None:
+        """The stream of ``epoch`` on the current plan starts filling while this epoch ends (a new
+        generation at ``reset()`` discards it)."""
+        if self.ahead is None and self.plan is not None:
+            try:
+                self.ahead = EpochStream(self.plan, epoch, params, self.arena)
+            except LoaderError:
+                self.ahead = None
+
+    def close_streams(self) -> None:
+        for name in ("stream", "ahead"):
+            stream = getattr(self, name)
+            setattr(self, name, None)
+            if stream is not None:
+                stream.close()
+
+    def close(self) -> None:
+        with self.lock:
+            self.close_streams()
+            if self.plan is not None:
+                drop(self.plan)
+                self.plan = None
+            self.lease.release()
