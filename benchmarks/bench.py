@@ -15,10 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,22 +28,21 @@ import numpy as np
 from loader.plan import default_cache_dir
 from loader.shard_iter import ShardIter
 from shardgen.format import day_number
-from shardgen.manifest import MANIFEST_NAME, Manifest
 from shardgen.process import sliding_windows
-from shardgen.writer import write_shard
 
-from .baselines import ListBatchIter, question_design_epoch, samples_from_arrays
+from .baselines import ListBatchIter, samples_from_arrays
+from .e2e import end_to_end
 from .report import chart, machine_info, table, targets
 from .scale import scale_suite
 from .soak import soak_in_subprocess
-from .stores import LAYOUTS, build, evict, schema_for
+from .stores import LAYOUTS, PER_DATE, build, evict, schema_for, touch
+from .writer import build_speedup, writer_bandwidth
 
 __all__ = ["main"]
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = schema_for(LAYOUTS["samples"])
 RUNS_SCHEMA = schema_for(LAYOUTS["runs"])
-PER_DATE = 2000  # samples per synthetic date
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -101,19 +97,14 @@ class Loader:
                 obj.close()
 
 
-def _touch(arrays: list) -> None:
-    for a in arrays:
-        a.wait_to_read()
-
-
 def throughput(loader: Loader, batch_size: int, seconds: float, warmup: int = 3) -> dict:
     """Max rate: take batches as fast as they come (each array waited on) for ``seconds``."""
     gen = loader.batches()
     for _ in range(warmup):
-        _touch(next(gen))
+        touch(next(gen))
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        _touch(next(gen))
+        touch(next(gen))
         n += 1
     wall = time.perf_counter() - t0
     gen.close()
@@ -125,11 +116,11 @@ def stall(loader: Loader, step_s: float, seconds: float, warmup: int = 3) -> dic
     """A consumer spending ``step_s`` per batch outside the GIL: fraction of wall time waiting."""
     gen = loader.batches()
     for _ in range(warmup):
-        _touch(next(gen))
+        touch(next(gen))
     waited, n, t0 = 0.0, 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         t1 = time.perf_counter()
-        _touch(next(gen))
+        touch(next(gen))
         waited += time.perf_counter() - t1
         time.sleep(step_s)  # the GPU step: no GIL held
         n += 1
@@ -152,10 +143,10 @@ def loaders(x: np.ndarray, labels: list[np.ndarray], store: Path, batch_size: in
         Loader("Gluon DataLoader (2 workers)", lambda: gluon.data.DataLoader(
             gluon.data.ArrayDataset(x, *labels), batch_size=batch_size, shuffle=True, num_workers=2,
             last_batch="discard"), "the usual advice; shuffled, like ShardIter"),
-        Loader("ShardIter", lambda: ShardIter(store, batch_size, shuffle=True, preprocess_threads=4,
-                                              prefetch_buffer=4, cache_dir=cache), "global shuffle, from disk"),
-        Loader("ShardIter (no shuffle)", lambda: ShardIter(store, batch_size, shuffle=False, preprocess_threads=4,
-                                                           prefetch_buffer=4, cache_dir=cache)),
+        # ShardIter with its defaults, as users get it
+        Loader("ShardIter", lambda: ShardIter(store, batch_size, shuffle=True, cache_dir=cache),
+               "global shuffle, from disk"),
+        Loader("ShardIter (no shuffle)", lambda: ShardIter(store, batch_size, shuffle=False, cache_dir=cache)),
     ]
 
 
@@ -164,7 +155,7 @@ def cold_epoch(store: Path, batch_size: int, cache: Path) -> dict:
     it = ShardIter(store, batch_size, shuffle=True, cache_dir=cache)
     t0, n = time.perf_counter(), 0
     for b in it:
-        _touch(list(b.data) + list(b.label))
+        touch(list(b.data) + list(b.label))
         n += batch_size - b.pad
     wall = time.perf_counter() - t0
     it.close()
@@ -173,198 +164,7 @@ def cold_epoch(store: Path, batch_size: int, cache: Path) -> dict:
             "page_cache_evicted": evicted}
 
 
-# -- end to end ------------------------------------------------------------------------------
-
-
-def _e2e_config(folder: Path, dates: Sequence[dt.date], jobs: int, open_end: bool = False, work_ms: int = 0) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    end = "" if open_end else f'end = "{dates[-1]}"'
-    text = f"""
-[generator]
-command = ["{ROOT / 'build' / 'seqgen'}", "--date", "{{date}}", "--out", "{{output}}", "--cols", "37",
-           "--work-ms", "{work_ms}"]
-output = "raw/{{date}}.npy"
-timeout_s = 60
-settle_s = 0.0
-[dates]
-start = "{dates[0]}"
-{end}
-calendar = "weekdays"
-[schema]
-time_steps = 60
-num_inputs = 32
-data_name = "seq_var"
-labels = [{{name = "bd_return", width = 1}}, {{name = "eval_y", width = 4}}]
-[store]
-dir = "shards"
-[run]
-jobs = {jobs}
-"""
-    (folder / "shardgen.toml").write_text(text)
-    return folder / "shardgen.toml"
-
-
-def _weekdays(n: int) -> list[dt.date]:
-    out, d = [], dt.date(2024, 3, 1)
-    while len(out) < n:
-        if d.weekday() < 5:
-            out.append(d)
-        d += dt.timedelta(days=1)
-    return out
-
-
-def end_to_end(workdir: Path, n_dates: int, batch_size: int, step_s: float, cache: Path, work_ms: int = 0) -> dict:
-    """Wall time of one pass over ``n_dates`` fresh dates, relative to the pure consumer time."""
-    seqgen = ROOT / "build" / "seqgen"
-    if not seqgen.exists():
-        return {"skipped": f"{seqgen} is missing (run `make install`)"}
-    dates = _weekdays(n_dates)
-
-    def consume(arrays: list) -> None:
-        _touch(arrays)
-        time.sleep(step_s)
-
-    # (a) the question's design: everything inside the training loop, in series
-    qdir = workdir / f"e2e_question_{work_ms}"
-    (qdir / "raw").mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    samples = question_design_epoch(
-        lambda d: [str(seqgen), "--date", d.isoformat(), "--out", str(qdir / "raw" / f"{d}.npy"), "--cols", "37",
-                   "--work-ms", str(work_ms)],
-        lambda d: str(qdir / "raw" / f"{d}.npy"), dates, SCHEMA, batch_size,
-        lambda b: consume(list(b.data) + list(b.label)))
-    q_wall = time.perf_counter() - t0
-    q_batches = samples // batch_size
-
-    # (b) shardgen watch already running in another process (as it does next to training); at t0
-    # the dates become due (its clock moves) and ShardIter trains on each as soon as it is published.
-    cfg = _e2e_config(workdir / f"e2e_shardgen_{work_ms}", dates, jobs=2, open_end=True, work_ms=work_ms)
-    store = cfg.parent / "shards"
-    clock = cfg.parent / "today.txt"
-    clock.write_text((dates[0] - dt.timedelta(days=1)).isoformat())
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    watcher = subprocess.Popen([sys.executable, "-m", "shardgen.cli", "watch", "-c", str(cfg), "--interval", "0.05",
-                                "--today", str(clock)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                               start_new_session=True)
-    lock = store / ".watch.lock"
-    deadline = time.monotonic() + 60
-    while not (lock.exists() and lock.read_text().strip() == str(watcher.pid)):
-        if time.monotonic() > deadline or watcher.poll() is not None:
-            raise RuntimeError("the watcher did not start")
-        time.sleep(0.05)
-    time.sleep(0.5)  # a few idle cycles: nothing is due yet
-    t0 = time.perf_counter()
-    clock.write_text(dates[-1].isoformat())
-    consumed: set[str] = set()
-    batches = real = expected = 0
-    waited = 0.0
-    it = None
-    try:
-        while len(consumed) < len(dates):
-            t1 = time.perf_counter()
-            fresh = []
-            while not fresh:
-                if watcher.poll() is not None:
-                    raise RuntimeError("the watcher exited early")
-                try:
-                    fresh = [s.date for s in Manifest.load(store / MANIFEST_NAME).shards if s.date not in consumed]
-                except Exception:  # not there yet
-                    fresh = []
-                if not fresh:
-                    time.sleep(0.01)
-            waited += time.perf_counter() - t1
-            if it is None:
-                it = ShardIter(store, batch_size, dates=(min(fresh), None), last_batch="pad", cache_dir=cache)
-            else:  # the next epoch: the dates published since the last one
-                it.dates = (min(fresh), None)
-                it.reset()
-            for b in it:
-                t2 = time.perf_counter()
-                _touch(list(b.data) + list(b.label))
-                waited += time.perf_counter() - t2
-                time.sleep(step_s)
-                batches += 1
-                real += batch_size - b.pad
-            consumed.update(s.date for s in it.plan.shards)
-            expected += it.plan.samples
-    finally:
-        if it is not None:
-            it.close()
-        watcher.send_signal(signal.SIGTERM)
-        try:
-            watcher.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(watcher.pid, signal.SIGKILL)
-    s_wall = time.perf_counter() - t0
-    return {
-        "dates": n_dates, "step_ms": 1000 * step_s, "batch_size": batch_size, "generator_work_ms": work_ms,
-        "question_design": {"wall_s": q_wall, "batches": q_batches, "consumer_s": q_batches * step_s,
-                            "ratio": q_wall / (q_batches * step_s), "busy_pct": 100 * q_batches * step_s / q_wall},
-        "shardgen_watch_shardier": {"wall_s": s_wall, "batches": batches, "samples": real, "expected_samples": expected,
-                                    "consumer_s": batches * step_s, "ratio": s_wall / (batches * step_s),
-                                    "busy_pct": 100 * batches * step_s / s_wall, "waiting_for_data_s": waited},
-    }
-
-
-# -- writer -------------------------------------------------------------------------------------
-
-
-def writer_bandwidth(workdir: Path, x: np.ndarray, labels: list[np.ndarray], repeats: int = 3) -> dict:
-    """Shard payload MB/s (fsync'd, as shipped) against np.save of the same arrays (no fsync)."""
-    out = workdir / "writer"
-    payload = x.nbytes + sum(a.nbytes for a in labels)
-    best = {"shard": float("inf"), "shard_no_fsync": float("inf"), "np_save": float("inf")}
-    lab = {"bd_return": labels[0], "eval_y": labels[1]}
-    for _ in range(repeats):
-        for key in best:
-            shutil.rmtree(out, ignore_errors=True)
-            out.mkdir(parents=True)
-            t0 = time.perf_counter()
-            for start in range(0, len(x), PER_DATE):
-                sl = slice(start, start + PER_DATE)
-                date = dt.date(2024, 1, 1) + dt.timedelta(days=start // PER_DATE)
-                if key == "np_save":
-                    for i, arr in enumerate((x[sl], *(a[sl] for a in labels))):
-                        np.save(out / f"{date}-{i}.npy", arr)
-                else:
-                    write_shard(out, date, x[sl], {k: v[sl] for k, v in lab.items()}, SCHEMA,
-                                fsync=key == "shard")
-            best[key] = min(best[key], time.perf_counter() - t0)
-    shutil.rmtree(out, ignore_errors=True)
-    mbs = {k: payload / v / 1e6 for k, v in best.items()}
-    return {"payload_mb": payload / 1e6, "shard_mb_per_s": mbs["shard"],
-            "shard_no_fsync_mb_per_s": mbs["shard_no_fsync"], "np_save_mb_per_s": mbs["np_save"],
-            "ratio": mbs["shard"] / mbs["np_save"], "ratio_no_fsync": mbs["shard_no_fsync"] / mbs["np_save"]}
-
-
-def build_speedup(workdir: Path, n_dates: int) -> dict:
-    """``shardgen build`` as users run it (a fresh process each time), jobs=1 against jobs=2."""
-    if not (ROOT / "build" / "seqgen").exists():
-        return {"skipped": "build/seqgen is missing (run `make install`)"}
-    dates = _weekdays(n_dates)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = {}
-    for jobs in (1, 2):
-        folder = workdir / f"build_jobs{jobs}"
-        shutil.rmtree(folder, ignore_errors=True)
-        cfg = _e2e_config(folder, dates, jobs)
-        cmd = [sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg), "--jobs", str(jobs)]
-        subprocess.run(cmd, check=True, capture_output=True, env=env)  # warm: raw files, page cache
-        best = float("inf")
-        for _ in range(2):
-            shutil.rmtree(folder / "shards")
-            t0 = time.perf_counter()
-            subprocess.run(cmd + ["--force"], check=True, capture_output=True, env=env)
-            best = min(best, time.perf_counter() - t0)
-        out[f"jobs{jobs}_s"] = best
-        records = Manifest.load(folder / "shards" / MANIFEST_NAME).records
-        out[f"jobs{jobs}_records_per_s"] = records / best
-    out["speedup"] = out["jobs1_s"] / out["jobs2_s"]
-    out["dates"] = n_dates
-    return out
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small and short (for CI): checks it runs, not speed")
     p.add_argument("--samples", type=int, help="samples in the loader comparison (default 100000; quick 6000)")
@@ -375,47 +175,60 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     p.add_argument("--chart", type=Path, default=ROOT / "bench" / "chart.png")
     p.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder, removed after)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)  # progress to stderr
+
+
+def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
+    """Every measurement, into ``res``."""
     n = args.samples or (6000 if args.quick else 100_000)
     seconds = args.seconds or (0.4 if args.quick else 4.0)
     n_dates = args.dates or (3 if args.quick else 40)
     step_s = (args.step_ms if args.step_ms is not None else (5.0 if args.quick else 30.0)) / 1000
     bs = args.batch_size
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shardgen-bench-"))
     cache = default_cache_dir() / "bench"
-    res: dict = {"machine": machine_info(), "settings": {"samples": n, "batch_size": bs, "seconds": seconds,
-                                                         "quick": args.quick, "time_steps": 60, "num_inputs": 32}}
+    res["settings"] = {"samples": n, "batch_size": bs, "seconds": seconds, "quick": args.quick, "time_steps": 60,
+                       "num_inputs": 32}
+    log(f"bench: {n} samples of 60x32 ({n * SCHEMA.record_floats * 4 / 1e9:.2f} GB payload) ...")
+    x, labels, specs = make_data(n)
+    store = workdir / "store"
+    build(store, RUNS_SCHEMA, specs, fsync=True)
+    del specs
+    res["loaders"] = {}
+    for loader in loaders(x, labels, store, bs, cache):
+        log(f"bench: {loader.name}")
+        r = throughput(loader, bs, seconds)
+        rate_batches = r["samples_per_s"] / bs
+        r["stall_50"] = stall(loader, 1 / (0.5 * rate_batches), seconds)
+        r["stall_90"] = stall(loader, 1 / (0.9 * rate_batches), seconds)
+        r["note"] = loader.note
+        res["loaders"][loader.name] = r
+    res["shardier_cold_epoch"] = cold_epoch(store, bs, cache)
+    log("bench: end to end")
+    res["end_to_end"] = end_to_end(workdir, n_dates, bs, step_s, cache)
+    log("bench: end to end, a generator that costs time")
+    res["end_to_end_costly"] = end_to_end(workdir, n_dates, bs, step_s, cache, work_ms=20 if args.quick else 100)
+    log("bench: writer")
+    wn = min(n, 20 * PER_DATE)
+    res["writer"] = writer_bandwidth(workdir, x[:wn], [a[:wn] for a in labels], repeats=1 if args.quick else 3)
+    res["build"] = build_speedup(workdir, 3 if args.quick else 60)
+    res["scale"] = scale_suite(workdir, quick=args.quick, seconds=seconds, log=log)
+    log("bench: soak")
+    res["soak"] = soak_in_subprocess(workdir, cache, epochs=12 if args.quick else 300,
+                                     publish_every=3 if args.quick else 10,
+                                     windows=5000 if args.quick else 50_000, batch_size=bs)
+    res["targets"] = targets(res)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _arguments(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shardgen-bench-"))
+    res: dict = {"machine": machine_info()}
     try:
-        log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress to stderr
-        log(f"bench: {n} samples of 60x32 ({n * SCHEMA.record_floats * 4 / 1e9:.2f} GB payload) ...")
-        x, labels, specs = make_data(n)
-        store = workdir / "store"
-        build(store, RUNS_SCHEMA, specs, fsync=True)
-        del specs
-        res["loaders"] = {}
-        for loader in loaders(x, labels, store, bs, cache):
-            log(f"bench: {loader.name}")
-            r = throughput(loader, bs, seconds)
-            rate_batches = r["samples_per_s"] / bs
-            r["stall_50"] = stall(loader, 1 / (0.5 * rate_batches), seconds)
-            r["stall_90"] = stall(loader, 1 / (0.9 * rate_batches), seconds)
-            r["note"] = loader.note
-            res["loaders"][loader.name] = r
-        res["shardier_cold_epoch"] = cold_epoch(store, bs, cache)
-        log("bench: end to end")
-        res["end_to_end"] = end_to_end(workdir, n_dates, bs, step_s, cache)
-        log("bench: end to end, a generator that costs time")
-        res["end_to_end_costly"] = end_to_end(workdir, n_dates, bs, step_s, cache, work_ms=20 if args.quick else 100)
-        log("bench: writer")
-        wn = min(n, 20 * PER_DATE)
-        res["writer"] = writer_bandwidth(workdir, x[:wn], [a[:wn] for a in labels], repeats=1 if args.quick else 3)
-        res["build"] = build_speedup(workdir, 3 if args.quick else 60)
-        res["scale"] = scale_suite(workdir, quick=args.quick, seconds=seconds, log=log)
-        log("bench: soak")
-        res["soak"] = soak_in_subprocess(workdir, cache, epochs=12 if args.quick else 300,
-                                         publish_every=3 if args.quick else 10,
-                                         windows=5000 if args.quick else 50_000, batch_size=bs)
-        res["targets"] = targets(res)
+        run(args, workdir, res)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -19,12 +19,13 @@ from shardgen.manifest import MANIFEST_NAME, Manifest
 from shardgen.process import sliding_windows
 from shardgen.writer import write_store
 
-__all__ = ["T", "C", "LABELS", "RUN_PACK", "LAYOUTS", "schema_for", "raw_rows", "build", "make_store", "evict",
-           "concat_store"]
+__all__ = ["T", "C", "LABELS", "RUN_PACK", "PER_DATE", "LAYOUTS", "schema_for", "raw_rows", "build", "make_store",
+           "evict", "touch", "concat_store"]
 
 T, C = 60, 32
 LABELS = [LabelSpec("bd_return", 1), LabelSpec("eval_y", 4)]
 RUN_PACK = 64
+PER_DATE = 2000  # windows per synthetic date in the throughput benches
 LAYOUTS = {"samples": Layout(), "windows": Layout("windows", 8), "runs": Layout("runs", RUN_PACK, T + RUN_PACK - 1)}
 
 
@@ -55,6 +56,12 @@ def make_store(folder: Path, layout: Layout, n_dates: int, windows: int) -> tupl
     specs = ((d, sliding_windows(raw_rows(d, per + T - 1), d, time_steps=T, num_inputs=C, labels=LABELS))
              for d in dates)
     return build(folder, schema_for(layout), specs)
+
+
+def touch(arrays: list) -> None:
+    """Wait until MXNet has really produced each array (its engine is asynchronous)."""
+    for a in arrays:
+        a.wait_to_read()
 
 
 def evict(store: Path) -> bool:

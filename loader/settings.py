@@ -5,6 +5,7 @@ they hold in memory. Defaults are the ones ``make bench`` measured best here (RE
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import numpy as np
@@ -17,7 +18,7 @@ from .memory import check_footprint, footprint, parse_size
 from .shuffle_buffer import buffer_bytes, default_capacity
 from .stream import StreamParams, batch_floats, buffer_capacity
 
-__all__ = ["check_arguments", "default_native_batch", "buffer_records", "check_memory"]
+__all__ = ["check_arguments", "default_readers", "default_native_batch", "buffer_records", "check_memory"]
 
 
 def check_arguments(*, batch_size: object, num_parts: object, part_index: object, preprocess_threads: object,
@@ -26,7 +27,8 @@ def check_arguments(*, batch_size: object, num_parts: object, part_index: object
     """LoaderError naming the first argument that is out of range."""
     for name, value, low in (("batch_size", batch_size, 1), ("num_parts", num_parts, 1),
                              ("preprocess_threads", preprocess_threads, 1),
-                             ("prefetch_buffer", prefetch_buffer, 1), ("readers", readers, 1),
+                             ("prefetch_buffer", prefetch_buffer, 1),
+                             ("readers", 1 if readers is None else readers, 1),
                              ("native_batch", 1 if native_batch is None else native_batch, 1)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
             raise LoaderError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -38,6 +40,13 @@ def check_arguments(*, batch_size: object, num_parts: object, part_index: object
         raise LoaderError(f"seed must be an integer in [0, 2^31), got {seed!r}")
     if verify not in VERIFY_MODES:
         raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+
+
+def default_readers() -> int:
+    """Native iterators per part: 1 on a machine of 2 cores or fewer, where ``make bench`` measures
+    one reader at least as fast as two (the decode thread and the producer already fill both
+    cores), else 2 (each reader has its own dmlc I/O thread; not measured here: no such machine)."""
+    return 1 if (os.cpu_count() or 1) <= 2 else 2
 
 
 def default_native_batch(pack: int) -> int:

@@ -42,7 +42,7 @@ from .plan import (
     recheck,
     select_shards,
 )
-from .settings import buffer_records, check_arguments, check_memory, default_native_batch
+from .settings import buffer_records, check_arguments, check_memory, default_native_batch, default_readers
 from .stream import StreamParams, batch_floats
 
 __all__ = ["ShardIter", "to_datetime64"]
@@ -60,10 +60,10 @@ class ShardIter(mx.io.DataIter):
 
     ``verify``: ``"frame"`` (default) checks every record's framing before MXNet reads it,
     ``"sha256"`` also checks content against the manifest, ``"none"`` trusts the files.
-    ``readers``: native iterators per part (each with its own I/O thread). ``shuffle_buffer``:
-    what is held for mixing, as a number of *records* (an int) or a size in bytes (a string such as
-    ``"256MB"`` or ``"1GiB"``; default 128 MB). ``native_batch``: records per native batch.
-    ``prefetch_buffer``: caller batches assembled ahead. What these hold in memory is computed at
+    ``readers``: native iterators per part (each with its own I/O thread; default 1 on <= 2
+    cores, else 2). ``shuffle_buffer``: what is held for mixing, as a number of *records* (an
+    int) or a size in bytes (a string such as ``"256MB"`` or ``"1GiB"``; default 128 MB).
+    ``native_batch``: records per native batch. ``prefetch_buffer``: caller batches assembled ahead. What these hold in memory is computed at
     construction (:mod:`loader.memory`); more than half the machine's memory is a LoaderError.
     """
 
@@ -71,7 +71,7 @@ class ShardIter(mx.io.DataIter):
                  preprocess_threads: int = 4, prefetch_buffer: int = 4, num_parts: int = 1,
                  part_index: int = 0, last_batch: str = "pad", dates: DateRange = None,
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
-                 verify: str = "frame", readers: int = 2, shuffle_buffer: Optional[int | str] = None,
+                 verify: str = "frame", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None):
         check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
                         preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
@@ -101,7 +101,8 @@ class ShardIter(mx.io.DataIter):
         buffer = buffer_records(self.schema, shuffle_buffer, nb)
         self._params = StreamParams(
             schema=self.schema, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
-            num_parts=self.num_parts, part_index=self.part_index, last_batch=last_batch, readers=int(readers),
+            num_parts=self.num_parts, part_index=self.part_index, last_batch=last_batch,
+            readers=default_readers() if readers is None else int(readers),
             native_batch=nb, buffer_records=buffer,
             preprocess_threads=self.preprocess_threads, prefetch_buffer=self.prefetch_buffer,
             label_names=tuple(lab.name for lab in self._labels))

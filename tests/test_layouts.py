@@ -80,7 +80,7 @@ def test_every_window_once_per_epoch_bit_identical(stores, tmp_path, name, batch
     want = expected(stride=2 if name.endswith("stride2") else 1, dates=dates)
     n = sum(want.values())
     iters = [ShardIter(stores[name], batch_size, seed=3, num_parts=parts, part_index=p, dates=dates,
-                       cache_dir=tmp_path, shuffle_buffer=8, native_batch=2) for p in range(parts)]
+                       cache_dir=tmp_path, shuffle_buffer=8, native_batch=2, readers=2) for p in range(parts)]
     for _ in range(2):
         seen = Counter()
         for p, it in enumerate(iters):
@@ -229,7 +229,8 @@ def test_records_sharing_a_key_are_still_split_exactly(tmp_path):
     for parts, bs in ((3, 5), (5, 7)):
         seen = Counter()
         for p in range(parts):
-            with ShardIter(tmp_path / "s", bs, seed=1, num_parts=parts, part_index=p, cache_dir=tmp_path) as it:
+            with ShardIter(tmp_path / "s", bs, seed=1, num_parts=parts, part_index=p, cache_dir=tmp_path,
+                           readers=2) as it:
                 batches = list(it)
                 assert [b.pad for b in batches] == expected_pads(n, parts, bs, p)
                 seen.update(k for b in real_batches(batches, n, parts, p) for k in keys(b))

@@ -1,0 +1,81 @@
+"""The write side: shard payload MB/s against ``np.save`` of the same arrays, and ``shardgen build``
+as users run it (a fresh process each time), jobs=1 against jobs=2."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shardgen.manifest import MANIFEST_NAME, Manifest
+from shardgen.writer import write_shard
+
+from .e2e import ROOT, generator_config, weekdays
+from .stores import LAYOUTS, PER_DATE, schema_for
+
+__all__ = ["writer_bandwidth", "build_speedup"]
+
+SCHEMA = schema_for(LAYOUTS["samples"])
+
+
+def writer_bandwidth(workdir: Path, x: np.ndarray, labels: list[np.ndarray], repeats: int = 3) -> dict:
+    """Shard payload MB/s (fsync'd, as shipped) against np.save of the same arrays (no fsync)."""
+    out = workdir / "writer"
+    payload = x.nbytes + sum(a.nbytes for a in labels)
+    best = {"shard": float("inf"), "shard_no_fsync": float("inf"), "np_save": float("inf")}
+    lab = {"bd_return": labels[0], "eval_y": labels[1]}
+    for _ in range(repeats):
+        for key in best:
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            t0 = time.perf_counter()
+            for start in range(0, len(x), PER_DATE):
+                sl = slice(start, start + PER_DATE)
+                date = dt.date(2024, 1, 1) + dt.timedelta(days=start // PER_DATE)
+                if key == "np_save":
+                    for i, arr in enumerate((x[sl], *(a[sl] for a in labels))):
+                        np.save(out / f"{date}-{i}.npy", arr)
+                else:
+                    write_shard(out, date, x[sl], {k: v[sl] for k, v in lab.items()}, SCHEMA,
+                                fsync=key == "shard")
+            best[key] = min(best[key], time.perf_counter() - t0)
+    shutil.rmtree(out, ignore_errors=True)
+    mbs = {k: payload / v / 1e6 for k, v in best.items()}
+    return {"payload_mb": payload / 1e6, "shard_mb_per_s": mbs["shard"],
+            "shard_no_fsync_mb_per_s": mbs["shard_no_fsync"], "np_save_mb_per_s": mbs["np_save"],
+            "ratio": mbs["shard"] / mbs["np_save"], "ratio_no_fsync": mbs["shard_no_fsync"] / mbs["np_save"]}
+
+
+def build_speedup(workdir: Path, n_dates: int) -> dict:
+    """``shardgen build`` as users run it (a fresh process each time), jobs=1 against jobs=2."""
+    if not (ROOT / "build" / "seqgen").exists():
+        return {"skipped": "build/seqgen is missing (run `make install`)"}
+    dates = weekdays(n_dates)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = {}
+    for jobs in (1, 2):
+        folder = workdir / f"build_jobs{jobs}"
+        shutil.rmtree(folder, ignore_errors=True)
+        cfg = generator_config(folder, dates, jobs)
+        cmd = [sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg), "--jobs", str(jobs)]
+        subprocess.run(cmd, check=True, capture_output=True, env=env)  # warm: raw files, page cache
+        best = float("inf")
+        for _ in range(2):
+            shutil.rmtree(folder / "shards")
+            t0 = time.perf_counter()
+            subprocess.run(cmd + ["--force"], check=True, capture_output=True, env=env)
+            best = min(best, time.perf_counter() - t0)
+        out[f"jobs{jobs}_s"] = best
+        records = Manifest.load(folder / "shards" / MANIFEST_NAME).records
+        out[f"jobs{jobs}_records_per_s"] = records / best
+    out["speedup"] = out["jobs1_s"] / out["jobs2_s"]
+    out["dates"] = n_dates
+    return out
+
+
