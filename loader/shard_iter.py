@@ -63,8 +63,9 @@ class ShardIter(mx.io.DataIter):
     ``readers``: native iterators per part (each with its own I/O thread; default 1 on <= 2
     cores, else 2). ``shuffle_buffer``: what is held for mixing, as a number of *records* (an
     int) or a size in bytes (a string such as ``"256MB"`` or ``"1GiB"``; default 128 MB).
-    ``native_batch``: records per native batch. ``prefetch_buffer``: caller batches assembled ahead. What these hold in memory is computed at
-    construction (:mod:`loader.memory`); more than half the machine's memory is a LoaderError.
+    ``native_batch``: records per native batch. ``prefetch_buffer``: caller batches assembled
+    ahead. What these hold in memory is computed at construction (:mod:`loader.memory`); more
+    than half the machine's memory is a LoaderError.
     """
 
     def __init__(self, manifest: os.PathLike | str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
