@@ -7,7 +7,8 @@ engine before MXNet shuts down, so a ``dist_sync`` worker exits cleanly, and end
 
 from . import lifecycle
 from .errors import LoaderError
-from .shard_iter import ShardIter, to_datetime64
+from .selection import to_datetime64
+from .shard_iter import ShardIter
 
 lifecycle.install()
 

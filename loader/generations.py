@@ -30,7 +30,7 @@ from shardgen.lease import Lease
 from shardgen.manifest import Manifest
 
 from .errors import LoaderError
-from .plan import load_manifest, manifest_path_of
+from .selection import load_manifest, manifest_path_of
 
 __all__ = ["AGREE_KEY_BASE", "Choice", "open_generation", "agree", "agreed_start"]
 

@@ -13,11 +13,11 @@ Everything here is a pure function of the records' counts: every worker computes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["MIN_READER_RECORDS", "Trim", "PartSplit", "sample_bounds", "split_part"]
+__all__ = ["MIN_READER_RECORDS", "Trim", "PartSplit", "SharedRecords", "sample_bounds", "split_part"]
 
 MIN_READER_RECORDS = 64  # fewer records per reader: fewer readers
 
@@ -87,3 +87,34 @@ def split_part(counts: np.ndarray, num_parts: int, part_index: int, readers: int
     r = max(1, min(readers, n // MIN_READER_RECORDS))
     edges = [first + n * k // r for k in range(r + 1)]
     return PartSplit(part_samples, part_index, first, stop, trims, tuple(zip(edges[:-1], edges[1:])))
+
+
+class SharedRecords:
+    """A part's trimmed records, recognised among the records its readers return: by day, window
+    count and key words (``Schema.key_words``; the head of a packed record starts with its window
+    count, then its day). Counts how often each was seen: exactly once per epoch."""
+
+    def __init__(self, trims: Sequence[Trim], days: Sequence[float], keys: Sequence[np.ndarray],
+                 counts: Sequence[int], key_words: Sequence[int], pack: int):
+        self.day = np.array(days, np.float32)
+        self.key = np.stack(keys).astype(np.float32)
+        self.count = np.array(counts, np.float32)
+        self.lo = np.array([t.lo for t in trims], np.int64)
+        self.hi = np.array([t.hi for t in trims], np.int64)
+        self.words, self.pack = list(key_words), pack
+        self.seen = np.zeros(len(trims), np.int64)
+
+    def spans(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Items ``[lo, hi)`` to keep of each record in ``rows`` (payloads): all of them, but of a
+        shared record only this part's."""
+        match = ((rows[:, 1, None] == self.day[None, :]) & (rows[:, 0, None] == self.count[None, :])
+                 & (rows[:, self.words, None] == self.key.T[None, :, :]).all(axis=1))
+        first, last = np.zeros(len(rows), np.int64), np.full(len(rows), self.pack, np.int64)
+        rec, which = np.nonzero(match)
+        first[rec], last[rec] = self.lo[which], self.hi[which]
+        np.add.at(self.seen, which, 1)
+        return first, last
+
+    @property
+    def each_seen_once(self) -> bool:
+        return bool((self.seen == 1).all())

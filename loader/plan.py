@@ -20,24 +20,20 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
-from shardgen.errors import ManifestError, ShardError
+from shardgen.errors import ShardError
 from shardgen.format.check import VERIFY_MODES, check_shard
 from shardgen.format.index import reader_index
 from shardgen.format.schema import day_number
 from shardgen.fsutil import HOST_TOKEN, pid_alive
-from shardgen.manifest import MANIFEST_NAME, Manifest, ShardEntry
+from shardgen.manifest import Manifest, ShardEntry
 
 from .errors import LoaderError
 
-__all__ = ["EpochPlan", "ReaderSource", "reader_source", "load_manifest", "select_shards", "make_plan",
-           "default_cache_dir", "manifest_path_of", "normalize_dates", "hold", "drop", "recheck"]
-
-DateRange = Optional[Sequence[Optional[str]]]
-
+__all__ = ["EpochPlan", "ReaderSource", "reader_source", "make_plan", "default_cache_dir", "hold", "drop", "recheck"]
 
 def default_cache_dir() -> Path:
     """Where plan folders go: ``$XDG_CACHE_HOME`` if set; else ``/dev/shm`` when it is a writable
@@ -49,41 +45,6 @@ def default_cache_dir() -> Path:
     if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
         return shm / f"shardgen-loader-{os.getuid()}"
     return Path(os.path.expanduser("~")) / ".cache" / "shardgen-loader"
-
-
-def load_manifest(path: Path) -> Manifest:
-    try:
-        return Manifest.load(path)
-    except ManifestError as exc:
-        raise LoaderError(str(exc)) from None
-
-
-def _bound(value: object, what: str) -> Optional[dt.date]:
-    if value is None:
-        return None
-    try:
-        return value if isinstance(value, dt.date) else dt.date.fromisoformat(str(value))
-    except ValueError:
-        raise LoaderError(f"dates: {what} {value!r} is not YYYY-MM-DD") from None
-
-
-def normalize_dates(dates: DateRange) -> Optional[tuple]:
-    """A checked ``(start, end)`` pair of ISO dates (either None), or None for all dates."""
-    if dates is None:
-        return None
-    if isinstance(dates, str) or len(dates) != 2:
-        raise LoaderError(f"dates must be a (start, end) pair, got {dates!r}")
-    bounds = (_bound(dates[0], "start"), _bound(dates[1], "end"))
-    return tuple(None if b is None else b.isoformat() for b in bounds)
-
-
-def select_shards(manifest: Manifest, dates: DateRange) -> tuple[ShardEntry, ...]:
-    """The manifest's shards with ``start <= date <= end`` (either end None = open)."""
-    dates = normalize_dates(dates)
-    if dates is None:
-        return manifest.shards
-    start, end = dates
-    return tuple(s for s in manifest.shards if (start is None or s.date >= start) and (end is None or s.date <= end))
 
 
 class PlanFiles:
@@ -312,9 +273,3 @@ def drop(plan: EpochPlan) -> None:
             del _HELD[plan.folder]
     if last and plan.files is not None:
         plan.files.close()
-
-
-def manifest_path_of(path: Path) -> Path:
-    """Accept a manifest file or a store folder."""
-    path = Path(path)
-    return path / MANIFEST_NAME if path.is_dir() else path

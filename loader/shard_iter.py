@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import mxnet as mx
-import numpy as np
 
 from shardgen.lease import Lease
 from shardgen.manifest import ShardEntry
@@ -31,29 +30,12 @@ from .epochs import Epochs
 from .errors import LoaderError
 from .generations import Choice, agreed_start
 from .memory import Arena, settle_allocator
-from .plan import (
-    DateRange,
-    EpochPlan,
-    default_cache_dir,
-    load_manifest,
-    make_plan,
-    manifest_path_of,
-    normalize_dates,
-    recheck,
-    select_shards,
-)
+from .plan import EpochPlan, default_cache_dir, make_plan, recheck
+from .selection import DateRange, load_manifest, manifest_path_of, normalize_dates, select_shards, to_datetime64
 from .settings import buffer_records, check_arguments, check_memory, default_native_batch, default_readers
 from .stream import StreamParams, batch_floats
 
 __all__ = ["ShardIter", "to_datetime64"]
-
-def to_datetime64(days: Any) -> np.ndarray:
-    """The ``date`` label (float32 days since 1970-01-01) as ``datetime64[D]``."""
-    arr = days.asnumpy() if hasattr(days, "asnumpy") else np.asarray(days)
-    return arr.astype(np.int64).astype("datetime64[D]")
-
-
-
 
 class ShardIter(mx.io.DataIter):
     """Batches of a shard store: ``data = [x (B, T, C)]``, ``label = [each label..., date]``.

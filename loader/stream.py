@@ -25,7 +25,7 @@ from shardgen.format.schema import Schema
 from .errors import LoaderError
 from .memory import Arena
 from .native import copy_into, next_label, open_record_iter
-from .parts import PartSplit, split_part
+from .parts import PartSplit, SharedRecords, split_part
 from .plan import EpochPlan, reader_source
 from .seeding import epoch_shuffle
 from .shuffle_buffer import ShuffleBuffer
@@ -220,37 +220,20 @@ class EpochStream:
         finally:
             natives.clear()  # frees the native iterators (their threads stop) in this thread
 
-    def _shared(self) -> Optional[tuple[np.ndarray, ...]]:
-        """The records this part shares with a neighbour, as arrays (day, key words (n, k), count, lo, hi),
-        or None."""
-        trims = self.split.trims
+    def _shared(self) -> Optional[SharedRecords]:
+        """The records this part shares with a neighbour (None: none)."""
+        trims, plan = self.split.trims, self.plan
         if not trims:
             return None
-        plan = self.plan
-        return (np.array([plan.day_of(t.record) for t in trims], np.float32),
-                np.stack([plan.keys[t.record] for t in trims]).astype(np.float32),
-                np.array([plan.counts[t.record] for t in trims], np.float32),
-                np.array([t.lo for t in trims], np.int64), np.array([t.hi for t in trims], np.int64))
-
-    def _spans(self, rows: np.ndarray, shared: tuple, seen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Items ``[lo, hi)`` of each record read: all of them, but of a shared record only this part's
-        (told apart by day, key words and window count: ``EpochPlan.can_split``)."""
-        day, key, count, lo, hi = shared
-        words = list(self.params.schema.key_words)
-        match = ((rows[:, 1, None] == day[None, :]) & (rows[:, 0, None] == count[None, :])
-                 & (rows[:, words, None] == key.T[None, :, :]).all(axis=1))
-        first, last = np.zeros(len(rows), np.int64), np.full(len(rows), self.params.schema.pack, np.int64)
-        rec, which = np.nonzero(match)
-        first[rec], last[rec] = lo[which], hi[which]
-        np.add.at(seen, which, 1)
-        return first, last
+        return SharedRecords(trims, [plan.day_of(t.record) for t in trims], [plan.keys[t.record] for t in trims],
+                             [plan.counts[t.record] for t in trims], self.params.schema.key_words,
+                             self.params.schema.pack)
 
     def _produce(self, natives: list, rng: Optional[np.random.Generator]) -> None:
         p = self.params
         bs = p.batch_size
         self._buffer = buffer = self._arena.shuffle_buffer(buffer_capacity(p))
         shared = self._shared()
-        seen = np.zeros(len(self.split.trims), np.int64)
         last_real = math.ceil(self.samples / bs) - 1  # batches after it (if any) are all filler
         turn, saved = 0, None
         for index in range(self.batches):
@@ -276,8 +259,9 @@ class EpochStream:
                                       f"{self.plan.generation})")
                 rows = copy_into(label, reader[2])[:reader[1]]
                 reader[1] -= len(rows)
-                buffer.add(rows, *(self._spans(rows, shared, seen) if shared else ()))
-            if buffer.count < valid or (index == last_real and (buffer.count != valid or (seen != 1).any())):
+                buffer.add(rows, *(shared.spans(rows) if shared else ()))
+            if buffer.count < valid or (index == last_real and (buffer.count != valid or (
+                    shared is not None and not shared.each_seen_once))):
                 raise LoaderError(f"part {p.part_index} of {p.num_parts} read {buffer.count} samples for its batch "
                                   f"{index} of {valid} (generation {self.plan.generation}): records changed "
                                   "under the reader?")
