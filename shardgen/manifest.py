@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from .clock import parse_utc, utc_now
 from .errors import ManifestError, ShardError
 from .fsutil import atomic_write
 from .layout import Schema
@@ -53,19 +54,6 @@ MANIFEST_NAME = "manifest.json"
 SNAPSHOT_DIR = "generations"
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _VERSION_RE = re.compile(r"^\d{4}-\d{2}-\d{2}\.v(\d+)\.[a-z]+$")
-
-
-_STAMP = "%Y-%m-%dT%H:%M:%SZ"
-
-
-def utc_now() -> str:
-    """Now, as the manifest writes times."""
-    return dt.datetime.now(dt.timezone.utc).strftime(_STAMP)
-
-
-def parse_utc(stamp: str) -> dt.datetime:
-    """A time the manifest wrote, back as an aware datetime."""
-    return dt.datetime.strptime(stamp, _STAMP).replace(tzinfo=dt.timezone.utc)
 
 
 def _check_date(value: object, where: str) -> str:

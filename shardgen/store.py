@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Optional
 
+from .clock import seconds_since, utc_datetime, utc_now
 from .errors import ConfigError, ManifestError, ShardError
 from .frames import check_shard
 from .layout import Schema
@@ -22,10 +23,8 @@ from .manifest import (
     Sidecar,
     name_version,
     next_generation,
-    parse_utc,
     snapshot_generations,
     snapshot_path,
-    utc_now,
 )
 from .watchstate import load_state
 
@@ -179,7 +178,7 @@ def status(store: Path, *, today: Optional[dt.date] = None) -> dict:
     today = today or dt.date.today()
     age = None
     if m.updated:
-        age = round((dt.datetime.now(dt.timezone.utc) - parse_utc(m.updated)).total_seconds(), 1)
+        age = round(seconds_since(m.updated, utc_datetime()), 1)
     last = m.shards[-1].date if m.shards else None
     watch = load_state(store) or {}
     return {

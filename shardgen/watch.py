@@ -30,13 +30,14 @@ from typing import Callable, Optional
 from . import generator
 from .backoff import retry_delay
 from .build import BuildReport, build, wanted
+from .clock import utc_stamp
 from .config import Config
 from .errors import ShardError, ShardgenError
 from .gc import collect
 from .lock import WATCH_LOCK, StoreLock
 from .manifest import Sidecar
 from .store import check_sidecar, open_manifest, publish, verify_shard
-from .watchstate import Failing, save_state, utc_stamp
+from .watchstate import Failing, save_state
 
 __all__ = ["Watcher", "CycleReport"]
 
