@@ -21,9 +21,10 @@ from .errors import Interrupted, ShardgenError
 from .fsutil import atomic_write, clean_temp_files
 from .generator import STOP, obtain_raw
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, Sidecar
+from .naming import shard_paths
 from .process import run_processor
 from .store import check_sidecar, next_version, open_manifest, publish
-from .writer import shard_paths, write_shard
+from .writer import write_shard
 
 __all__ = ["DateResult", "BuildReport", "produce", "build", "complete_shard", "wanted"]
 

@@ -20,8 +20,9 @@ from typing import Optional
 from .clock import seconds_since, utc_datetime
 from .errors import ManifestError
 from .lease import live_lease_generations
-from .lock import MANIFEST_LOCK, StoreLock
-from .manifest import MANIFEST_NAME, Manifest, RetiredEntry, snapshot_generations, snapshot_path
+from .lock import StoreLock
+from .manifest import Manifest, RetiredEntry
+from .naming import MANIFEST_LOCK, MANIFEST_NAME, snapshot_generations, snapshot_path
 
 __all__ = ["collect", "deletable", "kept_snapshots"]
 

@@ -14,13 +14,12 @@ from .clock import seconds_since, utc_datetime, utc_now
 from .errors import ConfigError, ManifestError, ShardError
 from .frames import check_shard
 from .layout import Schema
-from .lock import MANIFEST_LOCK, StoreLock
-from .manifest import (
+from .lock import StoreLock
+from .manifest import Manifest, RetiredEntry, ShardEntry, Sidecar
+from .naming import (
+    MANIFEST_LOCK,
     MANIFEST_NAME,
-    Manifest,
-    RetiredEntry,
-    ShardEntry,
-    Sidecar,
+    date_file_names,
     name_version,
     next_generation,
     snapshot_generations,
@@ -83,7 +82,7 @@ def next_version(store: Path, date: dt.date) -> int:
     """A version of ``date``'s shard files that no file on disk, in the manifest or in its
     retired list uses: a rewrite never touches a published file."""
     store, day = Path(store), date.isoformat()
-    names = [p.name for p in store.glob(f"{day}.*")]
+    names = date_file_names(store, date)
     try:
         m = Manifest.load(store / MANIFEST_NAME)
         names += [e.rec for e in (*m.shards, *m.retired) if e.date == day]

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Optional
 
 from .fsutil import atomic_write
+from .naming import WATCH_STATE
 
 __all__ = ["WATCH_STATE", "FORMAT", "Failing", "save_state", "load_state"]
 
 log = logging.getLogger(__name__)
-WATCH_STATE = ".watch-state.json"
 FORMAT = "shardgen-watch/1"
 
 

@@ -22,7 +22,8 @@ import numpy as np
 from .errors import ShardError
 from .fsutil import atomic_write
 from .layout import HEAD_FLOATS, HEADER_BYTES, MAGIC, Schema, day_number, frame_record, record_data
-from .manifest import Sidecar, shard_stem
+from .manifest import Sidecar
+from .naming import shard_paths
 from .process import RunSpec, WindowSet, as_window_set
 
 __all__ = ["PackedShard", "pack_records", "plan_records", "write_shard", "shard_paths", "BLOCK_ROWS"]
@@ -43,11 +44,6 @@ class PackedShard:
     @property
     def records(self) -> int:
         return len(self.offsets)
-
-
-def shard_paths(store: Path, date: dt.date, version: int = 1) -> dict[str, Path]:
-    name = shard_stem(date.isoformat(), version)  # version 1: <date>.<ext>; k > 1: <date>.v<k>.<ext>
-    return {ext: Path(store) / f"{name}.{ext}" for ext in ("rec", "idx", "json")}
 
 
 def _date_rng(date: dt.date) -> np.random.Generator:
