@@ -23,7 +23,7 @@ from .generator import STOP, obtain_raw
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, Sidecar
 from .naming import shard_paths
 from .process import run_processor
-from .store import check_sidecar, next_version, open_manifest, publish
+from .publish import check_sidecar, next_version, open_manifest, publish
 from .writer import write_shard
 
 __all__ = ["DateResult", "BuildReport", "produce", "build", "complete_shard", "wanted"]

@@ -37,7 +37,8 @@ from .gc import collect
 from .lock import StoreLock
 from .manifest import Sidecar
 from .naming import WATCH_LOCK, dated_sidecars
-from .store import check_sidecar, open_manifest, publish, verify_shard
+from .publish import check_sidecar, open_manifest, publish
+from .verify import verify_shard
 from .watchstate import Failing, save_state
 
 __all__ = ["Watcher", "CycleReport"]

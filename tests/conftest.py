@@ -103,7 +103,7 @@ def make_store(store: Path, counts: dict, *, window: int = 0, t: int = 3, c: int
     import datetime as dt
 
     from shardgen.layout import LabelSpec, Layout, Schema
-    from shardgen.store import publish
+    from shardgen.publish import publish
     from shardgen.writer import write_shard
 
     schema = Schema.create(time_steps=t, num_inputs=c, data_name="seq_var",
