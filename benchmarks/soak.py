@@ -16,7 +16,7 @@ from typing import Callable
 from loader.shard_iter import ShardIter
 from shardgen.manifest import MANIFEST_NAME, Manifest
 from shardgen.process import sliding_windows
-from shardgen.store import publish
+from shardgen.publish import publish
 from shardgen.writer import write_shard
 
 from .stores import LABELS, LAYOUTS, C, T, make_store, raw_rows

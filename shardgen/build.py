@@ -21,9 +21,10 @@ from .errors import Interrupted, ShardgenError
 from .fsutil import atomic_write, clean_temp_files
 from .generator import STOP, obtain_raw
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, Sidecar
+from .naming import shard_paths
 from .process import run_processor
-from .store import check_sidecar, next_version, open_manifest, publish
-from .writer import shard_paths, write_shard
+from .publish import check_sidecar, next_version, open_manifest, publish
+from .writer import write_shard
 
 __all__ = ["DateResult", "BuildReport", "produce", "build", "complete_shard", "wanted"]
 
@@ -141,6 +142,69 @@ def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = Fal
     return parallel(tasks)
 
 
+class _Pending:
+    """Finished shards not yet in the manifest: ``flush`` publishes them (and notes the manifest in
+    the report); ``flush_if_due`` does so once ``every_s`` passed since the last flush."""
+
+    def __init__(self, cfg: Config, report: BuildReport, every_s: float):
+        self.cfg, self.report, self.every_s = cfg, report, every_s
+        self.entries: list[ShardEntry] = []
+        self.last = time.monotonic()
+
+    def flush_if_due(self) -> None:
+        if time.monotonic() - self.last >= self.every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.entries:
+            saved = publish(self.cfg.store.dir, self.cfg.schema, self.cfg.store.window, self.entries)
+            self.report.manifest = saved or self.report.manifest
+            self.entries = []
+        self.last = time.monotonic()
+
+
+def _open_store(cfg: Config) -> Manifest:
+    """Create the store folder, remove dead processes' temp files; the manifest, with the config's window."""
+    store = cfg.store.dir
+    store.mkdir(parents=True, exist_ok=True)
+    for path in clean_temp_files(store):
+        log.info("removed %s left by a dead process", path.name)
+    return replace(open_manifest(store, cfg.schema, cfg.store.window), window=cfg.store.window)
+
+
+def _tally(report: BuildReport, res: DateResult, pending: _Pending) -> None:
+    """Log one date's result and count it in the report; a finished shard joins ``pending``."""
+    if res.status == "abandoned":
+        log.info("%s", res.message)
+    elif res.status == "failed":
+        report.failed.append((res.date, res.message))
+        log.error("%s", res.message)
+    elif res.status == "empty":
+        report.empty.append((res.date, res.message))
+        log.warning("%s: %s", res.date, res.message)
+    else:
+        pending.entries.append(res.entry)
+        report.published.append(res.date)
+        report.records += res.entry.records
+        report.windows += res.entry.samples
+        report.bytes += res.entry.bytes
+        log.info("published %s (%s shard, %d windows)", res.date, res.status, res.entry.samples)
+
+
+def _workers_died(report: BuildReport, todo: list[dt.date], exc: BaseException, *, stopping: bool) -> None:
+    """A worker process died (SIGTERM to the group, OOM killer, SIGKILL): unless we are stopping,
+    every date not finished is failed, to be tried again on the next run."""
+    if stopping:
+        log.info("stopping: the worker processes ended (%s)", type(exc).__name__)
+        return
+    done = set(report.published) | {d for d, _ in report.failed} | {d for d, _ in report.empty}
+    for date in todo:
+        if date not in done:
+            report.failed.append((date, f"{date}: a worker process died before this date was finished "
+                                        f"({type(exc).__name__}); it is tried again on the next run"))
+            log.error("%s", report.failed[-1][1])
+
+
 def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date] = None,
           jobs: Optional[int] = None, force: bool = False, today: Optional[dt.date] = None,
           dates: Optional[list[dt.date]] = None, raw_dates: Iterable[dt.date] = (),
@@ -155,11 +219,7 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
     Finished shards are published at least every ``publish_every_s`` (0: each one at once).
     """
     t0 = time.perf_counter()
-    store = cfg.store.dir
-    store.mkdir(parents=True, exist_ok=True)
-    for path in clean_temp_files(store):
-        log.info("removed %s left by a dead process", path.name)
-    manifest = replace(open_manifest(store, cfg.schema, cfg.store.window), window=cfg.store.window)
+    manifest = _open_store(cfg)
     raw_dates = frozenset(raw_dates)
     if dates is None:
         dates = cfg.dates_between(start, end, today)
@@ -167,59 +227,25 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
     todo = wanted(manifest, dates, force=force)
     report = BuildReport(skipped=len(dates) - len(todo))
     bar = progress(len(todo)) if progress and todo else None
-    pending: list[ShardEntry] = []
-    last_publish = time.monotonic()
-
-    def flush() -> None:
-        nonlocal last_publish, pending
-        if pending:
-            saved = publish(store, cfg.schema, cfg.store.window, pending)
-            report.manifest = saved or report.manifest
-            pending = []
-        last_publish = time.monotonic()
-
+    pending = _Pending(cfg, report, publish_every_s)
     try:
         for res in run_dates(cfg, todo, jobs=jobs or cfg.run.jobs, force=force, raw_dates=raw_dates):
-            if res.status == "abandoned":
-                log.info("%s", res.message)
-            elif res.status == "failed":
-                report.failed.append((res.date, res.message))
-                log.error("%s", res.message)
-            elif res.status == "empty":
-                report.empty.append((res.date, res.message))
-                log.warning("%s: %s", res.date, res.message)
-            else:
-                pending.append(res.entry)
-                report.published.append(res.date)
-                report.records += res.entry.records
-                report.windows += res.entry.samples
-                report.bytes += res.entry.bytes
-                log.info("published %s (%s shard, %d windows)", res.date, res.status, res.entry.samples)
+            _tally(report, res, pending)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(done=len(report.published), failed=len(report.failed), refresh=False)
-            if time.monotonic() - last_publish >= publish_every_s:
-                flush()
+            pending.flush_if_due()
             if should_stop():
                 log.info("stopping: not waiting for the remaining dates")
                 break
     except BrokenExecutor as exc:  # a worker process died: SIGTERM to the group, OOM killer, SIGKILL
-        if should_stop() or STOP.is_set():
-            log.info("stopping: the worker processes ended (%s)", type(exc).__name__)
-        else:
-            done = set(report.published) | {d for d, _ in report.failed} | {d for d, _ in report.empty}
-            for date in todo:
-                if date not in done:
-                    report.failed.append((date, f"{date}: a worker process died before this date was finished "
-                                                f"({type(exc).__name__}); it is tried again on the next run"))
-                    log.error("%s", report.failed[-1][1])
+        _workers_died(report, todo, exc, stopping=should_stop() or STOP.is_set())
     finally:
-        flush()
+        pending.flush()
         if bar is not None:
             bar.close()
+    store = cfg.store.dir
     if report.manifest is None and (store / MANIFEST_NAME).exists():
         report.manifest = Manifest.load(store / MANIFEST_NAME)
     report.seconds = time.perf_counter() - t0
     return report
-
-

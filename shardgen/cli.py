@@ -17,12 +17,14 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from . import store as store_mod
 from .build import build
 from .config import load_config, parse_date
 from .errors import ConfigError, LockError, ManifestError, ShardgenError
 from .gc import collect
+from .status import dumps, status, watch_fields
+from .verify import verify_store
 from .watch import Watcher
+from .watchstate import load_state
 
 __all__ = ["main"]
 
@@ -157,12 +159,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    info = store_mod.status(cfg.store.dir)
+    info = status(cfg.store.dir)
+    info.update(watch_fields(load_state(cfg.store.dir)))  # read once the manifest was, as before
     raw = cfg.raw_files()
     info["newest_raw"] = max(raw).isoformat() if raw else None
     info["raw_lag_days"] = (dt.date.today() - max(raw)).days if raw else None
     if args.json:
-        print(store_mod.dumps(info))
+        print(dumps(info))
         return 0
     mb = info["bytes"] / 1e6
     print(f"{info['manifest']}: generation {info['generation']}, {info['shards']} shards, "
@@ -184,7 +187,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    manifest, problems = store_mod.verify_store(cfg.store.dir)
+    manifest, problems = verify_store(cfg.store.dir)
     for date, problem in problems:
         print(f"shardgen: error: {date}: {problem}", file=sys.stderr)
     print(f"verified {len(manifest.shards)} shards of generation {manifest.generation}: "

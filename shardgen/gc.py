@@ -17,10 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
+from .clock import seconds_since, utc_datetime
 from .errors import ManifestError
 from .lease import live_lease_generations
-from .lock import MANIFEST_LOCK, StoreLock
-from .manifest import MANIFEST_NAME, Manifest, RetiredEntry, parse_utc, snapshot_generations, snapshot_path
+from .lock import StoreLock
+from .manifest import Manifest, RetiredEntry
+from .naming import MANIFEST_LOCK, MANIFEST_NAME, snapshot_generations, snapshot_path
 
 __all__ = ["collect", "deletable", "kept_snapshots"]
 
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def _age_s(entry: RetiredEntry, now: dt.datetime) -> float:
-    return (now - parse_utc(entry.retired_at)).total_seconds()
+    return seconds_since(entry.retired_at, now)
 
 
 def deletable(entry: RetiredEntry, live: list[int], grace_s: float, now: dt.datetime) -> bool:
@@ -56,7 +58,7 @@ def kept_snapshots(store: Path, manifest: Manifest, live: list[int], grace_s: fl
             log.warning("%s", exc)
     kept, gone = [], []
     for n in numbers:
-        recent = not superseded_at[n] or (now - parse_utc(superseded_at[n])).total_seconds() < grace_s
+        recent = not superseded_at[n] or seconds_since(superseded_at[n], now) < grace_s
         if n == manifest.generation or (oldest_live is not None and n >= oldest_live) or recent:
             kept.append(n)
         else:
@@ -71,7 +73,7 @@ def collect(store: Path, *, grace_s: float, lease_ttl_s: float,
     store = Path(store)
     if not (store / MANIFEST_NAME).exists():
         return []
-    now = now or dt.datetime.now(dt.timezone.utc)
+    now = now or utc_datetime()
     with StoreLock(store / MANIFEST_LOCK, what="manifest"):
         manifest = Manifest.load(store / MANIFEST_NAME)  # refuses names outside the store
         live = live_lease_generations(store, lease_ttl_s)

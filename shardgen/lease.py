@@ -24,18 +24,16 @@ import os
 import socket
 import threading
 import time
-import uuid
 import weakref
 from pathlib import Path
 from typing import Optional
 
-from .fsutil import HOST_TOKEN, atomic_write, boot_id, pid_alive, pid_namespace
+from .fsutil import atomic_write, boot_id, pid_alive, pid_namespace
+from .naming import CLOCK_NAME, LEASE_DIR, new_lease_name
 
 __all__ = ["LEASE_DIR", "DEFAULT_TTL_S", "Lease", "live_lease_generations", "store_clock"]
 
 log = logging.getLogger(__name__)
-LEASE_DIR = "leases"
-CLOCK_NAME = ".clock"  # touched by gc: its mtime is "now" by the store filesystem's clock
 DEFAULT_TTL_S = 60.0
 _HOST = socket.gethostname()
 _PIDNS = pid_namespace()
@@ -105,7 +103,7 @@ class Lease:
     """
 
     def __init__(self, store: Path, *, refresh_s: float = DEFAULT_TTL_S / 6):
-        self.path = Path(store) / LEASE_DIR / f"{HOST_TOKEN}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+        self.path = Path(store) / LEASE_DIR / new_lease_name()
         self.refresh_s = refresh_s
         self._state = _Heartbeat(self.path)
         self._thread: Optional[threading.Thread] = None

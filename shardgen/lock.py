@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import LockError
+from .naming import MANIFEST_LOCK, WATCH_LOCK
 
 __all__ = ["StoreLock", "MANIFEST_LOCK", "WATCH_LOCK"]
-
-MANIFEST_LOCK = ".manifest.lock"  # held briefly by whoever publishes a new manifest generation
-WATCH_LOCK = ".watch.lock"  # held for its lifetime by the one watcher of a store
 
 
 class StoreLock:

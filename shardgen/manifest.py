@@ -28,6 +28,9 @@ snapshot or sidecar must be a plain file name inside the store (no ``/``, not st
 Format ``shardgen/1`` (no snapshots, ``retired`` one entry per date) is read as is and
 written as ``shardgen/2`` at the next publish. Readers never lock; the single writer (under
 the manifest lock) bumps ``generation`` on every change.
+
+The file names (``MANIFEST_NAME``, snapshot paths, shard stems and versions) are built in
+``naming`` and re-exported here.
 """
 
 from __future__ import annotations
@@ -39,9 +42,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from .clock import parse_utc, utc_now
 from .errors import ManifestError, ShardError
+from .format.schema import Schema
 from .fsutil import atomic_write
-from .layout import Schema
+from .naming import (
+    MANIFEST_NAME,
+    SNAPSHOT_DIR,
+    check_name,
+    name_version,
+    next_generation,
+    shard_stem,
+    sidecar_of,
+    snapshot_generations,
+    snapshot_path,
+)
 
 __all__ = ["FORMAT", "MANIFEST_NAME", "SNAPSHOT_DIR", "ShardEntry", "RetiredEntry", "Manifest", "Sidecar",
            "utc_now", "parse_utc", "check_name", "shard_stem", "name_version", "snapshot_path",
@@ -49,23 +64,7 @@ __all__ = ["FORMAT", "MANIFEST_NAME", "SNAPSHOT_DIR", "ShardEntry", "RetiredEntr
 
 FORMAT = "shardgen/2"
 READABLE_FORMATS = ("shardgen/1", FORMAT)
-MANIFEST_NAME = "manifest.json"
-SNAPSHOT_DIR = "generations"
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
-_VERSION_RE = re.compile(r"^\d{4}-\d{2}-\d{2}\.v(\d+)\.[a-z]+$")
-
-
-_STAMP = "%Y-%m-%dT%H:%M:%SZ"
-
-
-def utc_now() -> str:
-    """Now, as the manifest writes times."""
-    return dt.datetime.now(dt.timezone.utc).strftime(_STAMP)
-
-
-def parse_utc(stamp: str) -> dt.datetime:
-    """A time the manifest wrote, back as an aware datetime."""
-    return dt.datetime.strptime(stamp, _STAMP).replace(tzinfo=dt.timezone.utc)
 
 
 def _check_date(value: object, where: str) -> str:
@@ -76,51 +75,6 @@ def _check_date(value: object, where: str) -> str:
     except ValueError:
         raise ValueError(f"{where}: date {value!r} is not YYYY-MM-DD") from None
     return str(value)
-
-
-def check_name(name: object, where: str) -> str:
-    """``name`` if it is a plain file name inside the store; ValueError saying why not otherwise."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{where}: file name {name!r} is empty or not a string")
-    if "/" in name or "\\" in name or "\0" in name or ";" in name or name.startswith("."):
-        raise ValueError(f"{where}: file name {name!r} is not a plain file name inside the store "
-                         "(no '/', '\\', NUL or ';', no leading '.')")
-    return name
-
-
-def shard_stem(date: str, version: int = 1) -> str:
-    """File name stem of version ``version`` of a date's shard: ``<date>`` or ``<date>.v<k>``."""
-    if version < 1:
-        raise ValueError(f"shard {date}: version must be >= 1, got {version}")
-    return date if version == 1 else f"{date}.v{version}"
-
-
-def name_version(name: str) -> int:
-    """The version a shard file name carries (1 for ``<date>.<ext>``)."""
-    m = _VERSION_RE.match(name)
-    return int(m.group(1)) if m else 1
-
-
-def _sidecar_of(rec: str) -> Optional[str]:
-    return rec[: -len(".rec")] + ".json" if rec.endswith(".rec") and len(rec) > len(".rec") else None
-
-
-def snapshot_path(store: Path, generation: int) -> Path:
-    """Where the snapshot of ``generation`` lives."""
-    return Path(store) / SNAPSHOT_DIR / f"{int(generation)}.json"
-
-
-def next_generation(store: Path, manifest: Manifest) -> int:
-    """The number the next publish of ``manifest`` gets: never one a snapshot already used."""
-    return max([manifest.generation, *snapshot_generations(store)]) + 1
-
-
-def snapshot_generations(store: Path) -> list[int]:
-    """The generations whose snapshot is on disk, ascending."""
-    folder = Path(store) / SNAPSHOT_DIR
-    if not folder.is_dir():
-        return []
-    return sorted(int(p.stem) for p in folder.glob("*.json") if p.stem.isdigit())
 
 
 @dataclass(frozen=True)
@@ -149,7 +103,7 @@ class ShardEntry:
     @property
     def sidecar(self) -> Optional[str]:
         """The sidecar's file name (per version, next to the ``.rec``)."""
-        return _sidecar_of(self.rec)
+        return sidecar_of(self.rec)
 
     def to_json(self) -> dict:
         out = dict(self.__dict__)
@@ -185,7 +139,7 @@ class RetiredEntry:
 
     @property
     def sidecar(self) -> Optional[str]:
-        return _sidecar_of(self.rec)
+        return sidecar_of(self.rec)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)

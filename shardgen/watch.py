@@ -30,13 +30,16 @@ from typing import Callable, Optional
 from . import generator
 from .backoff import retry_delay
 from .build import BuildReport, build, wanted
+from .clock import utc_stamp
 from .config import Config
 from .errors import ShardError, ShardgenError
 from .gc import collect
-from .lock import WATCH_LOCK, StoreLock
+from .lock import StoreLock
 from .manifest import Sidecar
-from .store import check_sidecar, open_manifest, publish, verify_shard
-from .watchstate import Failing, save_state, utc_stamp
+from .naming import WATCH_LOCK, dated_sidecars
+from .publish import check_sidecar, open_manifest, publish
+from .verify import verify_shard
+from .watchstate import Failing, save_state
 
 __all__ = ["Watcher", "CycleReport"]
 
@@ -220,13 +223,7 @@ class Watcher:
         """Complete shards of this schema that other producers wrote into the store."""
         cfg = self.cfg
         manifest = open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
-        candidates = []
-        for path in sorted(cfg.store.dir.glob("????-??-??.json")):
-            try:
-                date = dt.date.fromisoformat(path.stem)
-            except ValueError:
-                continue
-            candidates.append((date, path))
+        candidates = dated_sidecars(cfg.store.dir)
         todo = set(wanted(manifest, [d for d, _ in candidates]))
         entries = []
         for date, path in candidates:

@@ -14,7 +14,6 @@ file changes, ``next_retry`` null).
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -22,17 +21,12 @@ from pathlib import Path
 from typing import Optional
 
 from .fsutil import atomic_write
+from .naming import WATCH_STATE
 
-__all__ = ["WATCH_STATE", "FORMAT", "Failing", "save_state", "load_state", "utc_stamp"]
+__all__ = ["WATCH_STATE", "FORMAT", "Failing", "save_state", "load_state"]
 
 log = logging.getLogger(__name__)
-WATCH_STATE = ".watch-state.json"
 FORMAT = "shardgen-watch/1"
-
-
-def utc_stamp(ts: float) -> str:
-    """A Unix time as ``YYYY-MM-DDTHH:MM:SSZ`` (the manifest's style)."""
-    return dt.datetime.fromtimestamp(int(ts), dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,12 @@ from .format.framing import frame_records
 from .format.index import shard_index_text
 from .format.schema import Schema, day_number
 from .fsutil import atomic_write
-from .manifest import Manifest, Sidecar, shard_stem
+from .manifest import Manifest, Sidecar
+from .naming import shard_paths
 from .process import RunSpec, WindowSet, as_window_set
-from .store import publish
+from .publish import publish
 
 __all__ = ["write_shard", "write_store", "shard_paths"]
-
-
-def shard_paths(store: Path, date: dt.date, version: int = 1) -> dict[str, Path]:
-    name = shard_stem(date.isoformat(), version)  # version 1: <date>.<ext>; k > 1: <date>.v<k>.<ext>
-    return {ext: Path(store) / f"{name}.{ext}" for ext in ("rec", "idx", "json")}
 
 
 def _records(ws: WindowSet, schema: Schema, date: dt.date) -> tuple[int, Callable]:

@@ -16,7 +16,7 @@ from shardgen.build import build
 from shardgen.config import load_config
 from shardgen.layout import unpack_samples
 from shardgen.manifest import Manifest
-from shardgen.store import verify_store
+from shardgen.verify import verify_store
 
 DATES = ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05"]
 

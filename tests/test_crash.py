@@ -12,7 +12,7 @@ from conftest import ROOT, runs, write_config
 from shardgen.config import load_config
 from shardgen.fsutil import HOST_TOKEN, clean_temp_files, host_token, temp_name
 from shardgen.manifest import Manifest
-from shardgen.store import verify_store
+from shardgen.verify import verify_store
 
 pytestmark = pytest.mark.slow
 DATES_8 = ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05",

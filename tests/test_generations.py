@@ -20,7 +20,8 @@ from shardgen.errors import ManifestError, ShardError
 from shardgen.gc import collect
 from shardgen.lease import live_lease_generations
 from shardgen.manifest import Manifest, Sidecar, snapshot_generations, snapshot_path
-from shardgen.store import status, verify_store
+from shardgen.status import status
+from shardgen.verify import verify_store
 
 COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}  # 131 records
 

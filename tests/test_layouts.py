@@ -13,7 +13,8 @@ from loader import LoaderError, ShardIter
 from shardgen.layout import LabelSpec, Layout, Schema, unpack_samples
 from shardgen.manifest import Manifest
 from shardgen.process import RunSpec, sliding_windows
-from shardgen.store import publish, verify_store
+from shardgen.publish import publish
+from shardgen.verify import verify_store
 from shardgen.writer import write_shard
 
 T, C = 6, 3

@@ -208,7 +208,7 @@ def _copy_store(src, dst):
 def test_a_damaged_idx_is_for_verify_the_loader_does_not_use_it(store, tmp_path, cache, text, match):
     """The loader indexes whole-size records itself (from the checked .rec); stock MXNet readers
     use the .idx, so `shardgen verify` names it."""
-    from shardgen.store import verify_store
+    from shardgen.verify import verify_store
 
     copy = _copy_store(store, tmp_path / "s")
     (copy / "2024-01-05.idx").write_text(text)
@@ -284,7 +284,7 @@ def test_records_split_by_the_magic_word_read_back_exactly(tmp_path, cache):
     import struct
 
     from shardgen.layout import MAGIC, LabelSpec, Schema
-    from shardgen.store import publish
+    from shardgen.publish import publish
     from shardgen.writer import write_shard
 
     schema = Schema.create(time_steps=2, num_inputs=2, data_name="seq_var", labels=[LabelSpec("a", 1)])

@@ -11,7 +11,7 @@ from loader.memory import parse_size, physical_memory
 from loader.shuffle_buffer import buffer_bytes
 from shardgen.layout import LabelSpec, Layout, Schema
 from shardgen.process import sliding_windows
-from shardgen.store import publish
+from shardgen.publish import publish
 from shardgen.writer import write_shard
 
 T, C = 60, 32  # the demo's window: a record of a 64-window run is ~24 KB, as in real stores

@@ -20,7 +20,7 @@ from shardgen.errors import ShardgenError
 from shardgen.gc import collect
 from shardgen.lease import LEASE_DIR, live_lease_generations
 from shardgen.manifest import Manifest
-from shardgen.store import verify_store
+from shardgen.verify import verify_store
 
 pytestmark = pytest.mark.slow
 

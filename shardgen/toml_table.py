@@ -1,0 +1,74 @@
+"""Reading ``shardgen.toml``: the file, and tables whose every key is checked (unknown keys refused)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Table", "number", "integer", "read_toml"]
+
+_MISSING = object()
+
+
+def read_toml(path: Path) -> dict:
+    """The parsed file; ConfigError if it is missing, unreadable or not TOML."""
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+
+
+class Table:
+    """Reads one TOML table, remembering which keys were used so leftovers can be refused."""
+
+    def __init__(self, data: dict, name: str):
+        if not isinstance(data, dict):
+            raise ConfigError(f"[{name}] must be a table")
+        self.data, self.name, self.used = data, name, set()
+
+    def get(self, key: str, kind: Any, default: Any = _MISSING) -> Any:
+        self.used.add(key)
+        if key not in self.data:
+            if default is _MISSING:
+                raise ConfigError(f"{self.name}.{key} is missing")
+            return default
+        value = self.data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise ConfigError(f"{self.name}.{key} must be {names}, got {value!r}")
+        return value
+
+    def rest(self) -> dict:
+        return {k: v for k, v in self.data.items() if k not in self.used}
+
+    def done(self) -> None:
+        extra = sorted(set(self.data) - self.used)
+        if extra:
+            raise ConfigError(f"unknown key {self.name}.{extra[0]}")
+
+
+def number(table: Table, key: str, default: float, minimum: float) -> float:
+    value = float(table.get(key, (int, float), default))
+    if value < minimum:
+        raise ConfigError(f"{table.name}.{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def integer(table: Table, key: str, default: int, minimum: int) -> int:
+    value = table.get(key, int, default)
+    if value < minimum:
+        raise ConfigError(f"{table.name}.{key} must be >= {minimum}, got {value}")
+    return value
