@@ -20,6 +20,7 @@ import sys
 import threading
 from typing import Optional, Union
 
+import mxnet as mx
 import numpy as np
 
 from shardgen.format.schema import Schema
@@ -140,6 +141,13 @@ class Arena:
     def give_back(self, buffer: ShuffleBuffer) -> None:
         with self._lock:  # two streams are alive at most (this epoch's and the next's): keep two
             self._shuffle = (self._shuffle + [buffer])[-2:]
+
+    @staticmethod
+    def hand_out(flat: np.ndarray, views: list) -> list:
+        """The caller's arrays: ``views`` ``(start, stop, shape)`` of the batch buffer ``flat``,
+        handed to MXNet without a copy."""
+        whole = mx.nd.from_numpy(flat, zero_copy=True)
+        return [whole[a:z].reshape(shape) for a, z, shape in views]
 
     def batch(self) -> np.ndarray:
         """A free batch buffer: one no caller holds any more, or a new one."""

@@ -17,7 +17,7 @@ import os
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mxnet as mx
 
@@ -50,12 +50,22 @@ class ShardIter(mx.io.DataIter):
     than half the machine's memory is a LoaderError.
     """
 
+    def __new__(cls, *args: Any, producer: str = "process", **kwargs: Any) -> ShardIter:
+        if producer not in ("process", "thread"):
+            raise LoaderError(f"producer must be 'process' or 'thread', got {producer!r}")
+        if cls is ShardIter and producer == "process":
+            from .remote import ProcessShardIter
+
+            return super().__new__(ProcessShardIter)
+        return super().__new__(cls)
+
     def __init__(self, manifest: os.PathLike | str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  preprocess_threads: int = 4, prefetch_buffer: int = 4, num_parts: int = 1,
                  part_index: int = 0, last_batch: str = "pad", dates: DateRange = None,
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
                  verify: str = "frame", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
-                 native_batch: Optional[int] = None, generation: Optional[int] = None):
+                 native_batch: Optional[int] = None, generation: Optional[int] = None,
+                 producer: str = "process", _arena: Optional[Callable] = None):
         check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
                         preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
                         native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify)
@@ -92,7 +102,8 @@ class ShardIter(mx.io.DataIter):
         self.memory = check_memory(self._params, shuffle_buffer)
         settle_allocator()
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
-        self._epochs.arena = Arena(self.schema, batch_floats(self._params), keep=2 * (self.prefetch_buffer + 4))
+        self._epochs.arena = (_arena or Arena)(self.schema, batch_floats(self._params),
+                                               keep=2 * (self.prefetch_buffer + 4))
         self._describe()
         self._start_epoch(self._plan_for(manifest_obj, select_shards(manifest_obj, self.dates)))
         lifecycle.track(self)
@@ -321,10 +332,17 @@ class ShardIter(mx.io.DataIter):
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "_cursor", 0) and self._epoch_running():
+            self.history.append(self.stats)
+        self._release()
+
+    def _epoch_running(self) -> bool:
+        res = getattr(self, "_epochs", None)
+        return res is not None and res.stream is not None
+
+    def _release(self) -> None:
         res = getattr(self, "_epochs", None)
         if res is not None:
-            if getattr(self, "_cursor", 0) and res.stream is not None:
-                self.history.append(self.stats)
             res.close()
 
     def __enter__(self) -> ShardIter:

@@ -296,15 +296,11 @@ class EpochStream:
         if "date" in p.label_names:
             a, z, _shape = next(views)
             flat[a:z] = days
-        return self._wrap(flat)
-
-    def _wrap(self, flat: np.ndarray) -> list:
-        whole = mx.nd.from_numpy(flat, zero_copy=True)
-        return [whole[a:z].reshape(shape) for a, z, shape in self._views]
+        return self._arena.hand_out(flat, self._views)
 
     def _repeat(self, saved: np.ndarray) -> list:
         """A batch that repeats the last real one (the README's exception), in a buffer of its own:
         the caller may have changed the original in place."""
         flat = self._arena.batch()
         flat[:] = saved
-        return self._wrap(flat)
+        return self._arena.hand_out(flat, self._views)

@@ -20,7 +20,9 @@ def test_build_status_verify(cfg_dir):
     assert r.returncode == 0 and info["shards"] == 3 and info["windows"] == 3 * 26
     assert info["first_date"] == "2024-01-02" and info["last_date"] == "2024-01-05"
     r = shardgen_cli("status", "-c", cfg)
-    assert "generation 1, 3 shards, 78 windows" in r.stdout
+    # A slow machine publishes more than once in a build (every publish_every_s): the generation
+    # is the one --json reported.
+    assert info["generation"] >= 1 and f"generation {info['generation']}, 3 shards, 78 windows" in r.stdout
     r = shardgen_cli("verify", "-c", cfg)
     assert r.returncode == 0 and "verified 3 shards" in r.stdout
 

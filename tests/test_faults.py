@@ -47,7 +47,7 @@ def test_close_from_another_thread_wakes_a_blocked_next(tmp_path, monkeypatch):
         return real(native)
 
     monkeypatch.setattr(module, "next_label", stalled)
-    it = ShardIter(tmp_path / "s", 4, readers=1, cache_dir=tmp_path / "c")
+    it = ShardIter(tmp_path / "s", 4, readers=1, cache_dir=tmp_path / "c", producer="thread")
     outcome = []
 
     def consume():

@@ -162,7 +162,8 @@ def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache,
 
     import loader.stream as module
 
-    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
+    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache,
+                   producer="thread") as it:
         time.sleep(0.3)  # the native iterator starts and the producer fills its queue
         for _ in it:
             time.sleep(0.05)
@@ -174,7 +175,8 @@ def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache,
         return real(native)
 
     monkeypatch.setattr(module, "next_label", slow)
-    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
+    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache,
+                   producer="thread") as it:
         assert sum(5 - b.pad for b in it) == 41
         assert it.stats["stall_fraction"] > 0.8, it.stats
 
@@ -340,7 +342,7 @@ def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, mo
     import loader.stream as module
 
     # One record per native batch, in order: every batch of 1 is one next_label() call.
-    it = ShardIter(store, 1, shuffle=False, native_batch=1, prefetch_buffer=2, cache_dir=cache)
+    it = ShardIter(store, 1, shuffle=False, native_batch=1, prefetch_buffer=2, cache_dir=cache, producer="thread")
     it.next()
     _within(10, it.reset, "reset() with the producer parked on a full queue")
     calls = {"n": 0}
@@ -408,7 +410,7 @@ def test_an_iterator_dropped_without_close_releases_everything(tmp_path):
 
     make_store(tmp_path / "s", {"2024-01-02": 70, "2024-01-03": 13})
     before = set(threading.enumerate())
-    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
+    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", producer="thread")
     it.next()
     assert list((tmp_path / "s" / "leases").glob("*.json"))
     mine = [t for t in threading.enumerate() if t not in before]

@@ -1,0 +1,114 @@
+"""Batch buffers shared between the producer process and the trainer: one ``memfd`` per slot,
+mapped by both. The producer assembles a batch straight into a free slot; the trainer wraps the
+slot's arrays for MXNet without a copy (``mx.nd.from_numpy``) and gives the slot back once MXNet
+and the caller let go of them (the wrapped arrays hold the slot's numpy array; MXNet drops them
+when its engine is done with them).
+
+A slot's file descriptor travels once, with the first batch in it (``SCM_RIGHTS``); after that a
+batch message names the slot by number. Slots are never taken back from the trainer: a trainer
+that keeps every batch of an epoch (``list(it)``) makes the producer open new ones, as the
+in-process ``Arena`` allocates new buffers then.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import threading
+from typing import Optional
+
+import mxnet as mx
+import numpy as np
+
+from .memory import Arena
+
+__all__ = ["SlotArena", "SlotMaps"]
+
+
+def _map(fd: int, floats: int) -> np.ndarray:
+    return np.frombuffer(mmap.mmap(fd, floats * 4), np.float32, floats)
+
+
+class SlotArena(Arena):
+    """The producer's side: batch buffers are slots; ``hand_out`` returns the buffer itself."""
+
+    def __init__(self, schema, batch_floats: int, keep: int):
+        super().__init__(schema, batch_floats, keep)
+        self.slots: list[np.ndarray] = []
+        self.fds: list[int] = []
+        self._free: list[int] = []
+        self._number: dict[int, int] = {}  # buffer address -> slot number
+        self._announced: set[int] = set()
+
+    def batch(self) -> np.ndarray:
+        with self._lock:
+            if self._free:
+                return self.slots[self._free.pop()]
+            fd = os.memfd_create("shardgen-batch", getattr(os, "MFD_CLOEXEC", 0))
+            os.ftruncate(fd, self.batch_floats * 4)
+            array = _map(fd, self.batch_floats)
+            self._number[array.ctypes.data] = len(self.slots)
+            self.slots.append(array)
+            self.fds.append(fd)
+            return array
+
+    @staticmethod
+    def hand_out(flat: np.ndarray, views: list) -> list:
+        return [flat]
+
+    def announce(self, flat: np.ndarray) -> tuple[int, list[int]]:
+        """The slot number of a batch buffer, and its descriptor if the trainer has not seen it."""
+        with self._lock:
+            number = self._number[flat.ctypes.data]
+            if number in self._announced:
+                return number, []
+            self._announced.add(number)
+            return number, [self.fds[number]]
+
+    def give_back_slots(self, numbers: list[int]) -> None:
+        with self._lock:
+            self._free.extend(n for n in numbers if 0 <= n < len(self.slots) and n not in self._free)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self.fds:
+                os.close(fd)
+            self.fds = []
+
+
+class SlotMaps:
+    """The trainer's side: the slots it has mapped, and which of them it still holds."""
+
+    def __init__(self, floats: int, views: list):
+        self.floats, self.views = floats, views
+        self.arrays: dict[int, np.ndarray] = {}
+        self.held: set[int] = set()
+        self.lock = threading.Lock()
+
+    def add(self, number: int, fds: list[int]) -> None:
+        for fd in fds:
+            try:
+                self.arrays[number] = _map(fd, self.floats)
+            finally:
+                os.close(fd)
+
+    def wrap(self, number: int) -> list:
+        """The batch in slot ``number`` as MXNet arrays (no copy)."""
+        flat = self.arrays[number]
+        with self.lock:
+            self.held.add(number)
+        return [mx.nd.from_numpy(flat[a:z].reshape(shape), zero_copy=True) for a, z, shape in self.views]
+
+    def copy(self, number: int) -> list:
+        """The batch in slot ``number`` as MXNet arrays of their own (the slot is free at once)."""
+        flat = self.arrays[number]
+        return [mx.nd.array(flat[a:z].reshape(shape), dtype=np.float32) for a, z, shape in self.views]
+
+    def released(self, keep: Optional[int] = None) -> list[int]:
+        """Held slots nothing refers to any more (but ``keep``): the producer may reuse them."""
+        with self.lock:
+            # References: the dict, getrefcount's argument; more while a wrapped array is alive.
+            done = [n for n in self.held if n != keep and sys.getrefcount(self.arrays[n]) <= 2]
+            self.held.difference_update(done)
+        return done
