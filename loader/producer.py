@@ -91,6 +91,12 @@ class Session:
                 return
 
     def pump(self) -> None:
+        try:
+            self._pump()
+        except OSError:  # the trainer's end is closed (dropped, exited or killed)
+            self._close(None)
+
+    def _pump(self) -> None:
         sent, batches, active = 0, 0, False
         while True:
             with self.cond:

@@ -42,9 +42,11 @@ class ShardIter(mx.io.DataIter):
 
     ``verify``: ``"frame"`` (default) checks every record's framing before MXNet reads it,
     ``"sha256"`` also checks content against the manifest, ``"none"`` trusts the files.
-    ``readers``: native iterators per part (each with its own I/O thread; default 1 on <= 2
-    cores, else 2). ``shuffle_buffer``: what is held for mixing, as a number of *records* (an
-    int) or a size in bytes (a string such as ``"256MB"`` or ``"1GiB"``; default 128 MB).
+    ``producer``: ``"process"`` (default: the work runs in this process's producer process,
+    :mod:`loader.remote`) or ``"thread"`` (in a thread of this process).
+    ``readers``: native iterators per part (each with its own I/O thread; default 2).
+    ``shuffle_buffer``: what is held for mixing, as a number of *records* (an int) or a size
+    in bytes (a string such as ``"256MB"`` or ``"1GiB"``; default 128 MB).
     ``native_batch``: records per native batch. ``prefetch_buffer``: caller batches assembled
     ahead. What these hold in memory is computed at construction (:mod:`loader.memory`); more
     than half the machine's memory is a LoaderError.

@@ -1,0 +1,148 @@
+"""The producer process (``producer="process"``, the default): what the trainer sees when it
+stalls, dies, or when the trainer itself is dropped, interrupted or killed."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from conftest import ROOT, batch_ids, make_store
+
+from loader import LoaderError, ShardIter
+from loader.remote import ProcessShardIter, _Producer
+
+COUNTS = {"2024-01-02": 70, "2024-01-03": 13}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait(predicate, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {seconds}s: {what}")
+
+
+def test_the_default_reads_in_a_producer_process_and_holding_every_batch_is_exact(tmp_path):
+    make_store(tmp_path / "s", COUNTS)
+    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c") as it:
+        assert isinstance(it, ProcessShardIter) and it.readers >= 1
+        for _ in range(2):
+            batches = list(it)  # every batch held: the producer opens slots, never reuses a held one
+            assert sorted(i for b in batches for i in batch_ids(b)) == list(range(83))
+            it.reset()
+    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", producer="thread") as local:
+        assert not isinstance(local, ProcessShardIter)
+    with pytest.raises(LoaderError, match="producer must be"):
+        ShardIter(tmp_path / "s", 4, producer="fork")
+
+
+def test_close_from_another_thread_wakes_a_next_waiting_on_a_stopped_producer(tmp_path):
+    make_store(tmp_path / "s", {"2024-01-02": 300})
+    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", prefetch_buffer=1)
+    pid = _Producer.get().proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        outcome = []
+
+        def consume():
+            try:
+                while True:
+                    it.next()
+            except BaseException as exc:  # noqa: BLE001 - the test records what ended the loop
+                outcome.append(exc)
+
+        t = threading.Thread(target=consume, daemon=True)
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive() and not outcome, "next() returned while the producer was stopped"
+        closer = threading.Thread(target=it.close, daemon=True)
+        closer.start()
+        t.join(timeout=10)
+        assert not t.is_alive(), "next() stayed blocked after close()"
+        assert len(outcome) == 1 and isinstance(outcome[0], LoaderError) and "closed" in str(outcome[0])
+        closer.join(timeout=10)
+        assert not closer.is_alive(), "close() hung on a stopped producer"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_killed_producer_is_a_clear_error_and_the_next_iterator_starts_a_new_one(tmp_path):
+    make_store(tmp_path / "s", COUNTS)
+    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
+    it.next()
+    pid = _Producer.get().proc.pid
+    os.kill(pid, signal.SIGKILL)
+    _wait(lambda: not _alive(pid), 10, "the producer died")
+    with pytest.raises(LoaderError, match=f"producer process \\(pid {pid}\\)"):
+        for _ in range(100):
+            it.next()
+    it.close()
+    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c") as again:
+        assert _Producer.get().proc.pid != pid
+        assert len([i for b in again for i in batch_ids(b)]) == 83
+
+
+def test_an_iterator_dropped_without_close_releases_its_lease_and_plan(tmp_path):
+    import gc
+
+    make_store(tmp_path / "s", COUNTS)
+    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
+    it.next()
+    assert list((tmp_path / "s" / "leases").glob("*.json"))
+    del it
+    gc.collect()
+    _wait(lambda: not list((tmp_path / "s" / "leases").glob("*.json")), 10, "the lease is gone")
+    _wait(lambda: not [p for p in (tmp_path / "c").glob("*/*") if p.is_dir()], 10, "the plan folder is gone")
+
+
+_TRAINER = """
+    import os, sys, time
+    from loader import ShardIter
+    from loader.remote import _Producer
+    it = ShardIter(sys.argv[1], 4, cache_dir=sys.argv[2])
+    print(_Producer.get().proc.pid, flush=True)
+    while True:
+        for b in it:
+            time.sleep(0.01)
+        it.reset()
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+def test_a_killed_or_interrupted_trainer_leaves_nothing_running(tmp_path, how):
+    make_store(tmp_path / "s", COUNTS)
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(_TRAINER))
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "s"), str(tmp_path / "c")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        producer = int(proc.stdout.readline())
+        time.sleep(1.0)
+        # Ctrl-C reaches the whole foreground process group: the producer ignores it.
+        os.killpg(proc.pid, getattr(signal, how))
+        proc.wait(timeout=60)
+        _wait(lambda: not _alive(producer), 15, "the producer exited with its trainer")
+        if how == "SIGINT":
+            assert "KeyboardInterrupt" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
