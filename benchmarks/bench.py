@@ -36,7 +36,8 @@ from .report import chart, machine_info, table, targets
 from .scale import scale_suite
 from .soak import soak_in_subprocess
 from .stores import LAYOUTS, PER_DATE, build, evict, schema_for, touch
-from .writer import build_speedup, writer_bandwidth
+from .training import loop_cost
+from .writer import build_cost, writer_bandwidth
 
 __all__ = ["main"]
 
@@ -117,16 +118,18 @@ def stall(loader: Loader, step_s: float, seconds: float, warmup: int = 3) -> dic
     gen = loader.batches()
     for _ in range(warmup):
         touch(next(gen))
-    waited, n, t0 = 0.0, 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    waits: list[float] = []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:  # across epoch boundaries: batches() resets
         t1 = time.perf_counter()
         touch(next(gen))
-        waited += time.perf_counter() - t1
+        waits.append(time.perf_counter() - t1)
         time.sleep(step_s)  # the GPU step: no GIL held
-        n += 1
     wall = time.perf_counter() - t0
     gen.close()
-    return {"stall_pct": 100 * waited / wall, "step_ms": 1000 * step_s, "batches": n}
+    ms = 1000 * np.array(waits)
+    return {"stall_pct": 100 * sum(waits) / wall, "step_ms": 1000 * step_s, "batches": len(waits),
+            "next_p50_ms": float(np.percentile(ms, 50)), "next_p99_ms": float(np.percentile(ms, 99))}
 
 
 def loaders(x: np.ndarray, labels: list[np.ndarray], store: Path, batch_size: int, cache: Path) -> list[Loader]:
@@ -147,6 +150,8 @@ def loaders(x: np.ndarray, labels: list[np.ndarray], store: Path, batch_size: in
         Loader("ShardIter", lambda: ShardIter(store, batch_size, shuffle=True, cache_dir=cache),
                "global shuffle, from disk"),
         Loader("ShardIter (no shuffle)", lambda: ShardIter(store, batch_size, shuffle=False, cache_dir=cache)),
+        Loader("ShardIter (thread producer)", lambda: ShardIter(store, batch_size, shuffle=True, cache_dir=cache,
+                                                                producer="thread"), "all in the trainer's process"),
     ]
 
 
@@ -214,7 +219,9 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     log("bench: writer")
     wn = min(n, 20 * PER_DATE)
     res["writer"] = writer_bandwidth(workdir, x[:wn], [a[:wn] for a in labels], repeats=1 if args.quick else 3)
-    res["build"] = build_speedup(workdir, 3 if args.quick else 60)
+    res["build"] = build_cost(workdir, 3 if args.quick else 30, work_ms=20 if args.quick else 100)
+    log("bench: a Gluon training loop")
+    res["training_loop"] = loop_cost(store, bs, cache, steps=4 if args.quick else 30)
     res["scale"] = scale_suite(workdir, quick=args.quick, seconds=seconds, log=log)
     log("bench: soak")
     res["soak"] = soak_in_subprocess(workdir, cache, epochs=12 if args.quick else 300,

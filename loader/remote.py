@@ -10,13 +10,7 @@ resumption, generations and errors are that one's, run in the producer process.
 
 from __future__ import annotations
 
-import collections
 import os
-import pickle
-import socket
-import subprocess
-import sys
-import threading
 import time
 import weakref
 from pathlib import Path
@@ -31,62 +25,17 @@ from . import lifecycle
 from .errors import LoaderError
 from .generations import Choice
 from .plan import default_cache_dir
-from .producer import BATCH_ERROR, MAX_MESSAGE
 from .selection import manifest_path_of, normalize_dates
+from .session import Session
 from .settings import check_arguments
 from .shard_iter import ShardIter
-from .slots import SlotMaps
 
 __all__ = ["ProcessShardIter", "START_TIMEOUT_S"]
 
 EPOCH_COMMANDS = ("init", "reset", "load", "close")
 
 START_TIMEOUT_S = 120.0  # the producer process's start (it imports MXNet) and an iterator's first epoch
-CLOSE_TIMEOUT_S = 30.0
-
-
-class _Producer:
-    """This process's producer process, started on first use (and again after a fork)."""
-
-    _lock = threading.Lock()
-    _current: Optional[_Producer] = None
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "loader.producer", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
-        theirs.close()
-        self.control = mine
-
-    @classmethod
-    def get(cls) -> _Producer:
-        with cls._lock:
-            p = cls._current
-            if p is None or p.pid != os.getpid() or p.proc.poll() is not None:
-                p = cls._current = cls()
-            return p
-
-    def session(self) -> socket.socket:
-        """A new session's socket (the producer gets the other end)."""
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            socket.send_fds(self.control, [b"s"], [theirs.fileno()])
-        except OSError:
-            mine.close()
-            raise LoaderError(f"the loader's producer process (pid {self.proc.pid}) is gone "
-                              f"(exit code {self.proc.poll()})") from None
-        finally:
-            theirs.close()
-        return mine
-
-
-def _close_session(sock: socket.socket, proc: subprocess.Popen) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
+CLOSE_TIMEOUT_S = 5.0  # close() waits this long for the producer to close the session, then lets go
 
 
 class ProcessShardIter(ShardIter):
@@ -110,11 +59,10 @@ class ProcessShardIter(ShardIter):
         self.cache_dir = Path(kwargs["cache_dir"]) if kwargs.get("cache_dir") is not None else default_cache_dir()
         self.epoch, self.history, self._closed = 0, [], False
         self._choice = Choice(pin=kwargs.get("generation"))
-        self._token, self._error, self._stale, self._early = 0, None, [], collections.deque()
-        self._lock = threading.RLock()
-        self._producer = _Producer.get()
-        self._sock = self._producer.session()
-        self._finalizer = weakref.finalize(self, _close_session, self._sock, self._producer.proc)
+        self._error = None
+        self._ack_every = max(1, (self.prefetch_buffer + 1) // 2)
+        self._session = Session(self.manifest_path)
+        self._finalizer = weakref.finalize(self, self._session.close, CLOSE_TIMEOUT_S)
         try:
             info = self._call("init", (str(manifest), batch_size), kwargs, timeout=START_TIMEOUT_S)
         except BaseException:
@@ -123,65 +71,14 @@ class ProcessShardIter(ShardIter):
         self.schema = Schema.from_json(info["schema"])
         self.label_names = tuple(info["label_names"])
         self.memory = info["memory"]
-        self._slots = SlotMaps(info["floats"], info["views"])
         self._describe()
         self._start(info)
         lifecycle.track(self)
 
     # -- messages -------------------------------------------------------------------------------
 
-    def _send(self, message: tuple) -> None:
-        try:
-            self._sock.send(pickle.dumps(message))
-        except OSError:
-            raise self._gone() from None
-
-    def _gone(self) -> LoaderError:
-        if self._closed:
-            return LoaderError(f"{self.manifest_path}: the iterator was closed while this call waited")
-        code = self._producer.proc.poll()
-        return LoaderError(f"{self.manifest_path}: the loader's producer process (pid {self._producer.proc.pid}) "
-                           f"is gone ({'exit code ' + str(code) if code is not None else 'connection closed'})")
-
-    def _receive(self, timeout: Optional[float] = None) -> tuple:
-        self._sock.settimeout(timeout)
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE, 4)
-        except socket.timeout:
-            raise LoaderError(f"{self.manifest_path}: the producer process did not answer within "
-                              f"{timeout:g}s") from None
-        except OSError:
-            data, fds = b"", []
-        if not data:
-            raise self._gone()
-        message = pickle.loads(data)
-        if message[0] == "batch":
-            self._slots.add(message[2], fds)
-        return message
-
-    def _call(self, kind: str, *args: Any, timeout: Optional[float] = START_TIMEOUT_S) -> Any:
-        """Send a command and wait for its answer. A command that starts an epoch (``EPOCH_COMMANDS``)
-        starts a new token: batches of the old one are dropped. Others keep the token: batches of
-        the running epoch that arrive first wait in ``_early`` for ``next()``."""
-        with self._lock:
-            if kind in EPOCH_COMMANDS:
-                self._token += 1
-                self._early.clear()
-            token = self._token
-            self._send((kind, token, *args))
-            while True:
-                message = self._receive(timeout)
-                if message[0] == "batch":
-                    (self._early if message[1] == token and kind not in EPOCH_COMMANDS else self._stale).append(
-                        message)
-                    continue
-                if message[1] != token or (message[0] == "error" and message[2].startswith(BATCH_ERROR)):
-                    if message[1] == token:
-                        self._early.append(message)
-                    continue
-                if message[0] == "error":
-                    raise LoaderError(message[2])
-                return message[2]
+    def _call(self, kind: str, *args: Any, timeout: float = START_TIMEOUT_S) -> Any:
+        return self._session.call(kind, *args, timeout=timeout)
 
     # -- epochs ---------------------------------------------------------------------------------
 
@@ -239,12 +136,11 @@ class ProcessShardIter(ShardIter):
         self._check_open()
         if self._error is not None:
             raise self._error
-        with self._lock:
-            message = self._early.popleft() if self._early else self._next_message()
-            if message[0] == "error":
-                self._error = LoaderError(message[2].removeprefix(BATCH_ERROR))
-                raise self._error
-        arrays, pad = self._slots.wrap(message[2]), message[3]
+        item = self._session.take(self._cursor, self._ack_every)
+        if item[0] == "error":
+            self._error = LoaderError(item[1])
+            raise self._error
+        arrays, pad = item[1], item[2]
         self._cursor += 1
         self._samples += self.batch_size - pad if self.last_batch == "pad" else self.batch_size
         t1 = time.perf_counter()
@@ -252,18 +148,6 @@ class ProcessShardIter(ShardIter):
         self._epoch_t1 = t1
         return mx.io.DataBatch(data=arrays[:1], label=arrays[1:], pad=pad,
                                provide_data=self._provide_data, provide_label=self._provide_label)
-
-    def _next_message(self) -> tuple:
-        """The next batch (or error) of this epoch from the producer: ``next()``'s only wait."""
-        free = self._slots.released() + [m[2] for m in self._stale]
-        self._stale.clear()
-        self._send(("ack", self._token, self._cursor, free))
-        while True:
-            message = self._receive()
-            if message[1] == self._token:
-                return message
-            if message[0] == "batch":
-                self._stale.append(message)
 
     # -- resumption -----------------------------------------------------------------------------
 
@@ -293,18 +177,5 @@ class ProcessShardIter(ShardIter):
         return True
 
     def _release(self) -> None:
-        if getattr(self, "_sock", None) is None:
-            return
-        if self._lock.acquire(blocking=False):  # no next() waiting: close the session and wait for it
-            try:
-                self._call("close", timeout=CLOSE_TIMEOUT_S)
-            except LoaderError:
-                pass
-            finally:
-                self._lock.release()
-        else:  # a next() waits in another thread: wake it (its recv ends); the producer closes the session
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._finalizer()
+        if getattr(self, "_session", None) is not None:
+            self._finalizer()

@@ -13,7 +13,8 @@ import pytest
 from conftest import ROOT, batch_ids, make_store
 
 from loader import LoaderError, ShardIter
-from loader.remote import ProcessShardIter, _Producer
+from loader.remote import ProcessShardIter
+from loader.session import Producer
 
 COUNTS = {"2024-01-02": 70, "2024-01-03": 13}
 
@@ -56,7 +57,7 @@ def test_the_default_reads_in_a_producer_process_and_holding_every_batch_is_exac
 def test_close_from_another_thread_wakes_a_next_waiting_on_a_stopped_producer(tmp_path):
     make_store(tmp_path / "s", {"2024-01-02": 300})
     it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", prefetch_buffer=1)
-    pid = _Producer.get().proc.pid
+    pid = Producer.get().proc.pid
     os.kill(pid, signal.SIGSTOP)
     try:
         outcome = []
@@ -87,7 +88,7 @@ def test_a_killed_producer_is_a_clear_error_and_the_next_iterator_starts_a_new_o
     make_store(tmp_path / "s", COUNTS)
     it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
     it.next()
-    pid = _Producer.get().proc.pid
+    pid = Producer.get().proc.pid
     os.kill(pid, signal.SIGKILL)
     _wait(lambda: not _alive(pid), 10, "the producer died")
     with pytest.raises(LoaderError, match=f"producer process \\(pid {pid}\\)"):
@@ -95,7 +96,7 @@ def test_a_killed_producer_is_a_clear_error_and_the_next_iterator_starts_a_new_o
             it.next()
     it.close()
     with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c") as again:
-        assert _Producer.get().proc.pid != pid
+        assert Producer.get().proc.pid != pid
         assert len([i for b in again for i in batch_ids(b)]) == 83
 
 
@@ -115,9 +116,9 @@ def test_an_iterator_dropped_without_close_releases_its_lease_and_plan(tmp_path)
 _TRAINER = """
     import os, sys, time
     from loader import ShardIter
-    from loader.remote import _Producer
+    from loader.session import Producer
     it = ShardIter(sys.argv[1], 4, cache_dir=sys.argv[2])
-    print(_Producer.get().proc.pid, flush=True)
+    print(Producer.get().proc.pid, flush=True)
     while True:
         for b in it:
             time.sleep(0.01)
