@@ -10,6 +10,7 @@ resumption, generations and errors are that one's, run in the producer process.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import weakref
@@ -25,7 +26,7 @@ from . import lifecycle
 from .errors import LoaderError
 from .generations import Choice
 from .plan import default_cache_dir
-from .selection import manifest_path_of, normalize_dates
+from .selection import load_manifest, manifest_path_of, normalize_dates
 from .session import Session
 from .settings import check_arguments
 from .shard_iter import ShardIter
@@ -48,8 +49,10 @@ class ProcessShardIter(ShardIter):
                         prefetch_buffer=kwargs.get("prefetch_buffer", 4), readers=kwargs.get("readers"),
                         native_batch=kwargs.get("native_batch"), last_batch=kwargs.get("last_batch", "pad"),
                         seed=kwargs.get("seed", 0), verify=kwargs.get("verify", "frame"))
+        inspect.signature(ShardIter.__init__).bind(self, manifest, batch_size, **kwargs)  # TypeError as in-process
         mx.io.DataIter.__init__(self, int(batch_size))
         self.manifest_path = manifest_path_of(Path(manifest))
+        load_manifest(self.manifest_path)  # a missing or bad manifest: said at once, before the producer starts
         self.shuffle, self.seed = bool(kwargs.get("shuffle", True)), int(kwargs.get("seed", 0))
         self.preprocess_threads = int(kwargs.get("preprocess_threads", 4))
         self.prefetch_buffer = int(kwargs.get("prefetch_buffer", 4))
@@ -78,7 +81,19 @@ class ProcessShardIter(ShardIter):
     # -- messages -------------------------------------------------------------------------------
 
     def _call(self, kind: str, *args: Any, timeout: float = START_TIMEOUT_S) -> Any:
-        return self._session.call(kind, *args, timeout=timeout)
+        """A command to the producer. One interrupted before its answer (Ctrl-C, a timeout) leaves
+        the two sides apart: every later ``next()`` says so until a ``reset()`` succeeds."""
+        try:
+            return self._session.call(kind, *args, timeout=timeout)
+        except LoaderError as exc:
+            if self._session.gone is not None or "did not answer" in str(exc):
+                self._error = LoaderError(f"{exc}; this iterator cannot go on: make a new ShardIter"
+                                          if self._session.gone is not None else f"{exc}; call reset()")
+            raise
+        except BaseException:
+            self._error = LoaderError(f"{self.manifest_path}: {kind}() was interrupted before the producer "
+                                      "answered; call reset() to start a clean epoch")
+            raise
 
     # -- epochs ---------------------------------------------------------------------------------
 
@@ -122,8 +137,12 @@ class ProcessShardIter(ShardIter):
             info = self._call("reset", generation)
         except LoaderError:
             self._cursor, self._batches = 0, max(1, self._batches)
-            self._error = LoaderError(f"{self.manifest_path}: no epoch to read: the last reset() failed; fix the cause "
-                                      "(e.g. the date selection) and call reset() again")
+            if self._session.gone is None:
+                self._error = LoaderError(f"{self.manifest_path}: no epoch to read: the last reset() failed; fix the "
+                                          "cause (e.g. the date selection) and call reset() again")
+            raise
+        except BaseException:
+            self._cursor, self._batches = 0, max(1, self._batches)
             raise
         self._start(info)
 

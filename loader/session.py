@@ -75,7 +75,7 @@ class Session:
     """One iterator's connection; see the module docstring."""
 
     def __init__(self, where: Path):
-        self.where = where
+        self.where, self.pid = where, os.getpid()
         self.producer = Producer.get()
         self.sock = self.producer.connect()
         self.cond = threading.Condition()
@@ -100,7 +100,10 @@ class Session:
             except OSError:
                 data, fds = b"", []
             if not data:
-                code = self.producer.proc.poll()
+                try:  # reap it, to say how it ended
+                    code = self.producer.proc.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    code = None
                 with self.cond:
                     self.gone = (f"the loader's producer process (pid {self.producer.proc.pid}) is gone "
                                  f"({'exit code ' + str(code) if code is not None else 'connection closed'})")
@@ -132,7 +135,13 @@ class Session:
 
     # -- the trainer's side ---------------------------------------------------------------------
 
+    def mine(self) -> None:
+        if os.getpid() != self.pid:
+            raise LoaderError(f"{self.where}: this iterator belongs to process {self.pid} (this is a fork of it); "
+                              "make a new ShardIter in this process")
+
     def send(self, message: tuple) -> None:
+        self.mine()
         try:
             self.sock.send(pickle.dumps(message))
         except OSError:
@@ -165,6 +174,7 @@ class Session:
 
     def take(self, taken: int, ack_every: int) -> tuple:
         """The next item of this epoch: ``("batch", arrays, pad)`` or ``("error", message)``."""
+        self.mine()
         with self.cond:
             while not self.ready and self.gone is None and not self.closed:
                 self.cond.wait()
@@ -185,7 +195,11 @@ class Session:
 
     def close(self, timeout: float) -> None:
         """End the session: the producer closes its iterator (lease, plan, native threads) first
-        when nothing else waits on it; a waiting ``next()`` or command is woken with an error."""
+        when nothing else waits on it; a waiting ``next()`` or command is woken with an error. In a
+        fork of the trainer it only closes this process's copy of the socket."""
+        if os.getpid() != self.pid:
+            self.sock.close()
+            return
         with self.cond:
             if self.closed:
                 return

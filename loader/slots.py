@@ -5,9 +5,11 @@ and the caller let go of them (the wrapped arrays hold the slot's numpy array; M
 when its engine is done with them).
 
 A slot's file descriptor travels once, with the first batch in it (``SCM_RIGHTS``); after that a
-batch message names the slot by number. Slots are never taken back from the trainer: a trainer
-that keeps every batch of an epoch (``list(it)``) makes the producer open new ones, as the
-in-process ``Arena`` allocates new buffers then.
+batch message names the slot by number. The producer reuses a slot that is neither out with the
+trainer (sent, not given back) nor referred to in the producer (a batch queued there, perhaps for
+an epoch that was cut short and whose queue was dropped). A trainer that keeps every batch of an
+epoch (``list(it)``) makes the producer open new slots, as the in-process ``Arena`` allocates new
+buffers then.
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ class SlotArena(Arena):
         super().__init__(schema, batch_floats, keep)
         self.slots: list[np.ndarray] = []
         self.fds: list[int] = []
-        self._free: list[int] = []
+        self._out: set[int] = set()  # sent to the trainer, not given back
         self._number: dict[int, int] = {}  # buffer address -> slot number
         self._announced: set[int] = set()
 
     def batch(self) -> np.ndarray:
         with self._lock:
-            if self._free:
-                return self.slots[self._free.pop()]
+            for number in range(len(self.slots)):
+                # References: the list and getrefcount's argument; more while a batch holds it.
+                if number not in self._out and sys.getrefcount(self.slots[number]) <= 2:
+                    return self.slots[number]
             fd = os.memfd_create("shardgen-batch", getattr(os, "MFD_CLOEXEC", 0))
             os.ftruncate(fd, self.batch_floats * 4)
             array = _map(fd, self.batch_floats)
@@ -61,6 +65,7 @@ class SlotArena(Arena):
         """The slot number of a batch buffer, and its descriptor if the trainer has not seen it."""
         with self._lock:
             number = self._number[flat.ctypes.data]
+            self._out.add(number)
             if number in self._announced:
                 return number, []
             self._announced.add(number)
@@ -68,7 +73,7 @@ class SlotArena(Arena):
 
     def give_back_slots(self, numbers: list[int]) -> None:
         with self._lock:
-            self._free.extend(n for n in numbers if 0 <= n < len(self.slots) and n not in self._free)
+            self._out.difference_update(numbers)
 
     def close(self) -> None:
         with self._lock:

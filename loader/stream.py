@@ -151,6 +151,8 @@ class EpochStream:
             buffer, self._buffer = self._buffer, None
             if buffer is not None:
                 self._arena.give_back(buffer)
+            with self._cond:  # batches never taken: their buffers go back to the arena now
+                self._ready.clear()
 
     # -- producer side ----------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from conftest import ROOT
 pytestmark = pytest.mark.slow
 
 LOADERS = ["NDArrayIter (RAM)", "Python DataIter", "PrefetchingIter(Python)", "Gluon DataLoader (2 workers)",
-           "ShardIter", "ShardIter (no shuffle)"]
+           "ShardIter", "ShardIter (no shuffle)", "ShardIter (thread producer)"]
 
 
 def test_quick_bench_writes_results(tmp_path):
@@ -34,8 +34,12 @@ def test_quick_bench_writes_results(tmp_path):
     side = e2e["shardgen_watch_shardier"]
     assert side["samples"] == side["expected_samples"] > 0
     assert res["writer"]["shard_mb_per_s"] > 0 and res["writer"]["np_save_mb_per_s"] > 0
-    assert res["build"]["speedup"] > 0
+    assert res["build"]["speedup"] > 0 and res["build"]["jobs1_vs_generator"] > 0
+    loop = res["training_loop"]
+    assert loop["ram_s"] > 0 and loop["process_ratio"] > 0 and loop["thread_ratio"] > 0
     names = {t["name"] for t in res["targets"]}
-    assert {"Writer / np.save bandwidth (neither fsyncs)", "ShardIter stall % at 90% load"} <= names
+    assert {"ShardIter stall % at 90% load (across epochs)", "ShardIter next() p99 ms at 50% load",
+            "Gluon LSTM loop time: ShardIter / batches in RAM",
+            "ShardIter 400 shards / stock ImageRecordIter one file (shuffled)"} <= names
     assert all(isinstance(t["met"], bool) for t in res["targets"])
     assert "targets:" in r.stdout and "ShardIter" in r.stdout

@@ -147,3 +147,34 @@ def test_a_killed_or_interrupted_trainer_leaves_nothing_running(tmp_path, how):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def test_epochs_cut_short_reuse_their_slots(tmp_path):
+    """Batches queued in the producer or in flight when reset() cuts an epoch short give their
+    slots back: the slots stay bounded over many short epochs (Module.score(num_batch=...) does this)."""
+    make_store(tmp_path / "s", {"2024-01-02": 400})
+    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c") as it:
+        for _ in range(40):
+            for _, _b in zip(range(3), it):
+                pass
+            it.reset()
+        slots = len(it._session.slots.arrays)
+        assert slots <= 2 * (it.prefetch_buffer + 4), slots
+        assert sorted(i for b in it for i in batch_ids(b)) == list(range(400))
+
+
+def test_a_fork_that_closes_its_copy_leaves_the_parents_iterator_alone(tmp_path):
+    make_store(tmp_path / "s", COUNTS)
+    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c") as it:
+        first = batch_ids(it.next())
+        pid = os.fork()
+        if pid == 0:  # the child: leaving the with block closes its copy
+            try:
+                it.close()
+                with pytest.raises(LoaderError, match="belongs to process"):
+                    it.reset()
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        rest = [i for b in it for i in batch_ids(b)]
+        assert sorted(first + rest) == list(range(83))
