@@ -150,8 +150,9 @@ def loaders(x: np.ndarray, labels: list[np.ndarray], store: Path, batch_size: in
         Loader("ShardIter", lambda: ShardIter(store, batch_size, shuffle=True, cache_dir=cache),
                "global shuffle, from disk"),
         Loader("ShardIter (no shuffle)", lambda: ShardIter(store, batch_size, shuffle=False, cache_dir=cache)),
-        Loader("ShardIter (thread producer)", lambda: ShardIter(store, batch_size, shuffle=True, cache_dir=cache,
-                                                                producer="thread"), "all in the trainer's process"),
+        Loader("ShardIter (producer process)", lambda: ShardIter(store, batch_size, shuffle=True, cache_dir=cache,
+                                                                 producer="process"),
+               "reading and batching in another process"),
     ]
 
 

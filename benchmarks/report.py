@@ -49,7 +49,9 @@ def targets(res: dict) -> list[dict]:
                      b["jobs1_vs_generator"], ">=", 0.8))
     tl = res.get("training_loop")
     if tl:
-        rows.append(("Gluon LSTM loop time: ShardIter / batches in RAM", tl["process_ratio"], "<=", 1.05))
+        rows.append(("Gluon LSTM loop time: ShardIter / batches in RAM", tl["thread_ratio"], "<=", 1.05))
+        rows.append(("Gluon LSTM loop time: ShardIter (producer process) / batches in RAM", tl["process_ratio"],
+                     "<=", 1.05))
     e2e = res.get("end_to_end", {})
     if "shardgen_watch_shardier" in e2e:
         rows.append(("End to end wall / consumer time (watch + ShardIter)",
@@ -150,8 +152,8 @@ def table(res: dict) -> str:
     tl = res.get("training_loop")
     if tl:
         lines.append(f"Gluon LSTM loop, {tl['steps']} steps of {tl['batch_size']}: from RAM {tl['ram_s']:.2f}s, "
-                     f"ShardIter {tl['process_s']:.2f}s ({tl['process_ratio']:.3f}x), ShardIter thread producer "
-                     f"{tl['thread_s']:.2f}s ({tl['thread_ratio']:.3f}x); {res['machine'].get('nproc', '?')} cores")
+                     f"ShardIter {tl['thread_s']:.2f}s ({tl['thread_ratio']:.3f}x), ShardIter producer process "
+                     f"{tl['process_s']:.2f}s ({tl['process_ratio']:.3f}x); {res['machine'].get('nproc', '?')} cores")
     lines += ["", "targets:"]
     lines += [f"  [{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['value']:.2f} (target {t['target']})"
               for t in res["targets"]]

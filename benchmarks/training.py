@@ -60,8 +60,8 @@ def _from(it: ShardIter):
 
 
 def loop_cost(store: Path, batch_size: int, cache: Path, steps: int = 30) -> dict:
-    """Seconds of the same loop fed from RAM, by ShardIter in its producer process (the default)
-    and by ShardIter in a thread; the ratios to RAM."""
+    """Seconds of the same loop fed from RAM, by ShardIter in a thread (the default) and by
+    ShardIter in its producer process; the ratios to RAM."""
     out: dict = {"steps": steps, "batch_size": batch_size}
     with ShardIter(store, batch_size, cache_dir=cache) as it:
         ram = [(b.data[0].copy(), b.label[0].copy()) for b, _ in zip(it, range(8))]
@@ -79,6 +79,6 @@ def loop_cost(store: Path, batch_size: int, cache: Path, steps: int = 30) -> dic
                 rounds[producer].append(_loop(_from(it), steps))
     for name, seconds in rounds.items():
         out[f"{name}_s"] = min(seconds)
-    out["process_ratio"] = out["process_s"] / out["ram_s"]
     out["thread_ratio"] = out["thread_s"] / out["ram_s"]
+    out["process_ratio"] = out["process_s"] / out["ram_s"]
     return out

@@ -1,4 +1,4 @@
-"""``ShardIter`` with ``producer="process"`` (the default): the trainer's side of the producer
+"""``ShardIter`` with ``producer="process"``: the trainer's side of the producer
 process (:mod:`loader.producer`), which does all of an iterator's reading, shuffling and batch
 assembly. The trainer's ``next()`` only waits on a socket (the GIL released), maps a shared-memory
 slot and wraps it for MXNet without a copy: about 0.1 ms of Python, and none of the producer's
@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any
 
 import mxnet as mx
 
@@ -114,15 +113,7 @@ class ProcessShardIter(ShardIter):
     def readers(self) -> int:
         return self._readers
 
-    @property
-    def records_per_epoch(self) -> int:
-        return self._part_samples if self.last_batch == "pad" else self._batches * self.batch_size
-
-    @property
-    def dates(self) -> Optional[tuple]:
-        return self._dates
-
-    @dates.setter
+    @ShardIter.dates.setter
     def dates(self, value: Any) -> None:
         self._check_open()
         dates = normalize_dates(value)
@@ -146,27 +137,14 @@ class ProcessShardIter(ShardIter):
             raise
         self._start(info)
 
-    def next(self) -> mx.io.DataBatch:
-        t0 = time.perf_counter()
-        if self._epoch_t0 is None:
-            self._epoch_t0 = t0
-        if self._cursor >= self._batches:
-            raise StopIteration
-        self._check_open()
+    def _take(self) -> tuple[list, int]:
         if self._error is not None:
             raise self._error
         item = self._session.take(self._cursor, self._ack_every)
         if item[0] == "error":
             self._error = LoaderError(item[1])
             raise self._error
-        arrays, pad = item[1], item[2]
-        self._cursor += 1
-        self._samples += self.batch_size - pad if self.last_batch == "pad" else self.batch_size
-        t1 = time.perf_counter()
-        self._blocked += t1 - t0
-        self._epoch_t1 = t1
-        return mx.io.DataBatch(data=arrays[:1], label=arrays[1:], pad=pad,
-                               provide_data=self._provide_data, provide_label=self._provide_label)
+        return item[1], item[2]
 
     # -- resumption -----------------------------------------------------------------------------
 

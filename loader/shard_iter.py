@@ -42,8 +42,8 @@ class ShardIter(mx.io.DataIter):
 
     ``verify``: ``"frame"`` (default) checks every record's framing before MXNet reads it,
     ``"sha256"`` also checks content against the manifest, ``"none"`` trusts the files.
-    ``producer``: ``"process"`` (default: the work runs in this process's producer process,
-    :mod:`loader.remote`) or ``"thread"`` (in a thread of this process).
+    ``producer``: ``"thread"`` (default: the work runs in a thread of this process) or
+    ``"process"`` (in this process's producer process, :mod:`loader.remote`).
     ``readers``: native iterators per part (each with its own I/O thread; default 2).
     ``shuffle_buffer``: what is held for mixing, as a number of *records* (an int) or a size
     in bytes (a string such as ``"256MB"`` or ``"1GiB"``; default 128 MB).
@@ -52,7 +52,7 @@ class ShardIter(mx.io.DataIter):
     than half the machine's memory is a LoaderError.
     """
 
-    def __new__(cls, *args: Any, producer: str = "process", **kwargs: Any) -> ShardIter:
+    def __new__(cls, *args: Any, producer: str = "thread", **kwargs: Any) -> ShardIter:
         if producer not in ("process", "thread"):
             raise LoaderError(f"producer must be 'process' or 'thread', got {producer!r}")
         if cls is ShardIter and producer == "process":
@@ -67,7 +67,7 @@ class ShardIter(mx.io.DataIter):
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
                  verify: str = "frame", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
-                 producer: str = "process", _arena: Optional[Callable] = None):
+                 producer: str = "thread", _arena: Optional[Callable] = None):
         check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
                         preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
                         native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify)
@@ -202,21 +202,25 @@ class ShardIter(mx.io.DataIter):
         if self._cursor >= self._batches:
             raise StopIteration
         self._check_open()
-        res = self._epochs
-        if res.stream is None:
-            raise LoaderError(f"{self.manifest_path}: no epoch to read: the last reset() failed; fix the cause "
-                              "(e.g. the date selection) and call reset() again")
-        arrays, valid = res.stream.get()
+        arrays, pad = self._take()
         self._cursor += 1
-        if res.ahead is None and self._cursor >= self._ahead_at:
-            self._open_ahead()
-        pad = self.batch_size - valid if self.last_batch == "pad" else 0
-        self._samples += valid if self.last_batch == "pad" else self.batch_size
+        self._samples += self.batch_size - pad if self.last_batch == "pad" else self.batch_size
         t1 = time.perf_counter()
         self._blocked += t1 - t0
         self._epoch_t1 = t1
         return mx.io.DataBatch(data=arrays[:1], label=arrays[1:], pad=pad,
                                provide_data=self._provide_data, provide_label=self._provide_label)
+
+    def _take(self) -> tuple[list, int]:
+        """The next batch's arrays and pad."""
+        res = self._epochs
+        if res.stream is None:
+            raise LoaderError(f"{self.manifest_path}: no epoch to read: the last reset() failed; fix the cause "
+                              "(e.g. the date selection) and call reset() again")
+        arrays, valid = res.stream.get()
+        if res.ahead is None and self._cursor + 1 >= self._ahead_at:
+            self._open_ahead()
+        return arrays, self.batch_size - valid if self.last_batch == "pad" else 0
 
     def iter_next(self) -> bool:  # what PrefetchingIter and friends call
         try:

@@ -155,3 +155,21 @@ def real_batches(batches: list, n: int, parts: int, part: int) -> list:
         assert b.pad == bs - 1
         np.testing.assert_array_equal(b.data[0].asnumpy()[:1], batches[keep - 1].data[0].asnumpy()[:1])
     return batches[:keep]
+
+
+def consume_in_thread(it):
+    """A daemon thread calling ``it.next()`` until something ends it; (thread, [what ended it])."""
+    import threading
+
+    outcome: list = []
+
+    def consume():
+        try:
+            while True:
+                it.next()
+        except BaseException as exc:  # noqa: BLE001 - the test records what ended the loop
+            outcome.append(exc)
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    return t, outcome

@@ -10,7 +10,7 @@ from conftest import ROOT
 pytestmark = pytest.mark.slow
 
 LOADERS = ["NDArrayIter (RAM)", "Python DataIter", "PrefetchingIter(Python)", "Gluon DataLoader (2 workers)",
-           "ShardIter", "ShardIter (no shuffle)", "ShardIter (thread producer)"]
+           "ShardIter", "ShardIter (no shuffle)", "ShardIter (producer process)"]
 
 
 def test_quick_bench_writes_results(tmp_path):

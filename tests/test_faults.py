@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT, make_store, write_config
+from conftest import ROOT, consume_in_thread, make_store, write_config
 from test_damage import flip, make
 from test_watch import wait_for
 
@@ -48,17 +48,7 @@ def test_close_from_another_thread_wakes_a_blocked_next(tmp_path, monkeypatch):
 
     monkeypatch.setattr(module, "next_label", stalled)
     it = ShardIter(tmp_path / "s", 4, readers=1, cache_dir=tmp_path / "c", producer="thread")
-    outcome = []
-
-    def consume():
-        try:
-            while True:
-                it.next()
-        except BaseException as exc:  # noqa: BLE001 - the test records what ended the loop
-            outcome.append(exc)
-
-    t = threading.Thread(target=consume, daemon=True)
-    t.start()
+    t, outcome = consume_in_thread(it)
     assert entered.wait(10), "the producer never reached the reader"
     time.sleep(0.2)
     assert t.is_alive() and not outcome, "next() returned while the producer was stalled"

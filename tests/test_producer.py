@@ -1,5 +1,5 @@
-"""The producer process (``producer="process"``, the default): what the trainer sees when it
-stalls, dies, or when the trainer itself is dropped, interrupted or killed."""
+"""The producer process (``producer="process"``): what the trainer sees when it stalls, dies, or
+when the trainer itself is dropped, interrupted or killed."""
 
 import os
 import signal
@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT, batch_ids, make_store
+from conftest import ROOT, batch_ids, consume_in_thread, make_store
 
 from loader import LoaderError, ShardIter
 from loader.remote import ProcessShardIter
@@ -40,9 +40,9 @@ def _wait(predicate, seconds: float, what: str) -> None:
     raise AssertionError(f"not within {seconds}s: {what}")
 
 
-def test_the_default_reads_in_a_producer_process_and_holding_every_batch_is_exact(tmp_path):
+def test_a_producer_process_reads_and_holding_every_batch_is_exact(tmp_path):
     make_store(tmp_path / "s", COUNTS)
-    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c") as it:
+    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", producer="process") as it:
         assert isinstance(it, ProcessShardIter) and it.readers >= 1
         for _ in range(2):
             batches = list(it)  # every batch held: the producer opens slots, never reuses a held one
@@ -56,21 +56,11 @@ def test_the_default_reads_in_a_producer_process_and_holding_every_batch_is_exac
 
 def test_close_from_another_thread_wakes_a_next_waiting_on_a_stopped_producer(tmp_path):
     make_store(tmp_path / "s", {"2024-01-02": 300})
-    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", prefetch_buffer=1)
+    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", prefetch_buffer=1, producer="process")
     pid = Producer.get().proc.pid
     os.kill(pid, signal.SIGSTOP)
     try:
-        outcome = []
-
-        def consume():
-            try:
-                while True:
-                    it.next()
-            except BaseException as exc:  # noqa: BLE001 - the test records what ended the loop
-                outcome.append(exc)
-
-        t = threading.Thread(target=consume, daemon=True)
-        t.start()
+        t, outcome = consume_in_thread(it)
         time.sleep(0.5)
         assert t.is_alive() and not outcome, "next() returned while the producer was stopped"
         closer = threading.Thread(target=it.close, daemon=True)
@@ -86,7 +76,7 @@ def test_close_from_another_thread_wakes_a_next_waiting_on_a_stopped_producer(tm
 
 def test_a_killed_producer_is_a_clear_error_and_the_next_iterator_starts_a_new_one(tmp_path):
     make_store(tmp_path / "s", COUNTS)
-    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
+    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", producer="process")
     it.next()
     pid = Producer.get().proc.pid
     os.kill(pid, signal.SIGKILL)
@@ -95,7 +85,7 @@ def test_a_killed_producer_is_a_clear_error_and_the_next_iterator_starts_a_new_o
         for _ in range(100):
             it.next()
     it.close()
-    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c") as again:
+    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", producer="process") as again:
         assert Producer.get().proc.pid != pid
         assert len([i for b in again for i in batch_ids(b)]) == 83
 
@@ -104,7 +94,7 @@ def test_an_iterator_dropped_without_close_releases_its_lease_and_plan(tmp_path)
     import gc
 
     make_store(tmp_path / "s", COUNTS)
-    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
+    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", producer="process")
     it.next()
     assert list((tmp_path / "s" / "leases").glob("*.json"))
     del it
@@ -117,7 +107,7 @@ _TRAINER = """
     import os, sys, time
     from loader import ShardIter
     from loader.session import Producer
-    it = ShardIter(sys.argv[1], 4, cache_dir=sys.argv[2])
+    it = ShardIter(sys.argv[1], 4, cache_dir=sys.argv[2], producer="process")
     print(Producer.get().proc.pid, flush=True)
     while True:
         for b in it:
@@ -153,7 +143,7 @@ def test_epochs_cut_short_reuse_their_slots(tmp_path):
     """Batches queued in the producer or in flight when reset() cuts an epoch short give their
     slots back: the slots stay bounded over many short epochs (Module.score(num_batch=...) does this)."""
     make_store(tmp_path / "s", {"2024-01-02": 400})
-    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c") as it:
+    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", producer="process") as it:
         for _ in range(40):
             for _, _b in zip(range(3), it):
                 pass
@@ -165,7 +155,7 @@ def test_epochs_cut_short_reuse_their_slots(tmp_path):
 
 def test_a_fork_that_closes_its_copy_leaves_the_parents_iterator_alone(tmp_path):
     make_store(tmp_path / "s", COUNTS)
-    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c") as it:
+    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", producer="process") as it:
         first = batch_ids(it.next())
         pid = os.fork()
         if pid == 0:  # the child: leaving the with block closes its copy
