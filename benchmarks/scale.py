@@ -55,9 +55,10 @@ def cold_rate(store: Path, cache: Path, batch_size: int = 512) -> float:
 def stock_one_file(rec: str, idx: str, floats: int, seconds: float, batch_size: int = 512) -> dict:
     """Stock ``ImageRecordIter``, shuffled, one sample per record, one file: (open s, samples/s)."""
     t0 = time.perf_counter()
-    it = mx.io.ImageRecordIter(path_imgrec=rec, path_imgidx=idx, data_shape=(1, 1, 1), label_width=floats,
-                               batch_size=batch_size, shuffle=True, round_batch=False, preprocess_threads=4,
-                               prefetch_buffer=4)
+    with quiet_native_info():  # MXNet's INFO line (the file and its decode threads)
+        it = mx.io.ImageRecordIter(path_imgrec=rec, path_imgidx=idx, data_shape=(1, 1, 1), label_width=floats,
+                                   batch_size=batch_size, shuffle=True, round_batch=False, preprocess_threads=4,
+                                   prefetch_buffer=4)
     opened = time.perf_counter() - t0
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
