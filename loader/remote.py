@@ -42,25 +42,25 @@ class ProcessShardIter(ShardIter):
     """A ``ShardIter`` whose work runs in the producer process; see the module docstring."""
 
     def __init__(self, manifest: os.PathLike | str, batch_size: int, *, producer: str = "process", **kwargs: Any):
-        check_arguments(batch_size=batch_size, num_parts=kwargs.get("num_parts", 1),
-                        part_index=kwargs.get("part_index", 0),
-                        preprocess_threads=kwargs.get("preprocess_threads", 4),
-                        prefetch_buffer=kwargs.get("prefetch_buffer", 4), readers=kwargs.get("readers"),
-                        native_batch=kwargs.get("native_batch"), last_batch=kwargs.get("last_batch", "pad"),
-                        seed=kwargs.get("seed", 0), verify=kwargs.get("verify", "frame"))
-        inspect.signature(ShardIter.__init__).bind(self, manifest, batch_size, **kwargs)  # TypeError as in-process
+        # The in-process signature, defaults included: a TypeError as in-process, one set of defaults.
+        bound = inspect.signature(ShardIter.__init__).bind(self, manifest, batch_size, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        check_arguments(batch_size=batch_size, num_parts=a["num_parts"], part_index=a["part_index"],
+                        preprocess_threads=a["preprocess_threads"], prefetch_buffer=a["prefetch_buffer"],
+                        readers=a["readers"], native_batch=a["native_batch"], last_batch=a["last_batch"],
+                        seed=a["seed"], verify=a["verify"])
         mx.io.DataIter.__init__(self, int(batch_size))
         self.manifest_path = manifest_path_of(Path(manifest))
         load_manifest(self.manifest_path)  # a missing or bad manifest: said at once, before the producer starts
-        self.shuffle, self.seed = bool(kwargs.get("shuffle", True)), int(kwargs.get("seed", 0))
-        self.preprocess_threads = int(kwargs.get("preprocess_threads", 4))
-        self.prefetch_buffer = int(kwargs.get("prefetch_buffer", 4))
-        self.num_parts, self.part_index = int(kwargs.get("num_parts", 1)), int(kwargs.get("part_index", 0))
-        self.last_batch, self.verify = kwargs.get("last_batch", "pad"), kwargs.get("verify", "frame")
-        self._dates = normalize_dates(kwargs.get("dates"))
-        self.cache_dir = Path(kwargs["cache_dir"]) if kwargs.get("cache_dir") is not None else default_cache_dir()
+        self.shuffle, self.seed = bool(a["shuffle"]), int(a["seed"])
+        self.preprocess_threads, self.prefetch_buffer = int(a["preprocess_threads"]), int(a["prefetch_buffer"])
+        self.num_parts, self.part_index = int(a["num_parts"]), int(a["part_index"])
+        self.last_batch, self.verify = a["last_batch"], a["verify"]
+        self._dates = normalize_dates(a["dates"])
+        self.cache_dir = Path(a["cache_dir"]) if a["cache_dir"] is not None else default_cache_dir()
         self.epoch, self.history, self._closed = 0, [], False
-        self._choice = Choice(pin=kwargs.get("generation"))
+        self._choice = Choice(pin=a["generation"])
         self._error = None
         self._ack_every = max(1, (self.prefetch_buffer + 1) // 2)
         self._session = Session(self.manifest_path)

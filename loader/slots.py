@@ -105,11 +105,6 @@ class SlotMaps:
             self.held.add(number)
         return [mx.nd.from_numpy(flat[a:z].reshape(shape), zero_copy=True) for a, z, shape in self.views]
 
-    def copy(self, number: int) -> list:
-        """The batch in slot ``number`` as MXNet arrays of their own (the slot is free at once)."""
-        flat = self.arrays[number]
-        return [mx.nd.array(flat[a:z].reshape(shape), dtype=np.float32) for a, z, shape in self.views]
-
     def released(self, keep: Optional[int] = None) -> list[int]:
         """Held slots nothing refers to any more (but ``keep``): the producer may reuse them."""
         with self.lock:
