@@ -168,3 +168,19 @@ def test_a_fork_that_closes_its_copy_leaves_the_parents_iterator_alone(tmp_path)
         assert os.waitpid(pid, 0)[1] == 0
         rest = [i for b in it for i in batch_ids(b)]
         assert sorted(first + rest) == list(range(83))
+
+
+def test_the_same_seed_reads_the_same_batches_in_both_modes(tmp_path):
+    make_store(tmp_path / "s", COUNTS)
+
+    def epochs(producer: str, part: int) -> list:
+        with ShardIter(tmp_path / "s", 5, seed=7, num_parts=2, part_index=part, cache_dir=tmp_path / "c",
+                       producer=producer) as it:
+            out = []
+            for _ in range(2):
+                out.append([(b.data[0].asnumpy().tobytes(), b.pad) for b in it])
+                it.reset()
+            return out
+
+    for part in (0, 1):
+        assert epochs("process", part) == epochs("thread", part)
