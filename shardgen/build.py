@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional
 
 from joblib import Parallel, delayed
 
+from . import s3store
 from .config import Config
 from .errors import Interrupted, ShardgenError
 from .fsutil import atomic_write, clean_temp_files
@@ -65,6 +66,8 @@ class BuildReport:
 
 def complete_shard(cfg: Config, date: dt.date) -> Optional[Sidecar]:
     """The date's sidecar if a complete shard (or empty marker) of this schema is on disk."""
+    if cfg.store.remote:
+        return s3store.complete_shard(cfg.store.objects(), date, cfg.schema.fingerprint)
     sidecar = Sidecar.load(shard_paths(cfg.store.dir, date)["json"])
     if sidecar is None:
         return None
@@ -92,16 +95,27 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
                 return DateResult(date, status, entry, "no windows", time.perf_counter() - t0)
         schema = cfg.schema
         # A forced rewrite gets new file names: published files are never written over.
-        version = next_version(cfg.store.dir, date) if force else 1
+        remote = cfg.store.objects()
+        if force:
+            version = s3store.next_version(remote, date) if remote else next_version(cfg.store.dir, date)
+        else:
+            version = 1
+        if remote:
+            cfg.store.dir.mkdir(parents=True, exist_ok=True)  # the staging folder of this worker
         raw = obtain_raw(cfg, date, force=force, generate=not raw_only)
         windows = run_processor(cfg.process.load(), raw, date, schema, dict(cfg.process.options))
         if windows.n == 0:
             marker = Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", "")
-            atomic_write(shard_paths(cfg.store.dir, date, version)["json"], json.dumps(marker.to_json()).encode())
+            path = shard_paths(cfg.store.dir, date, version)["json"]
+            atomic_write(path, json.dumps(marker.to_json()).encode())
+            if remote:
+                s3store.upload_shard(remote, cfg.store.dir, marker, path.name)
             return DateResult(date, "empty", None,
                               f"{raw.shape[0]} rows, fewer than time_steps={schema.time_steps}: no windows",
                               time.perf_counter() - t0)
         sidecar = write_shard(cfg.store.dir, date, windows, None, schema, version=version)
+        if remote:
+            s3store.upload_shard(remote, cfg.store.dir, sidecar, shard_paths(cfg.store.dir, date, version)["json"].name)
         return DateResult(date, "written", sidecar.entry(), seconds=time.perf_counter() - t0)
     except Interrupted as exc:
         return DateResult(date, "abandoned", message=str(exc), seconds=time.perf_counter() - t0)
@@ -146,8 +160,8 @@ class _Pending:
     """Finished shards not yet in the manifest: ``flush`` publishes them (and notes the manifest in
     the report); ``flush_if_due`` does so once ``every_s`` passed since the last flush."""
 
-    def __init__(self, cfg: Config, report: BuildReport, every_s: float):
-        self.cfg, self.report, self.every_s = cfg, report, every_s
+    def __init__(self, cfg: Config, report: BuildReport, every_s: float, lock: Optional[s3store.WriterLock]):
+        self.cfg, self.report, self.every_s, self.lock = cfg, report, every_s, lock
         self.entries: list[ShardEntry] = []
         self.last = time.monotonic()
 
@@ -157,7 +171,11 @@ class _Pending:
 
     def flush(self) -> None:
         if self.entries:
-            saved = publish(self.cfg.store.dir, self.cfg.schema, self.cfg.store.window, self.entries)
+            store = self.cfg.store
+            if store.remote:
+                saved = s3store.publish(store.objects(), self.lock, self.cfg.schema, store.window, self.entries)
+            else:
+                saved = publish(store.dir, self.cfg.schema, store.window, self.entries)
             self.report.manifest = saved or self.report.manifest
             self.entries = []
         self.last = time.monotonic()
@@ -169,7 +187,11 @@ def _open_store(cfg: Config) -> Manifest:
     store.mkdir(parents=True, exist_ok=True)
     for path in clean_temp_files(store):
         log.info("removed %s left by a dead process", path.name)
-    return replace(open_manifest(store, cfg.schema, cfg.store.window), window=cfg.store.window)
+    if cfg.store.remote:
+        manifest = s3store.open_manifest(cfg.store.objects(), cfg.schema, cfg.store.window)
+    else:
+        manifest = open_manifest(store, cfg.schema, cfg.store.window)
+    return replace(manifest, window=cfg.store.window)
 
 
 def _tally(report: BuildReport, res: DateResult, pending: _Pending) -> None:
@@ -210,14 +232,21 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
           dates: Optional[list[dt.date]] = None, raw_dates: Iterable[dt.date] = (),
           progress: Optional[Callable[[int], object]] = None,
           should_stop: Callable[[], bool] = lambda: False,
-          publish_every_s: float = PUBLISH_EVERY_S) -> BuildReport:
+          publish_every_s: float = PUBLISH_EVERY_S, lock: Optional[s3store.WriterLock] = None) -> BuildReport:
     """Produce every due date and publish the finished shards; failures are collected, not raised.
 
     ``raw_dates`` are processed from their raw file only (never generated). ``progress(total)``
     returns a tqdm-like bar (``update``, ``set_postfix``, ``close``) or None. Once
     ``should_stop()`` is true no further result is waited for; what finished is published.
     Finished shards are published at least every ``publish_every_s`` (0: each one at once).
+    On an object store, ``lock`` is the store's writer lock if the caller holds it (else build
+    takes it for its duration).
     """
+    if cfg.store.remote and lock is None:
+        with s3store.WriterLock(cfg.store.objects(), what="build", ttl_s=cfg.store.lease_ttl_s) as held:
+            return build(cfg, start=start, end=end, jobs=jobs, force=force, today=today, dates=dates,
+                         raw_dates=raw_dates, progress=progress, should_stop=should_stop,
+                         publish_every_s=publish_every_s, lock=held)
     t0 = time.perf_counter()
     manifest = _open_store(cfg)
     raw_dates = frozenset(raw_dates)
@@ -227,7 +256,7 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
     todo = wanted(manifest, dates, force=force)
     report = BuildReport(skipped=len(dates) - len(todo))
     bar = progress(len(todo)) if progress and todo else None
-    pending = _Pending(cfg, report, publish_every_s)
+    pending = _Pending(cfg, report, publish_every_s, lock)
     try:
         for res in run_dates(cfg, todo, jobs=jobs or cfg.run.jobs, force=force, raw_dates=raw_dates):
             _tally(report, res, pending)
@@ -245,7 +274,9 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
         if bar is not None:
             bar.close()
     store = cfg.store.dir
-    if report.manifest is None and (store / MANIFEST_NAME).exists():
+    if report.manifest is None and cfg.store.remote:
+        report.manifest = s3store.load_manifest(cfg.store.objects())
+    elif report.manifest is None and (store / MANIFEST_NAME).exists():
         report.manifest = Manifest.load(store / MANIFEST_NAME)
     report.seconds = time.perf_counter() - t0
     return report

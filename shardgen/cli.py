@@ -17,14 +17,16 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
+from . import s3store
 from .build import build
 from .config import load_config, parse_date
 from .errors import ConfigError, LockError, ManifestError, ShardgenError
 from .gc import collect
+from .naming import WATCH_STATE
 from .status import dumps, status, watch_fields
 from .verify import verify_store
 from .watch import Watcher
-from .watchstate import load_state
+from .watchstate import load_state, parse_state
 
 __all__ = ["main"]
 
@@ -50,6 +52,8 @@ def _setup_logging(verbose: int) -> None:
     logging.addLevelName(logging.ERROR, "error")
     logging.addLevelName(logging.WARNING, "warning")
     logging.addLevelName(logging.INFO, "info")
+    for chatty in ("botocore", "boto3", "urllib3", "s3transfer"):  # their INFO lines are about credentials
+        logging.getLogger(chatty).setLevel(max(root.level, logging.WARNING) if verbose < 3 else logging.DEBUG)
 
 
 def _bar(total: int) -> tqdm:
@@ -141,7 +145,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     with watcher:
-        log.info("watching %s every %gs (pid lock %s)", cfg.store.dir, args.interval, watcher.lock_path)
+        log.info("watching %s every %gs (pid lock %s)", cfg.store.where, args.interval, watcher.lock_path)
         if args.once:
             report = watcher.cycle()
             return 0 if report.ok else 1
@@ -152,15 +156,25 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    deleted = collect(cfg.store.dir, grace_s=cfg.store.grace_s, lease_ttl_s=cfg.store.lease_ttl_s)
+    st = cfg.store
+    if st.remote:
+        with s3store.WriterLock(st.objects(), what="gc", ttl_s=st.lease_ttl_s) as lock:
+            deleted = s3store.collect(lock.remote, lock, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
+    else:
+        deleted = collect(st.dir, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
     print(f"deleted {len(deleted)} retired shards" + (f": {', '.join(deleted)}" if deleted else ""))
     return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    info = status(cfg.store.dir)
-    info.update(watch_fields(load_state(cfg.store.dir)))  # read once the manifest was, as before
+    if cfg.store.remote:
+        remote = cfg.store.objects()
+        info = s3store.status(remote)
+        info.update(watch_fields(parse_state(s3store.get_state(remote), remote.where(WATCH_STATE))))
+    else:
+        info = status(cfg.store.dir)
+        info.update(watch_fields(load_state(cfg.store.dir)))  # read once the manifest was, as before
     raw = cfg.raw_files()
     info["newest_raw"] = max(raw).isoformat() if raw else None
     info["raw_lag_days"] = (dt.date.today() - max(raw)).days if raw else None
@@ -187,7 +201,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    manifest, problems = verify_store(cfg.store.dir)
+    if cfg.store.remote:
+        manifest, problems = s3store.verify_store(cfg.store.objects())
+    else:
+        manifest, problems = verify_store(cfg.store.dir)
     for date, problem in problems:
         print(f"shardgen: error: {date}: {problem}", file=sys.stderr)
     print(f"verified {len(manifest.shards)} shards of generation {manifest.generation}: "

@@ -67,6 +67,20 @@ class StoreConfig:
     window: int = 0
     grace_s: float = 3600.0
     lease_ttl_s: float = 60.0
+    remote: Optional[str] = None  # "s3://bucket/prefix": the store; ``dir`` is then the local staging folder
+
+    def objects(self):
+        """The object store holding this store (None for a store folder)."""
+        if self.remote is None:
+            return None
+        from .objstore import ObjectStore
+
+        return ObjectStore(self.remote)
+
+    @property
+    def where(self) -> str:
+        """The store as the user named it: its folder or its URL."""
+        return self.remote or str(self.dir)
 
 
 @dataclass(frozen=True)
@@ -226,8 +240,23 @@ def _process(top: Table, config_dir: Path) -> ProcessConfig:
 def _store_and_schema(top: Table, config_dir: Path, process: ProcessConfig,
                       schema_args: dict) -> tuple[StoreConfig, Schema]:
     sto = Table(top.get("store", dict), "store")
-    store = StoreConfig((config_dir / sto.get("dir", str)).resolve(), integer(sto, "window", 0, 0),
-                        number(sto, "grace_s", 3600.0, 0.0), number(sto, "lease_ttl_s", 60.0, 30.0))
+    folder = sto.get("dir", str)
+    remote, staging = None, sto.get("staging", str, None)
+    if folder.startswith("s3://"):
+        from .objstore import ObjectStoreError, parse_url
+
+        try:
+            bucket, prefix = parse_url(folder)
+        except ObjectStoreError as exc:
+            raise ConfigError(f"store.dir: {exc}") from None
+        remote = f"s3://{bucket}/{prefix}".rstrip("/")
+        folder = staging or str(Path(".shardgen-staging") / bucket / prefix)
+    elif staging is not None:
+        raise ConfigError("store.staging is only used when store.dir is an s3:// URL")
+    elif "://" in folder:
+        raise ConfigError(f"store.dir = {folder!r}: only folders and s3:// URLs are stores")
+    store = StoreConfig((config_dir / folder).resolve(), integer(sto, "window", 0, 0),
+                        number(sto, "grace_s", 3600.0, 0.0), number(sto, "lease_ttl_s", 60.0, 30.0), remote)
     layout = _layout(sto, process, schema_args["time_steps"])
     sto.done()
     try:

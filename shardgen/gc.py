@@ -12,10 +12,11 @@ the store when the manifest is read: nothing outside the store is ever unlinked.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .clock import seconds_since, utc_datetime
 from .errors import ManifestError
@@ -24,7 +25,7 @@ from .lock import StoreLock
 from .manifest import Manifest, RetiredEntry
 from .naming import MANIFEST_LOCK, MANIFEST_NAME, snapshot_generations, snapshot_path
 
-__all__ = ["collect", "deletable", "kept_snapshots"]
+__all__ = ["collect", "deletable", "kept_snapshots", "sweep", "entry_files"]
 
 log = logging.getLogger(__name__)
 
@@ -42,29 +43,55 @@ def deletable(entry: RetiredEntry, live: list[int], grace_s: float, now: dt.date
     return all(g >= entry.retired_generation for g in live)
 
 
-def kept_snapshots(store: Path, manifest: Manifest, live: list[int], grace_s: float,
-                   now: dt.datetime) -> tuple[list[int], list[int]]:
-    """(kept, removable) snapshot generations, by the rule in the module docstring. Snapshots
-    newer than the manifest are leftovers of a writer killed before it published them."""
-    numbers = [n for n in snapshot_generations(store) if n <= manifest.generation]
+def kept_snapshots(numbers: list[int], manifest: Manifest, live: list[int], grace_s: float, now: dt.datetime,
+                   load: Callable[[int], Manifest]) -> tuple[list[int], list[int]]:
+    """(kept, removable) of the snapshot generations ``numbers``, by the rule in the module
+    docstring; ``load(n)`` reads snapshot ``n``. Snapshots newer than the manifest are leftovers of
+    a writer killed before it published them."""
+    published = [n for n in numbers if n <= manifest.generation]
     oldest_live = min(live) if live else None
     superseded_at = {}  # generation -> when the next published generation replaced it
     later = manifest.updated
-    for n in sorted(numbers, reverse=True):
+    for n in sorted(published, reverse=True):
         superseded_at[n] = later
         try:
-            later = Manifest.load(snapshot_path(store, n)).updated or later
+            later = load(n).updated or later
         except ManifestError as exc:
             log.warning("%s", exc)
     kept, gone = [], []
-    for n in numbers:
+    for n in published:
         recent = not superseded_at[n] or seconds_since(superseded_at[n], now) < grace_s
         if n == manifest.generation or (oldest_live is not None and n >= oldest_live) or recent:
             kept.append(n)
         else:
             gone.append(n)
-    gone += [n for n in snapshot_generations(store) if n > manifest.generation]
+    gone += [n for n in numbers if n > manifest.generation]
     return kept, gone
+
+
+def sweep(manifest: Manifest, kept: list[int], live: list[int], grace_s: float, now: dt.datetime,
+          load: Callable[[int], Manifest]) -> tuple[list[RetiredEntry], list[RetiredEntry]]:
+    """(deletable, kept) retired entries: past ``grace_s``, read by no live lease and listed by no
+    kept snapshot (``load(n)`` reads snapshot ``n``; one that cannot be read keeps them all)."""
+    in_use, blind = manifest.files(), False
+    for n in kept:
+        if n != manifest.generation:
+            try:
+                in_use |= load(n).files()
+            except ManifestError as exc:  # what it lists is unknown: delete no retired file this time
+                log.warning("%s; keeping every retired file while this snapshot is kept", exc)
+                blind = True
+    gone, kept_entries = [], []
+    for entry in manifest.retired:
+        if not blind and not in_use.intersection(entry_files(entry)) and deletable(entry, live, grace_s, now):
+            gone.append(entry)
+        else:
+            kept_entries.append(entry)
+    return gone, kept_entries
+
+
+def entry_files(entry: RetiredEntry) -> list[str]:
+    return [n for n in (entry.rec, entry.idx, entry.sidecar) if n]
 
 
 def collect(store: Path, *, grace_s: float, lease_ttl_s: float,
@@ -77,28 +104,16 @@ def collect(store: Path, *, grace_s: float, lease_ttl_s: float,
     with StoreLock(store / MANIFEST_LOCK, what="manifest"):
         manifest = Manifest.load(store / MANIFEST_NAME)  # refuses names outside the store
         live = live_lease_generations(store, lease_ttl_s)
-        kept, old_snapshots = kept_snapshots(store, manifest, live, grace_s, now)
-        in_use, blind = manifest.files(), False
-        for n in kept:
-            if n != manifest.generation:
-                try:
-                    in_use |= Manifest.load(snapshot_path(store, n)).files()
-                except ManifestError as exc:  # what it lists is unknown: delete no retired file this time
-                    log.warning("%s; keeping every retired file while this snapshot is kept", exc)
-                    blind = True
-        gone, kept_entries = [], []
-        for entry in manifest.retired:
-            files = [n for n in (entry.rec, entry.idx, entry.sidecar) if n]
-            if not blind and not in_use.intersection(files) and deletable(entry, live, grace_s, now):
-                for name in files:
-                    (store / name).unlink(missing_ok=True)
-                gone.append(entry.date)
-                log.info("deleted retired shard %s (%s)", entry.date, entry.rec)
-            else:
-                kept_entries.append(entry)
+        load = functools.lru_cache(None)(lambda n: Manifest.load(snapshot_path(store, n)))
+        kept, old_snapshots = kept_snapshots(snapshot_generations(store), manifest, live, grace_s, now, load)
+        gone, kept_entries = sweep(manifest, kept, live, grace_s, now, load)
+        for entry in gone:
+            for name in entry_files(entry):
+                (store / name).unlink(missing_ok=True)
+            log.info("deleted retired shard %s (%s)", entry.date, entry.rec)
         if gone:
             replace(manifest, retired=tuple(kept_entries)).save(store / MANIFEST_NAME)
         for n in old_snapshots:
             snapshot_path(store, n).unlink(missing_ok=True)
             log.info("removed snapshot of generation %d", n)
-    return gone
+    return [entry.date for entry in gone]

@@ -246,13 +246,26 @@ class Manifest:
             raise ManifestError(f"{path}: holds generation {found.generation}, expected {generation}")
         return found
 
+    def dumps(self) -> bytes:
+        """The bytes of ``manifest.json`` and of a snapshot."""
+        return (json.dumps(self.to_json(), sort_keys=True, indent=1) + "\n").encode()
+
+    @classmethod
+    def parse(cls, text: bytes, where: str) -> Manifest:
+        """A manifest from its bytes; ManifestError naming ``where`` if they are not one."""
+        try:
+            obj = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"{where}: not valid JSON ({exc})") from None
+        return cls.from_json(obj, where=where)
+
     def save(self, path: Path) -> Manifest:
         """Publish as the next generation: its snapshot first, then ``manifest.json`` (both
         atomic); returns what was written. The caller holds the manifest lock."""
         path = Path(path)
         number = next_generation(path.parent, self)
         new = replace(self, generation=number, updated=utc_now())
-        text = (json.dumps(new.to_json(), sort_keys=True, indent=1) + "\n").encode()
+        text = new.dumps()
         snapshot_path(path.parent, number).parent.mkdir(exist_ok=True)
         atomic_write(snapshot_path(path.parent, number), text)
         atomic_write(path, text)
@@ -289,9 +302,18 @@ class Sidecar:
     def load(cls, path: Path) -> Optional[Sidecar]:
         """The sidecar at ``path``, or None if there is none; ShardError if it is malformed."""
         try:
-            obj = json.loads(Path(path).read_text())
-            return cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k in obj or k != "windows"})
+            text = Path(path).read_bytes()
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except OSError as exc:
             raise ShardError(f"{path}: malformed sidecar ({exc})") from None
+        return cls.parse(text, str(path))
+
+    @classmethod
+    def parse(cls, text: bytes, where: str) -> Sidecar:
+        """A sidecar from its bytes; ShardError naming ``where`` if they are not one."""
+        try:
+            obj = json.loads(text)
+            return cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k in obj or k != "windows"})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ShardError(f"{where}: malformed sidecar ({exc})") from None

@@ -16,7 +16,7 @@ from .lock import StoreLock
 from .manifest import Manifest, RetiredEntry, ShardEntry, Sidecar
 from .naming import MANIFEST_LOCK, MANIFEST_NAME, date_file_names, name_version, next_generation
 
-__all__ = ["open_manifest", "publish", "next_version", "check_sidecar"]
+__all__ = ["open_manifest", "publish", "apply_entries", "log_retired", "next_version", "check_sidecar", "check_schema"]
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +26,14 @@ def open_manifest(store: Path, schema: Schema, window: int) -> Manifest:
     path = Path(store) / MANIFEST_NAME
     if not path.exists():
         return Manifest(schema=schema, window=window)
-    manifest = Manifest.load(path)
+    return check_schema(Manifest.load(path), schema, str(path))
+
+
+def check_schema(manifest: Manifest, schema: Schema, where: str) -> Manifest:
+    """``manifest`` if it holds ``schema``; ConfigError otherwise."""
     if manifest.schema.fingerprint != schema.fingerprint:
         raise ConfigError(
-            f"{path}: the store holds schema {manifest.schema.fingerprint} but the config gives "
+            f"{where}: the store holds schema {manifest.schema.fingerprint} but the config gives "
             f"{schema.fingerprint}; use a new store.dir for a new schema")
     return manifest
 
@@ -37,33 +41,46 @@ def open_manifest(store: Path, schema: Schema, window: int) -> Manifest:
 def publish(store: Path, schema: Schema, window: int, entries: Iterable[ShardEntry]) -> Optional[Manifest]:
     """Add or replace shards under the manifest lock, apply the window; the new manifest or None."""
     store = Path(store)
-    entries = list(entries)
     with StoreLock(store / MANIFEST_LOCK, what="manifest"):
         old = open_manifest(store, schema, window)
-        now, generation = utc_now(), next_generation(store, old)
-        retired = {r.rec: r for r in old.retired}  # keyed by file: a date may have several versions
-        shards = {s.date: s for s in old.shards}
-        for e in entries:
-            prev = shards.get(e.date)
-            if prev is not None and prev.rec != e.rec:  # a rewrite: the old files retire, unchanged
-                retired.setdefault(prev.rec, RetiredEntry(prev.date, prev.rec, prev.idx, now, generation))
-            shards[e.date] = e
-        dates = sorted(shards)
-        keep = dates[-window:] if window else dates
-        for date in dates[: len(dates) - len(keep)]:
-            s = shards[date]
-            retired.setdefault(s.rec, RetiredEntry(date, s.rec, s.idx, now, generation))
-        live = {shards[d].rec for d in keep}
-        retired = {rec: r for rec, r in retired.items() if rec not in live}
-        new = replace(old, window=window, shards=tuple(shards[d] for d in keep),
-                      retired=tuple(sorted(retired.values(), key=lambda r: (r.date, r.rec))))
-        if new.shards == old.shards and new.retired == old.retired and new.window == old.window:
+        new = apply_entries(old, entries, window, generation=next_generation(store, old))
+        if new is None:
             return None
         saved = new.save(store / MANIFEST_NAME)
+    log_retired(saved)
+    return saved
+
+
+def apply_entries(old: Manifest, entries: Iterable[ShardEntry], window: int, *,
+                  generation: int) -> Optional[Manifest]:
+    """``old`` with ``entries`` added or replacing their dates and the window applied (what leaves
+    is retired at ``generation``, the number the result will be published as); None if nothing changes."""
+    now = utc_now()
+    retired = {r.rec: r for r in old.retired}  # keyed by file: a date may have several versions
+    shards = {s.date: s for s in old.shards}
+    for e in entries:
+        prev = shards.get(e.date)
+        if prev is not None and prev.rec != e.rec:  # a rewrite: the old files retire, unchanged
+            retired.setdefault(prev.rec, RetiredEntry(prev.date, prev.rec, prev.idx, now, generation))
+        shards[e.date] = e
+    dates = sorted(shards)
+    keep = dates[-window:] if window else dates
+    for date in dates[: len(dates) - len(keep)]:
+        s = shards[date]
+        retired.setdefault(s.rec, RetiredEntry(date, s.rec, s.idx, now, generation))
+    live = {shards[d].rec for d in keep}
+    retired = {rec: r for rec, r in retired.items() if rec not in live}
+    new = replace(old, window=window, shards=tuple(shards[d] for d in keep),
+                  retired=tuple(sorted(retired.values(), key=lambda r: (r.date, r.rec))))
+    if new.shards == old.shards and new.retired == old.retired and new.window == old.window:
+        return None
+    return new
+
+
+def log_retired(saved: Manifest) -> None:
     for r in saved.retired:
         if r.retired_generation == saved.generation:
-            log.info("retired %s (left the %d-date window)", r.date, window)
-    return saved
+            log.info("retired %s (left the %d-date window)", r.date, saved.window)
 
 
 def next_version(store: Path, date: dt.date) -> int:

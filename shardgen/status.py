@@ -14,20 +14,25 @@ from .clock import seconds_since, utc_datetime
 from .manifest import Manifest
 from .naming import MANIFEST_NAME, snapshot_generations
 
-__all__ = ["status", "watch_fields", "dumps"]
+__all__ = ["status", "summary", "watch_fields", "dumps"]
 
 
 def status(store: Path, *, today: Optional[dt.date] = None) -> dict:
     """A summary of the manifest, as ``shardgen status --json`` prints it (with ``watch_fields``)."""
     path = Path(store) / MANIFEST_NAME
-    m = Manifest.load(path)
+    return summary(Manifest.load(path), str(path), _format_of(path), snapshot_generations(Path(store)), today=today)
+
+
+def summary(m: Manifest, where: str, fmt: Optional[str], snapshots: list[int], *,
+            today: Optional[dt.date] = None) -> dict:
+    """The summary of manifest ``m`` (read from ``where``, declaring format ``fmt``)."""
     today = today or dt.date.today()
     age = None
     if m.updated:
         age = round(seconds_since(m.updated, utc_datetime()), 1)
     last = m.shards[-1].date if m.shards else None
     return {
-        "manifest": str(path),
+        "manifest": where,
         "generation": m.generation,
         "shards": len(m.shards),
         "records": m.records,
@@ -40,8 +45,8 @@ def status(store: Path, *, today: Optional[dt.date] = None) -> dict:
         "lag_days": (today - dt.date.fromisoformat(last)).days if last else None,
         "window": m.window,
         "retired": len(m.retired),
-        "format": _format_of(path),
-        "snapshots": snapshot_generations(Path(store)),
+        "format": fmt,
+        "snapshots": snapshots,
         "updated": m.updated,
         "age_s": age,
         "schema": m.schema.to_json(),

@@ -19,15 +19,17 @@ attempts and next retry, is written to ``<store>/.watch-state.json`` after each 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import generator
+from . import generator, s3store
 from .backoff import retry_delay
 from .build import BuildReport, build, wanted
 from .clock import utc_stamp
@@ -36,7 +38,7 @@ from .errors import ShardError, ShardgenError
 from .gc import collect
 from .lock import StoreLock
 from .manifest import Sidecar
-from .naming import WATCH_LOCK, dated_sidecars
+from .naming import WATCH_LOCK, WATCH_STATE, dated_sidecars
 from .publish import check_sidecar, open_manifest, publish
 from .verify import verify_shard
 from .watchstate import Failing, save_state
@@ -80,6 +82,8 @@ class Watcher:
         self._failures: dict[dt.date, _Failure] = {}
         self._bad_files: set[tuple[str, float, int]] = set()  # reported once per file version
         self._lock = StoreLock(cfg.store.dir / WATCH_LOCK, timeout=0, what="watch")
+        remote = cfg.store.objects()
+        self._writer = s3store.WriterLock(remote, what="watch", ttl_s=cfg.store.lease_ttl_s) if remote else None
 
     @property
     def lock_path(self) -> Path:
@@ -97,6 +101,13 @@ class Watcher:
     def __enter__(self) -> Watcher:
         self.cfg.store.dir.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
+        if self._writer is not None:
+            try:
+                self._writer.remote.check()
+                self._writer.acquire()
+            except BaseException:
+                self._lock.release()
+                raise
         self._warm_workers()
         return self
 
@@ -110,6 +121,8 @@ class Watcher:
 
     def __exit__(self, *exc: object) -> None:
         generator.clear_stop()
+        if self._writer is not None:
+            self._writer.release()
         self._lock.release()
 
     def run(self, sleep: Callable[[float], bool]) -> None:
@@ -136,7 +149,7 @@ class Watcher:
     def cycle(self) -> CycleReport:
         cfg, report = self.cfg, CycleReport()
         try:
-            manifest = open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
+            manifest = self._open_manifest()
             now = time.monotonic()
             scheduled = cfg.dates_between(today=self.today())
             files = cfg.raw_files()
@@ -147,19 +160,32 @@ class Watcher:
             arrivals = [d for d in wanted(manifest, raw) if d not in set(scheduled) and not self._known_bad(raw[d])]
             if due or arrivals:
                 report.build = build(cfg, dates=due, raw_dates=arrivals, jobs=self.jobs, publish_every_s=0.0,
-                                     should_stop=lambda: self._stop)  # readers see each date at once
+                                     should_stop=lambda: self._stop,  # readers see each date at once
+                                     lock=self._writer)
                 self._note_results(report, arrivals, raw)
             if self._stop:
                 return report
             report.adopted = self._adopt()
-            saved = publish(cfg.store.dir, cfg.schema, cfg.store.window, report.adopted)  # applies the window
-            report.deleted = collect(cfg.store.dir, grace_s=cfg.store.grace_s, lease_ttl_s=cfg.store.lease_ttl_s)
+            st = cfg.store
+            if self._writer is not None:
+                remote = self._writer.remote
+                saved = s3store.publish(remote, self._writer, cfg.schema, st.window, report.adopted)
+                report.deleted = s3store.collect(remote, self._writer, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
+            else:
+                saved = publish(st.dir, cfg.schema, st.window, report.adopted)  # applies the window
+                report.deleted = collect(st.dir, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
             done = {s.date for s in (saved or manifest).shards} | {a.date for a in report.adopted}
             for date in [d for d in self._failures if d.isoformat() in done]:
                 del self._failures[date]  # published meanwhile (e.g. adopted)
             return report
         finally:
             self._save_state()
+
+    def _open_manifest(self):
+        cfg = self.cfg
+        if self._writer is not None:
+            return s3store.open_manifest(self._writer.remote, cfg.schema, cfg.store.window)
+        return open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
 
     def _retry_at(self, date: dt.date) -> float:
         failure = self._failures.get(date)
@@ -195,8 +221,10 @@ class Watcher:
             failing.append(Failing(date.isoformat(), f.kind, f.attempts, f.error, retry))
         try:
             save_state(self.cfg.store.dir, updated=utc_stamp(wall), pid=os.getpid(), failing=failing)
-        except OSError as exc:
-            log.warning("%s: cannot write the watcher state (%s)", self.cfg.store.dir, exc)
+            if self._writer is not None:
+                s3store.put_state(self._writer.remote, (self.cfg.store.dir / WATCH_STATE).read_bytes())
+        except (OSError, ShardgenError) as exc:
+            log.warning("%s: cannot write the watcher state (%s)", self.cfg.store.where, exc)
 
     def _note_results(self, report: CycleReport, arrivals: list, raw: dict) -> None:
         built = report.build
@@ -222,6 +250,8 @@ class Watcher:
     def _adopt(self) -> list:
         """Complete shards of this schema that other producers wrote into the store."""
         cfg = self.cfg
+        if self._writer is not None:
+            return self._adopt_objects()
         manifest = open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
         candidates = dated_sidecars(cfg.store.dir)
         todo = set(wanted(manifest, [d for d, _ in candidates]))
@@ -243,6 +273,41 @@ class Watcher:
             if sidecar is not None:  # checked as `shardgen verify` checks a published shard
                 problem = (check_sidecar(cfg.store.dir, sidecar, cfg.schema.fingerprint)
                            or verify_shard(cfg.store.dir, sidecar.entry(), cfg.schema, source="its sidecar"))
+            if problem:
+                self._bad_files.add(key)
+                log.warning("%s: not adopting the shard in the store: %s", date, problem)
+                continue
+            log.info("adopted %s (%d records, written by another producer)", date, sidecar.records)
+            entries.append(sidecar.entry())
+        return entries
+
+    def _adopt_objects(self) -> list:
+        """``_adopt`` on an object store: each candidate is downloaded and checked as ``verify`` would."""
+        cfg, remote = self.cfg, self._writer.remote
+        manifest = self._open_manifest()
+        found = {}
+        for name, info in remote.list().items():
+            if "/" not in name and name.endswith(".json") and len(name) == len("2024-01-02.json"):
+                with contextlib.suppress(ValueError):
+                    found[dt.date.fromisoformat(name[:10])] = (name, info)
+        entries = []
+        for date in wanted(manifest, sorted(found)):
+            name, info = found[date]
+            key = (remote.where(name), info.mtime, info.size)
+            if key in self._bad_files:
+                continue
+            sidecar = s3store.complete_shard(remote, date, cfg.schema.fingerprint)
+            if sidecar is not None and sidecar.records == 0:
+                continue
+            problem = None if sidecar is not None else "incomplete, or of another schema"
+            if sidecar is not None:
+                with tempfile.TemporaryDirectory(prefix="shardgen-adopt-") as tmp:
+                    try:
+                        for obj in (sidecar.rec, sidecar.idx):
+                            remote.download(obj, Path(tmp) / obj)
+                        problem = verify_shard(Path(tmp), sidecar.entry(), cfg.schema, source="its sidecar")
+                    except ShardgenError as exc:
+                        problem = str(exc)
             if problem:
                 self._bad_files.add(key)
                 log.warning("%s: not adopting the shard in the store: %s", date, problem)

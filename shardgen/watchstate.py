@@ -23,7 +23,7 @@ from typing import Optional
 from .fsutil import atomic_write
 from .naming import WATCH_STATE
 
-__all__ = ["WATCH_STATE", "FORMAT", "Failing", "save_state", "load_state"]
+__all__ = ["WATCH_STATE", "FORMAT", "Failing", "save_state", "load_state", "parse_state"]
 
 log = logging.getLogger(__name__)
 FORMAT = "shardgen-watch/1"
@@ -48,13 +48,25 @@ def load_state(store: Path) -> Optional[dict]:
     """The last state a watcher wrote, or None (no watcher ran, or the file is unreadable)."""
     path = Path(store) / WATCH_STATE
     try:
-        doc = json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         log.warning("%s: unreadable watcher state (%s)", path, exc)
         return None
+    return parse_state(data, str(path))
+
+
+def parse_state(data: Optional[bytes], where: str) -> Optional[dict]:
+    """The state from its bytes (None: none, or unreadable, with a warning)."""
+    if data is None:
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        log.warning("%s: unreadable watcher state (%s)", where, exc)
+        return None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        log.warning("%s: unknown watcher state format %r", path, doc.get("format") if isinstance(doc, dict) else None)
+        log.warning("%s: unknown watcher state format %r", where, doc.get("format") if isinstance(doc, dict) else None)
         return None
     return doc

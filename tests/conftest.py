@@ -173,3 +173,22 @@ def consume_in_thread(it):
     t = threading.Thread(target=consume, daemon=True)
     t.start()
     return t, outcome
+
+
+@pytest.fixture
+def s3(tmp_path, monkeypatch):
+    """A real S3-compatible server (rclone serve s3) on loopback, with this process's AWS environment
+    pointing at it; bucket ``data``. Stopped at the end of the test."""
+    from s3server import S3Server
+
+    from shardgen import objstore
+
+    server = S3Server(tmp_path / "s3root").start()
+    for key, value in server.env().items():
+        monkeypatch.setenv(key, value)
+    objstore._clients.clear()
+    try:
+        yield server
+    finally:
+        server.stop()
+        objstore._clients.clear()
