@@ -97,8 +97,11 @@ def _client():
     key = os.getpid()
     with _clients_lock:
         if key not in _clients:
-            import boto3
-            from botocore.config import Config
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError:
+                raise ObjectStoreError("s3:// stores need boto3: pip install 'shardgen[s3]'") from None
 
             config = Config(connect_timeout=3, read_timeout=30, retries={"max_attempts": 1, "mode": "standard"},
                             max_pool_connections=32,
