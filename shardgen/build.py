@@ -90,6 +90,9 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
         if not force:
             sidecar = complete_shard(cfg, date)
             if sidecar is not None:
+                if cfg.store.remote:  # in the store already: a copy a killed run left in staging goes
+                    for path in shard_paths(cfg.store.dir, date).values():
+                        path.unlink(missing_ok=True)
                 status = "empty" if sidecar.records == 0 else "adopted"
                 entry = sidecar.entry() if sidecar.records else None
                 return DateResult(date, status, entry, "no windows", time.perf_counter() - t0)

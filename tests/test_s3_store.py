@@ -1,0 +1,403 @@
+"""The store side on a real S3-compatible server (``rclone serve s3`` on loopback, the ``s3``
+fixture): build, verify, status, watch and gc through the CLI, in subprocesses; faults of the
+endpoint, of the credentials, a second writer, kill -9 mid-build, reader leases."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, runs, write_config
+
+from shardgen.build import build
+from shardgen.config import load_config
+from shardgen.manifest import Manifest
+from shardgen.objstore import ObjectStore
+
+pytestmark = pytest.mark.slow
+
+DATES_4 = ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05"]
+DATES_14 = DATES_4 + ["2024-01-08", "2024-01-09", "2024-01-10", "2024-01-11", "2024-01-12",
+                      "2024-01-15", "2024-01-16", "2024-01-17", "2024-01-18", "2024-01-19"]
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+def s3_config(folder: Path, url: str, *, lease_ttl_s=None, **kw) -> Path:
+    """``write_config`` with ``[store] dir = url`` (and optionally ``lease_ttl_s``)."""
+    path = write_config(folder, **kw)
+    text = path.read_text().replace('dir = "shards"', f'dir = "{url}"')
+    if lease_ttl_s is not None:
+        text = text.replace("grace_s =", f"lease_ttl_s = {lease_ttl_s}\ngrace_s =")
+    path.write_text(text)
+    assert load_config(path).store.remote == url
+    return path
+
+
+def env(**override) -> dict:
+    """This process's environment (the fixture's AWS_* variables included) for a subprocess."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), **override}
+
+
+def cli(*args, timeout=60, **override) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardgen.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env(**override))
+
+
+def start_cli(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "shardgen.cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env(), start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate(timeout=10)
+
+
+def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def objects(s3, prefix: str) -> Path:
+    """The server's folder holding the objects of ``s3://data/<prefix>``."""
+    return s3.root / s3.bucket / prefix
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    """Relative name -> bytes of every file under ``folder``, dot-files (locks, state, clock) left out."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)}
+
+
+def manifest_of(folder: Path, name: str = "manifest.json") -> Manifest:
+    return Manifest.load(folder / name)
+
+
+def one_error_line(r: subprocess.CompletedProcess) -> str:
+    """stderr is exactly one 'shardgen: error:' line, no traceback."""
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("shardgen: error: "), r.stderr
+    return lines[0]
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def age(path: Path, seconds: float) -> None:
+    """Make an object look ``seconds`` old to the server (rclone reports a file's mtime as Last-Modified)."""
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+# -- 1, 2: build, status, verify ------------------------------------------------------------------
+
+def test_build_to_s3_matches_a_local_build_and_status_verify_work(s3, tmp_path):
+    local_cfg = write_config(tmp_path / "local")
+    build(load_config(local_cfg))
+    local = tmp_path / "local" / "shards"
+
+    cfg = s3_config(tmp_path / "remote", s3.url("st"))
+    r = cli("build", "-c", cfg)
+    assert r.returncode == 0, r.stderr
+    assert "published 4 dates" in r.stdout
+    remote = objects(s3, "st")
+
+    got, want = files(remote), files(local)
+    assert sorted(got) == sorted(want)
+    shard_files = [n for n in want if n.startswith("20")]
+    assert len(shard_files) == 12  # rec, idx, json of 4 dates
+    for name in shard_files:
+        assert got[name] == want[name], f"{name} differs from the local build"
+    snapshots = [n for n in want if n.startswith("generations/")]
+    assert snapshots
+    for name in ["manifest.json", *snapshots]:
+        g, w = manifest_of(remote, name), manifest_of(local, name)
+        assert (g.generation, g.shards, g.retired, g.window) == (w.generation, w.shards, w.retired, w.window)
+    assert [s.date for s in manifest_of(remote).shards] == DATES_4
+    assert not (remote / ".writer.lock").exists()  # released
+
+    staging = load_config(cfg).store.dir
+    assert staging == (tmp_path / "remote" / ".shardgen-staging" / "data" / "st").resolve()
+    assert [p for p in staging.rglob("*") if p.is_file()] == []
+
+    st = cli("status", "--json", "-c", cfg)
+    assert st.returncode == 0, st.stderr
+    info = json.loads(st.stdout)
+    assert info["manifest"] == "s3://data/st/manifest.json"
+    assert (info["shards"], info["first_date"], info["last_date"]) == (4, DATES_4[0], DATES_4[-1])
+    assert info["windows"] == manifest_of(local).samples
+    assert info["snapshots"] == [1] and info["watch_updated"] is None
+
+    v = cli("verify", "-c", cfg)
+    assert v.returncode == 0, v.stderr
+    assert "verified 4 shards of generation 1: 0 bad" in v.stdout
+
+
+def test_verify_detects_a_flipped_byte_in_a_rec_object(s3, tmp_path):
+    cfg = s3_config(tmp_path / "p", s3.url("st"))
+    assert cli("build", "-c", cfg).returncode == 0
+    flip_byte(objects(s3, "st") / "2024-01-04.rec")
+    v = cli("verify", "-c", cfg)
+    assert v.returncode == 1, (v.stdout, v.stderr)
+    assert "Traceback" not in v.stderr
+    assert "2024-01-04" in v.stderr
+    assert not any(d in v.stderr for d in ("2024-01-02", "2024-01-03", "2024-01-05")), v.stderr
+    assert "1 bad" in v.stdout
+
+
+# -- 3, 4: an unreachable endpoint, refused credentials ------------------------------------------
+
+@pytest.mark.parametrize("how", ["server killed", "nothing listens"])
+def test_endpoint_down_is_one_line_exit_1_in_bounded_time(s3, tmp_path, how):
+    from s3server import free_port
+
+    cfg = s3_config(tmp_path / "p", s3.url("st"))
+    if how == "server killed":
+        s3.kill()
+        endpoint = s3.endpoint
+    else:
+        endpoint = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    r = cli("build", "-c", cfg, timeout=60, AWS_ENDPOINT_URL=endpoint)
+    took = time.monotonic() - t0
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    line = one_error_line(r)
+    assert endpoint in line and "s3://data/st" in line, line
+    assert took < 30, f"took {took:.1f}s"
+    assert not (tmp_path / "p" / "raw").exists()  # nothing was generated for a store we cannot reach
+
+
+def test_wrong_credentials_are_refused_in_one_line(s3, tmp_path):
+    cfg = s3_config(tmp_path / "p", s3.url("st"))
+    t0 = time.monotonic()
+    r = cli("build", "-c", cfg, AWS_SECRET_ACCESS_KEY="not-the-secret")
+    assert r.returncode != 0
+    line = one_error_line(r)
+    assert "refused our credentials" in line and "AWS_SECRET_ACCESS_KEY" in line, line
+    assert time.monotonic() - t0 < 30
+    assert not (objects(s3, "st") / "manifest.json").exists()
+    # the right credentials then work
+    assert cli("build", "-c", cfg).returncode == 0
+
+
+# -- 5: one writer ----------------------------------------------------------------------------------
+
+def test_a_second_writer_is_refused_while_a_watcher_runs(s3, tmp_path):
+    url = s3.url("st")
+    lock = objects(s3, "st") / ".writer.lock"
+    watch_cfg = s3_config(tmp_path / "machine-a", url)
+    build_cfg = s3_config(tmp_path / "machine-b", url)
+    watcher = start_cli("watch", "-c", watch_cfg, "--interval", "1")
+    try:
+        wait_for(lambda: lock.exists() or watcher.poll() is not None, "the watcher's .writer.lock")
+        assert watcher.poll() is None, watcher.communicate(timeout=10)
+        holder = json.loads(lock.read_text())
+        assert holder["pid"] == watcher.pid and holder["what"] == "watch"
+
+        r = cli("build", "-c", build_cfg)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        line = one_error_line(r)
+        assert "another writer" in line and f"pid {watcher.pid}" in line and "watch" in line, line
+        assert not (tmp_path / "machine-b" / "raw").exists()  # refused before generating anything
+
+        # the watcher publishes meanwhile, undisturbed (each date as it is done)
+        def all_published():
+            path = objects(s3, "st") / "manifest.json"
+            return path.exists() and [s.date for s in manifest_of(objects(s3, "st")).shards] == DATES_4
+
+        wait_for(all_published, "the watcher to publish every due date")
+        watcher.send_signal(signal.SIGTERM)
+        out, err = watcher.communicate(timeout=30)
+        assert watcher.returncode == 0, err
+    finally:
+        if watcher.poll() is None:
+            kill_group(watcher)
+    assert not lock.exists()
+    assert [s.date for s in manifest_of(objects(s3, "st")).shards] == DATES_4
+    # with the watcher gone, the other machine may write
+    r = cli("build", "-c", build_cfg)
+    assert r.returncode == 0, r.stderr
+
+
+# -- 6: kill -9 mid-build ---------------------------------------------------------------------------
+
+def test_kill_9_mid_build_converges_after_the_stale_lock_expires(s3, tmp_path):
+    cfg = s3_config(tmp_path / "p", s3.url("st"), end="2024-01-19", jobs=2, modes={"*": "slow:0.3"},
+                    lease_ttl_s=30)
+    remote = objects(s3, "st")
+    lock = remote / ".writer.lock"
+
+    def sidecars():
+        return sorted(p.name for p in remote.glob("20??-??-??.json")) if remote.exists() else []
+
+    first = start_cli("build", "-c", cfg)
+    try:
+        wait_for(lambda: len(sidecars()) >= 4 or first.poll() is not None, "4 sidecar objects", timeout=60)
+    finally:
+        kill_group(first)
+    assert first.returncode == -signal.SIGKILL, "the build ended before it was killed"
+    assert 4 <= len(sidecars()) < len(DATES_14)
+    assert lock.exists() and json.loads(lock.read_text())["pid"] == first.pid  # the killed build's lock
+    if (remote / "manifest.json").exists():  # whatever was published is whole
+        assert cli("verify", "-c", cfg).returncode == 0
+
+    # Its heartbeat is fresh: a rerun at once is refused, saying why and by whom.
+    r = cli("build", "-c", cfg)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    line = one_error_line(r)
+    assert "another writer" in line and f"pid {first.pid}" in line and "heartbeat" in line, line
+
+    # Once no heartbeat came for lease_ttl_s (aged on the server rather than waited for), it is taken over.
+    age(lock, 31)
+    r = cli("build", "-c", cfg, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "taking over a stale writer lock" in r.stderr and f"pid {first.pid}" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not lock.exists()
+    assert [s.date for s in manifest_of(remote).shards] == DATES_14
+    v = cli("verify", "-c", cfg)
+    assert v.returncode == 0, v.stderr
+    assert f"verified {len(DATES_14)} shards" in v.stdout
+    staging = load_config(cfg).store.dir
+    assert [p.name for p in staging.rglob("*") if p.is_file()] == []
+
+
+def test_a_shard_left_in_staging_by_a_killed_run_is_adopted_and_removed_from_staging(s3, tmp_path):
+    """A worker killed after uploading a shard but before removing its staging copy: the next
+    build adopts the shard from the store and the staging copy goes (it used to stay forever)."""
+    other = write_config(tmp_path / "other")
+    build(load_config(other))
+    made = tmp_path / "other" / "shards"
+    cfg = s3_config(tmp_path / "p", s3.url("st"))
+    staging = load_config(cfg).store.dir
+    remote = objects(s3, "st")
+    for folder in (remote, staging):
+        folder.mkdir(parents=True)
+        for ext in ("rec", "idx", "json"):
+            (folder / f"2024-01-05.{ext}").write_bytes((made / f"2024-01-05.{ext}").read_bytes())
+    r = cli("build", "-c", cfg)
+    assert r.returncode == 0, r.stderr
+    assert "2024-01-05" not in runs(tmp_path / "p")  # adopted, not generated again
+    assert [s.date for s in manifest_of(remote).shards] == DATES_4
+    assert [p.name for p in staging.rglob("*") if p.is_file()] == []
+
+
+# -- 7: gc, grace and reader leases -----------------------------------------------------------------
+
+def reader_lease(store: ObjectStore, generation: int):
+    """A reader lease on ``generation`` in the store: ``shardgen.lease.Lease`` if it takes an
+    ObjectStore, else the lease object written directly. Returns a function that releases it."""
+    from shardgen.lease import Lease
+
+    try:
+        lease = Lease(store)
+    except TypeError:  # Lease only knows store folders
+        lease = None
+    if lease is not None:
+        lease.renew(generation)
+        if any(n.startswith("leases/") and n.endswith(".json") for n in store.list("leases/")):
+            return lease.release
+        lease.release()
+    name = "leases/test-reader.json"
+    store.put(name, json.dumps({"generation": generation, "host": "reader-host", "pid": 1}).encode())
+    return lambda: store.delete(name)
+
+
+def test_gc_keeps_files_within_grace_or_read_by_a_live_lease_and_deletes_them_after(s3, tmp_path):
+    cfg = s3_config(tmp_path / "p", s3.url("st"), window=2, grace=0)
+    remote = objects(s3, "st")
+    assert cli("build", "-c", cfg, "--end", "2024-01-03").returncode == 0
+    assert cli("build", "-c", cfg).returncode == 0
+    m = manifest_of(remote)
+    assert [s.date for s in m.shards] == DATES_4[2:]
+    assert [r.date for r in m.retired] == DATES_4[:2]
+    old = manifest_of(remote, "generations/1.json")
+    assert [s.date for s in old.shards] == DATES_4[:2]
+    retired_files = sorted(n for r in m.retired for n in (r.rec, r.idx))
+    assert all((remote / n).exists() for n in retired_files)
+
+    # Within grace_s (the same store, from a config that says grace_s = 3600), nothing goes.
+    patient = s3_config(tmp_path / "patient", s3.url("st"), window=2, grace=3600)
+    r = cli("gc", "-c", patient)
+    assert r.returncode == 0 and "deleted 0 retired shards" in r.stdout, (r.stdout, r.stderr)
+    assert all((remote / n).exists() for n in retired_files)
+
+    release = reader_lease(ObjectStore(s3.url("st")), 1)
+    r = cli("gc", "-c", cfg)
+    assert r.returncode == 0, r.stderr
+    assert "deleted 0 retired shards" in r.stdout
+    assert all((remote / n).exists() for n in retired_files)
+    assert (remote / "generations" / "1.json").exists()  # the lease's generation keeps its snapshot
+    assert [r.date for r in manifest_of(remote).retired] == DATES_4[:2]
+    assert cli("verify", "-c", cfg).returncode == 0
+
+    release()
+    r = cli("gc", "-c", cfg)
+    assert r.returncode == 0, r.stderr
+    assert "deleted 2 retired shards: 2024-01-02, 2024-01-03" in r.stdout
+    assert not any((remote / n).exists() for n in retired_files)
+    assert not (remote / "2024-01-02.json").exists() and not (remote / "2024-01-03.json").exists()
+    after = manifest_of(remote)
+    assert after.retired == () and [s.date for s in after.shards] == DATES_4[2:]
+    assert not (remote / "generations" / "1.json").exists()  # superseded, past grace 0, no lease
+    assert not (remote / ".writer.lock").exists()
+    v = cli("verify", "-c", cfg)
+    assert v.returncode == 0, v.stderr
+    # a later build does not bring the retired dates back
+    r = cli("build", "-c", cfg)
+    assert r.returncode == 0 and "published 0 dates" in r.stdout
+    assert [s.date for s in manifest_of(remote).shards] == DATES_4[2:]
+
+
+# -- 8: watch --once ------------------------------------------------------------------------------
+
+def test_watch_once_publishes_due_dates_and_adopts_only_good_shards(s3, tmp_path):
+    # Shards "from another producer", made by a local build of the same config.
+    other = write_config(tmp_path / "other", start="2024-01-08", end="2024-01-09")
+    build(load_config(other))
+    made = tmp_path / "other" / "shards"
+    remote = objects(s3, "st")
+    remote.mkdir(parents=True)
+    for date in ("2024-01-08", "2024-01-09"):
+        for ext in ("rec", "idx", "json"):
+            (remote / f"{date}.{ext}").write_bytes((made / f"{date}.{ext}").read_bytes())
+    flip_byte(remote / "2024-01-09.rec")  # same size: only a check of its bytes finds it
+    (remote / "2024-01-10.json").write_bytes(b"not a sidecar")
+
+    cfg = s3_config(tmp_path / "p", s3.url("st"))
+    r = cli("watch", "--once", "-c", cfg, "--interval", "1")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    m = manifest_of(remote)
+    assert [s.date for s in m.shards] == DATES_4 + ["2024-01-08"]
+    assert "not adopting the shard in the store" in r.stderr and "2024-01-09" in r.stderr
+    assert (remote / ".watch-state.json").exists()
+    assert not (remote / ".writer.lock").exists()
+    v = cli("verify", "-c", cfg)
+    assert v.returncode == 0, v.stderr
+
+    st = cli("status", "--json", "-c", cfg)
+    assert st.returncode == 0, st.stderr
+    info = json.loads(st.stdout)
+    assert info["watch_updated"] and info["failing"] == []
+    assert info["shards"] == 5
+    text = cli("status", "-c", cfg)
+    assert text.returncode == 0 and "watcher: last cycle" in text.stdout, text.stdout
