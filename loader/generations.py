@@ -26,10 +26,10 @@ from typing import Any, Iterator, Optional
 import mxnet as mx
 
 from shardgen.errors import ManifestError
-from shardgen.lease import Lease
 from shardgen.manifest import Manifest
 
 from .errors import LoaderError
+from .objcache import lease_for, mirror_of
 from .selection import load_manifest, manifest_path_of
 
 __all__ = ["AGREE_KEY_BASE", "Choice", "open_generation", "agree", "agreed_start"]
@@ -42,8 +42,12 @@ _STR_KEYS: weakref.WeakSet = weakref.WeakSet()  # kvstores found to use string k
 
 def open_generation(manifest_path: Path, generation: int) -> Manifest:
     """Generation ``generation`` of a store exactly; LoaderError naming it when it is gone."""
-    store = manifest_path_of(Path(manifest_path)).parent
+    manifest_path = manifest_path_of(Path(manifest_path))
+    store, cache = manifest_path.parent, mirror_of(manifest_path)
     try:
+        if cache is not None:
+            cache.pull_manifest()
+            cache.pull_snapshot(generation)
         return Manifest.load_generation(store, generation)
     except ManifestError as exc:
         raise LoaderError(f"cannot open generation {generation} of {store}: {exc}") from None
@@ -110,7 +114,7 @@ def agreed_start(kv: Any, manifest_path: Path) -> Iterator[int]:
     and rank 0 proposed the agreed one."""
     manifest_path = manifest_path_of(Path(manifest_path))
     newest = Choice.propose(manifest_path)
-    hold = Lease(manifest_path.parent)
+    hold = lease_for(manifest_path.parent)
     hold.renew(newest.generation)
     try:
         yield agree(kv, newest.generation)

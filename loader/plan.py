@@ -32,6 +32,7 @@ from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.manifest import Manifest, ShardEntry
 
 from .errors import LoaderError
+from .objcache import mirror_of
 
 __all__ = ["EpochPlan", "ReaderSource", "reader_source", "make_plan", "default_cache_dir", "hold", "drop", "recheck"]
 
@@ -188,7 +189,7 @@ _SEQ = itertools.count()
 
 
 def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry, ...], cache_dir: Path, *,
-              verify: str = "frame") -> EpochPlan:
+              verify: str = "frame", fetcher: str = "") -> EpochPlan:
     """Open and check the shards' files and return a plan with its own folder for MXNet.
 
     dmlc resolves each ``.rec`` path (and the index) by listing its folder and ``stat``-ing every
@@ -202,6 +203,9 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
     store = Path(manifest_path).resolve().parent
     if not shards:
         raise LoaderError(f"{manifest_path}: no shards selected (generation {manifest.generation})")
+    cache = mirror_of(Path(manifest_path))
+    if cache is not None:  # a store on an object store: this epoch's files into the local cache first
+        cache.fetch(shards, who=fetcher)
     mine = Path(cache_dir).resolve() / f"{HOST_TOKEN}-{os.getpid()}"
     if ";" in str(mine):
         raise LoaderError(f"{mine}: a path given to MXNet may not contain ';' (it joins .rec paths with it)")

@@ -24,6 +24,7 @@ from shardgen.format.schema import Schema
 from . import lifecycle
 from .errors import LoaderError
 from .generations import Choice
+from .objcache import resolve
 from .plan import default_cache_dir
 from .selection import load_manifest, manifest_path_of, normalize_dates
 from .session import Session
@@ -51,7 +52,8 @@ class ProcessShardIter(ShardIter):
                         readers=a["readers"], native_batch=a["native_batch"], last_batch=a["last_batch"],
                         seed=a["seed"], verify=a["verify"])
         mx.io.DataIter.__init__(self, int(batch_size))
-        self.manifest_path = manifest_path_of(Path(manifest))
+        self.manifest_path = manifest_path_of(resolve(manifest, bound.arguments.get("cache_dir"),
+                                                      bound.arguments.get("cache_limit")))
         load_manifest(self.manifest_path)  # a missing or bad manifest: said at once, before the producer starts
         self.shuffle, self.seed = bool(a["shuffle"]), int(a["seed"])
         self.preprocess_threads, self.prefetch_buffer = int(a["preprocess_threads"]), int(a["prefetch_buffer"])

@@ -13,6 +13,7 @@ from shardgen.errors import ManifestError
 from shardgen.manifest import MANIFEST_NAME, Manifest, ShardEntry
 
 from .errors import LoaderError
+from .objcache import mirror_of
 
 __all__ = ["DateRange", "manifest_path_of", "load_manifest", "normalize_dates", "select_shards", "to_datetime64"]
 
@@ -26,7 +27,11 @@ def manifest_path_of(path: Path) -> Path:
 
 
 def load_manifest(path: Path) -> Manifest:
+    """The newest manifest (for a store on an object store: fetched into its mirror first)."""
+    cache = mirror_of(path)
     try:
+        if cache is not None:
+            cache.pull_manifest()
         return Manifest.load(path)
     except ManifestError as exc:
         raise LoaderError(str(exc)) from None

@@ -21,7 +21,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import mxnet as mx
 
-from shardgen.lease import Lease
 from shardgen.manifest import ShardEntry
 
 from . import lifecycle
@@ -30,6 +29,7 @@ from .epochs import Epochs
 from .errors import LoaderError
 from .generations import Choice, agreed_start
 from .memory import Arena, settle_allocator
+from .objcache import lease_for, mirror_of, resolve
 from .plan import EpochPlan, default_cache_dir, make_plan, recheck
 from .selection import DateRange, load_manifest, manifest_path_of, normalize_dates, select_shards, to_datetime64
 from .settings import buffer_records, check_arguments, check_memory, default_native_batch, default_readers
@@ -67,12 +67,13 @@ class ShardIter(mx.io.DataIter):
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
                  verify: str = "frame", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
-                 producer: str = "thread", _arena: Optional[Callable] = None):
+                 producer: str = "thread", cache_limit: Optional[int | str] = None,
+                 _arena: Optional[Callable] = None):
         check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
                         preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
                         native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify)
         super().__init__(int(batch_size))
-        self.manifest_path = manifest_path_of(Path(manifest))
+        self.manifest_path = manifest_path_of(resolve(manifest, cache_dir, cache_limit))
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.preprocess_threads, self.prefetch_buffer = int(preprocess_threads), int(prefetch_buffer)
         self.num_parts, self.part_index, self.last_batch = int(num_parts), int(part_index), last_batch
@@ -82,7 +83,7 @@ class ShardIter(mx.io.DataIter):
         self.epoch = 0
         self.history: list[dict] = []
         self._closed = False
-        self._epochs = Epochs(Lease(self.manifest_path.parent))  # tells gc which generation we read
+        self._epochs = Epochs(lease_for(self.manifest_path.parent))  # tells gc which generation we read
         self._finalizer = weakref.finalize(self, self._epochs.close)
         self._choice = Choice(pin=generation)
         manifest_obj = self._choice.manifest(self.manifest_path)
@@ -118,6 +119,7 @@ class ShardIter(mx.io.DataIter):
         if kwargs.get("generation") is not None:
             return cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, **kwargs)
         kwargs.pop("generation", None)
+        manifest = resolve(manifest, kwargs.get("cache_dir"), kwargs.get("cache_limit"))
         with agreed_start(kv, manifest) as generation:
             it = cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, generation=generation,
                      **kwargs)
@@ -301,7 +303,8 @@ class ShardIter(mx.io.DataIter):
             raise LoaderError(f"{self.manifest_path}: this ShardIter is closed")
 
     def _plan_for(self, manifest: Any, shards: tuple) -> EpochPlan:
-        return make_plan(self.manifest_path, manifest, shards, self.cache_dir, verify=self.verify)
+        return make_plan(self.manifest_path, manifest, shards, self.cache_dir, verify=self.verify,
+                         fetcher=f"iter-{id(self)}")
 
     def _start_epoch(self, plan: EpochPlan, *, skip: int = 0, epoch: Optional[int] = None) -> None:
         """Make ``plan`` this iterator's, reading ``epoch`` (default: the current one). Nothing
@@ -323,6 +326,9 @@ class ShardIter(mx.io.DataIter):
         """The next epoch's stream, on this plan, starts filling while this epoch ends (a new
         generation at ``reset()`` discards it)."""
         self._epochs.open_ahead(self.epoch + 1, self._params)
+        cache = mirror_of(self.manifest_path)
+        if cache is not None and self._choice.pin is None:  # a store on an object store: new shards ahead
+            cache.fetch_ahead(lambda m: select_shards(m, self.dates))
 
     def _close_epoch(self) -> None:
         res = self._epochs
@@ -347,6 +353,9 @@ class ShardIter(mx.io.DataIter):
         return res is not None and res.stream is not None
 
     def _release(self) -> None:
+        cache = mirror_of(self.manifest_path) if hasattr(self, "manifest_path") else None
+        if cache is not None:
+            cache.release(f"iter-{id(self)}")
         res = getattr(self, "_epochs", None)
         if res is not None:
             res.close()

@@ -78,8 +78,18 @@ def _evaluate(net, it: ShardIter, ctx: list, target: int) -> float:
     return total / max(count, 1.0)
 
 
+def _cache(args: argparse.Namespace, kv) -> dict:
+    """The object cache arguments (only given when set: a local store takes none)."""
+    out = {}
+    if args.cache_dir:
+        out["cache_dir"] = args.cache_dir.format(rank=kv.rank if kv is not None else 0)
+    if args.cache_limit:
+        out["cache_limit"] = args.cache_limit
+    return out
+
+
 def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
-    common = dict(preprocess_threads=args.threads, prefetch_buffer=args.prefetch, seed=args.seed)
+    common = dict(preprocess_threads=args.threads, prefetch_buffer=args.prefetch, seed=args.seed, **_cache(args, kv))
     val_end = None
     if args.val_from:
         val_end = (np.datetime64(args.val_from) - np.timedelta64(1, "D")).astype(str)
@@ -145,7 +155,7 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
 def train_module(args: argparse.Namespace, ctx: list) -> list[dict]:
     """The same iterator through the symbolic Module API (a small MLP over the flattened window)."""
     it = ShardIter(args.manifest, args.batch_size, label_names=[args.target], seed=args.seed,
-                   preprocess_threads=args.threads, prefetch_buffer=args.prefetch)
+                   preprocess_threads=args.threads, prefetch_buffer=args.prefetch, **_cache(args, None))
     data = mx.sym.var(it.provide_data[0].name)
     hidden = mx.sym.Activation(mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=args.hidden), "relu")
     out = mx.sym.flatten(mx.sym.FullyConnected(hidden, num_hidden=1))
@@ -173,7 +183,11 @@ def train_module(args: argparse.Namespace, ctx: list) -> list[dict]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loader.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--manifest", type=Path, default=Path("shards/manifest.json"), help="store manifest")
+    p.add_argument("--manifest", default="shards/manifest.json",
+                   help="store manifest: a file, a store folder, or s3://bucket/prefix[/manifest.json]")
+    p.add_argument("--cache-dir", help="local cache for an s3:// store ({rank}: the worker's rank; default "
+                                       "~/.cache/shardgen-objects)")
+    p.add_argument("--cache-limit", help="most bytes the s3:// cache may hold, e.g. 20GB (default: no limit)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=256, help="global batch, split over the contexts")
     p.add_argument("--gpus", default="", help="comma-separated GPU ids, e.g. 0,1 (default: CPU)")

@@ -18,6 +18,7 @@ and a warning says that gc cannot see this reader.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -88,6 +89,42 @@ class _Heartbeat:
                 pass
 
 
+class _RemoteHeartbeat(_Heartbeat):
+    """A lease object in an object store: writing it again is its heartbeat (its Last-Modified)."""
+
+    def __init__(self, remote, name: str):
+        super().__init__(Path(name))
+        self.remote, self.name = remote, name
+
+    def write(self) -> bool:
+        from .objstore import ObjectStoreError
+
+        info = {"generation": self.generation, "host": _HOST, "pid": os.getpid(), "pidns": _PIDNS, "boot_id": _BOOT}
+        try:
+            self.remote.put(self.name, json.dumps(info, sort_keys=True).encode(), verify=False)
+        except ObjectStoreError as exc:
+            if not self.warned:
+                log.warning("%s: cannot write a reader lease (%s); gc cannot see this reader",
+                            self.remote.where(self.name), exc)
+                self.warned = True
+            return False
+        return True
+
+    def beat(self) -> None:
+        with self.lock:
+            if not self.stop.is_set() and self.generation is not None:
+                self.write()
+
+    def release(self) -> None:
+        from .objstore import ObjectStoreError
+
+        with self.lock:
+            self.stop.set()
+            self.generation = None
+            with contextlib.suppress(ObjectStoreError):
+                self.remote.delete(self.name)
+
+
 def _beat_until_gone(owner: weakref.ref, state: _Heartbeat, stop: threading.Event, refresh_s: float) -> None:
     while not stop.wait(refresh_s):
         if owner() is None:  # the Lease was dropped without release(): its finalizer cleans up
@@ -102,10 +139,16 @@ class Lease:
     (``del lease``) removes its file and ends the thread.
     """
 
-    def __init__(self, store: Path, *, refresh_s: float = DEFAULT_TTL_S / 6):
-        self.path = Path(store) / LEASE_DIR / new_lease_name()
+    def __init__(self, store, *, refresh_s: float = DEFAULT_TTL_S / 6):
+        """``store``: a store folder, or an ``ObjectStore`` (the lease is then an object there)."""
         self.refresh_s = refresh_s
-        self._state = _Heartbeat(self.path)
+        if hasattr(store, "put"):  # an ObjectStore
+            name = f"{LEASE_DIR}/{new_lease_name()}"
+            self.path = Path(store.where(name))
+            self._state: _Heartbeat = _RemoteHeartbeat(store, name)
+        else:
+            self.path = Path(store) / LEASE_DIR / new_lease_name()
+            self._state = _Heartbeat(self.path)
         self._thread: Optional[threading.Thread] = None
         weakref.finalize(self, _Heartbeat.release, self._state)
 

@@ -89,7 +89,7 @@ class ObjectInfo:
 
 
 _clients: dict = {}
-_clients_lock = threading.Lock()
+_clients_lock = threading.RLock()  # re-entered when a finalizer (a lease release) runs during client creation
 
 
 def _client():

@@ -1,0 +1,211 @@
+"""ShardIter over a store on a real S3-compatible server (rclone serve s3 on loopback): exact reads
+through the local cache, faults, a shared cache, the cache limit, new generations, dist_sync."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT, batch_ids, make_store
+
+from loader import LoaderError, ShardIter
+from loader.objcache import mirror_of
+from shardgen.manifest import Manifest
+
+COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}  # 131 windows
+
+
+def upload_store(s3, local, prefix="store"):
+    """A store folder put into the bucket through S3 (object names are the store's file names), in
+    publishing order: shards, then snapshots, then ``manifest.json``. Objects already there are
+    skipped (published files never change)."""
+    from shardgen.objstore import ObjectStore
+
+    remote = ObjectStore(s3.url(prefix))
+    there = remote.list()
+    files = sorted((p for p in local.rglob("*") if p.is_file() and not p.name.startswith(".")
+                    and "leases" not in p.parts), key=lambda p: (p.name == "manifest.json", "generations" in p.parts))
+    for path in files:
+        name = path.relative_to(local).as_posix()
+        if name == "manifest.json" or name not in there:
+            remote.upload(name, path)
+    return s3.url(prefix)
+
+
+def read_epoch(it):
+    return [(batch_ids(b), b.pad) for b in it]
+
+
+def store_with(s3, tmp_path, counts=COUNTS, prefix="store"):
+    local = tmp_path / f"local-{prefix}"
+    make_store(local, counts)
+    return local, upload_store(s3, local, prefix)
+
+
+def test_reads_exactly_what_the_local_store_reads_and_caches_it(s3, tmp_path):
+    local, url = store_with(s3, tmp_path)
+    cache = tmp_path / "cache"
+    with ShardIter(local, 8, seed=5) as it:
+        want = [read_epoch(it), (it.reset(), read_epoch(it))[1]]
+    with ShardIter(url + "/manifest.json", 8, seed=5, cache_dir=cache) as it:
+        got = [read_epoch(it), (it.reset(), read_epoch(it))[1]]
+        downloads = mirror_of(it.manifest_path).downloads
+    assert got == want
+    assert sorted(i for ids, _ in got[0] for i in ids) == list(range(131))
+    assert downloads == 2 * len(COUNTS)  # each .rec and .idx once
+    for s in Manifest.load(local / "manifest.json").shards:  # the cache holds the store's bytes
+        assert (cache / "objects" / "data" / "store" / s.rec).read_bytes() == (local / s.rec).read_bytes()
+    with ShardIter(url, 8, seed=5, cache_dir=cache) as it:  # a second reader finds everything cached
+        assert read_epoch(it) == want[0]
+        assert mirror_of(it.manifest_path).downloads == downloads
+
+
+def test_a_reader_lease_lives_in_the_object_store(s3, tmp_path):
+    _, url = store_with(s3, tmp_path)
+    leases = s3.root / "data" / "store" / "leases"
+    with ShardIter(url, 8, cache_dir=tmp_path / "cache") as it:
+        names = [p for p in leases.glob("*.json")]
+        assert len(names) == 1 and json.loads(names[0].read_text())["generation"] == it.generation
+    assert not list(leases.glob("*.json"))
+
+
+def test_a_new_generation_downloads_only_what_is_new(s3, tmp_path):
+    local, url = store_with(s3, tmp_path)
+    cache = tmp_path / "cache"
+    with ShardIter(url, 8, cache_dir=cache) as it:
+        read_epoch(it)
+        first = mirror_of(it.manifest_path).downloads
+        make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation with one more date
+        upload_store(s3, local)
+        it.reset()
+        assert it.generation == Manifest.load(local / "manifest.json").generation
+        ids = sorted(i for b in it for i in batch_ids(b))
+        assert len(ids) == 151
+        assert mirror_of(it.manifest_path).downloads - first == 2  # the new date's .rec and .idx only
+
+
+def test_an_object_whose_bytes_differ_is_refused_naming_the_date(s3, tmp_path):
+    local, url = store_with(s3, tmp_path)
+    rec = s3.root / "data" / "store" / "2024-01-03.rec"
+    data = bytearray(rec.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    rec.write_bytes(bytes(data))
+    cache = tmp_path / "cache"
+    with pytest.raises(LoaderError, match=r"2024-01-03.*refused after 2 downloads: sha256"):
+        ShardIter(url, 8, cache_dir=cache)
+    mirror = cache / "objects" / "data" / "store"
+    assert not (mirror / "2024-01-03.rec").exists()  # nothing wrong ever reaches the cache
+    assert not [p for p in mirror.iterdir() if ".tmp-" in p.name]
+
+
+def test_endpoint_down_at_construction_names_the_url(s3, tmp_path):
+    _, url = store_with(s3, tmp_path)
+    s3.stop()
+    t0 = time.monotonic()
+    with pytest.raises(LoaderError, match=r"s3://data/store.*cannot reach http://127\.0\.0\.1"):
+        ShardIter(url, 8, cache_dir=tmp_path / "cache")
+    assert time.monotonic() - t0 < 30
+
+
+def test_wrong_credentials_say_so(s3, tmp_path, monkeypatch):
+    from shardgen import objstore
+
+    _, url = store_with(s3, tmp_path)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    objstore._clients.clear()
+    with pytest.raises(LoaderError, match="refused our credentials") as info:
+        ShardIter(url, 8, cache_dir=tmp_path / "cache")
+    assert "\n" not in str(info.value)
+
+
+def test_the_server_dying_mid_download_is_a_clear_error_and_leaves_no_partial_file(s3, tmp_path):
+    counts = {f"2024-02-{d:02d}": 400 for d in range(1, 29)}
+    _, url = store_with(s3, tmp_path, counts)
+    cache = tmp_path / "cache"
+    mirror = cache / "objects" / "data" / "store"
+
+    def kill_when_downloading():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if mirror.is_dir() and any(p.suffix == ".rec" or ".tmp-" in p.name for p in mirror.iterdir()):
+                s3.kill()
+                return
+            time.sleep(0.001)
+
+    killer = threading.Thread(target=kill_when_downloading)
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(LoaderError, match=r"cannot reach|failed"):
+        ShardIter(url, 8, cache_dir=cache)
+    killer.join()
+    assert time.monotonic() - t0 < 60
+    manifest = Manifest.load(mirror / "manifest.json")
+    sizes = {s.rec: s.bytes for s in manifest.shards}
+    for p in mirror.iterdir():
+        assert ".tmp-" not in p.name, f"{p.name}: a partial download was left"
+        if p.suffix == ".rec":
+            assert p.stat().st_size == sizes[p.name]
+
+
+def test_cache_limit_refuses_an_epoch_that_cannot_fit_and_evicts_what_is_not_used(s3, tmp_path):
+    local, url = store_with(s3, tmp_path)
+    sizes = {s.date: s.bytes for s in Manifest.load(local / "manifest.json").shards}
+    cache = tmp_path / "cache"
+    with pytest.raises(LoaderError, match=r"need .* MB in the cache, but cache_limit is .*raise cache_limit"):
+        ShardIter(url, 8, cache_dir=cache, cache_limit=sum(sizes.values()) - 1)
+    limit = sizes["2024-01-02"] + sizes["2024-01-03"] + 200  # room for two dates (and their indexes)
+    with ShardIter(url, 8, cache_dir=cache, cache_limit=limit, dates=("2024-01-02", "2024-01-03")) as it:
+        assert len(read_epoch(it)) == 11
+    mirror = cache / "objects" / "data" / "store"
+    with ShardIter(url, 8, cache_dir=cache, cache_limit=limit, dates=("2024-01-04", "2024-01-04")) as it:
+        assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(87, 131))
+    held = sum(p.stat().st_size for p in mirror.iterdir() if p.suffix in (".rec", ".idx"))
+    assert held <= limit
+    assert (mirror / "2024-01-04.rec").exists() and not (mirror / "2024-01-02.rec").exists()
+
+
+SHARED = """
+import json, sys
+from loader import ShardIter
+from loader.objcache import mirror_of
+with ShardIter(sys.argv[1], 8, seed=1, cache_dir=sys.argv[2]) as it:
+    ids = sorted(int(i) for b in it for i in b.label[0].asnumpy()[: 8 - b.pad])
+    print(json.dumps({"downloads": mirror_of(it.manifest_path).downloads, "n": len(ids)}))
+"""
+
+
+def test_processes_sharing_a_cache_download_each_file_once(s3, tmp_path):
+    counts = {f"2024-02-{d:02d}": 60 for d in range(1, 21)}
+    _, url = store_with(s3, tmp_path, counts)
+    cache = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED, url, str(cache)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ}) for _ in range(3)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(o["n"] == 1200 for o in outs)
+    assert sum(o["downloads"] for o in outs) == 2 * len(counts)
+
+
+@pytest.mark.slow
+def test_dist_sync_workers_with_a_cache_each_read_their_parts_exactly(s3, tmp_path):
+    from test_distributed import launch, train_cmd
+
+    _, url = store_with(s3, tmp_path)
+    cmd = train_cmd(tmp_path / "unused", tmp_path)
+    cmd[cmd.index("--manifest") + 1] = url
+    cmd += ["--cache-dir", str(tmp_path / "cache-{rank}")]  # one cache per worker, as on two machines
+    r = launch("-n", 2, "-s", 1, "--", *cmd, env={**os.environ})
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = [json.loads((tmp_path / f"records-{k}.json").read_text()) for k in (0, 1)]
+    history = [json.loads((tmp_path / f"history-{k}.json").read_text()) for k in (0, 1)]
+    for epoch in range(2):
+        assert sorted(int(v) for v in records[0][epoch] + records[1][epoch]) == list(range(131))
+        assert history[0][epoch]["generation"] == history[1][epoch]["generation"]
+    for k in (0, 1):
+        assert (tmp_path / f"cache-{k}" / "objects" / "data" / "store" / "2024-01-02.rec").is_file()
