@@ -32,6 +32,7 @@ from shardgen.process import sliding_windows
 
 from .baselines import ListBatchIter, samples_from_arrays
 from .e2e import end_to_end
+from .objects import object_store_epoch
 from .report import chart, machine_info, table, targets
 from .scale import scale_suite
 from .soak import soak_in_subprocess
@@ -213,6 +214,8 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
         r["note"] = loader.note
         res["loaders"][loader.name] = r
     res["shardier_cold_epoch"] = cold_epoch(store, bs, cache)
+    log("bench: a cold epoch from an S3 store on loopback")
+    res["object_store"] = object_store_epoch(store, workdir, bs, cache)
     log("bench: end to end")
     res["end_to_end"] = end_to_end(workdir, n_dates, bs, step_s, cache)
     log("bench: end to end, a generator that costs time")

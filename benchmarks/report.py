@@ -52,6 +52,10 @@ def targets(res: dict) -> list[dict]:
         rows.append(("Gluon LSTM loop time: ShardIter / batches in RAM", tl["thread_ratio"], "<=", 1.05))
         rows.append(("Gluon LSTM loop time: ShardIter (producer process) / batches in RAM", tl["process_ratio"],
                      "<=", 1.05))
+    ob = res.get("object_store")
+    if ob:
+        rows.append(("cold epoch from an S3 store on loopback / from local disk (from ShardIter())", ob["ratio"],
+                     ">=", 0.8))
     e2e = res.get("end_to_end", {})
     if "shardgen_watch_shardier" in e2e:
         rows.append(("End to end wall / consumer time (watch + ShardIter)",
@@ -102,6 +106,13 @@ def table(res: dict) -> str:
                      f"{r['stall_50']['next_p99_ms']:>12.2f} / {r['stall_90']['next_p99_ms']:<9.2f}")
     c = res["shardier_cold_epoch"]
     lines.append(f"{'ShardIter, first (cold) epoch':32} {c['samples_per_s']:>11,.0f} {c['payload_gb_per_s']:>6.2f}")
+    ob = res.get("object_store")
+    if ob:
+        s3, loc = ob["s3_cold"], ob["local_cold"]
+        lines.append(f"S3 store on loopback ({ob['bytes'] / 1e6:.0f} MB, rclone serve s3), from ShardIter(): cold "
+                     f"epoch {s3['samples_per_s']:,.0f}/s, first batch after {s3['first_batch_s']:.2f}s; local disk, "
+                     f"cold {loc['samples_per_s']:,.0f}/s, first batch after {loc['first_batch_s']:.2f}s -> "
+                     f"{ob['ratio']:.2f}x; S3 again from the cache {ob['s3_cached']['samples_per_s']:,.0f}/s")
     e2e = res.get("end_to_end", {})
     if "question_design" in e2e:
         q, s = e2e["question_design"], e2e["shardgen_watch_shardier"]

@@ -89,11 +89,7 @@ class ObjectCache:
         self.downloads = 0  # files this process downloaded (not found in the cache)
         self._ahead: Optional[threading.Thread] = None
         self._lock = threading.Lock()
-        try:
-            (self.folder / _LOCKS).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise LoaderError(f"{self.folder}: cannot create the object cache ({exc.strerror}); pass cache_dir= "
-                              "a writable folder") from None
+        self._ensure_folder()
         with _as_loader_error():
             self.remote.check()
 
@@ -110,6 +106,7 @@ class ObjectCache:
         if data is None:
             raise LoaderError(f"{self.remote.where(MANIFEST_NAME)}: no manifest (run `shardgen build` first)")
         Manifest.parse(data, self.remote.where(MANIFEST_NAME))  # ManifestError: the loader says it
+        self._ensure_folder()
         atomic_write(self.manifest_path, data, fsync=False)
 
     def pull_snapshot(self, generation: int) -> None:
@@ -124,15 +121,19 @@ class ObjectCache:
 
     # -- shards ------------------------------------------------------------------------------------
 
-    def fetch(self, shards: Iterable[ShardEntry], *, who: str = "") -> float:
+    def fetch(self, shards: Iterable[ShardEntry], *, who: str = "", record_bytes: Optional[int] = None) -> float:
         """Every file of ``shards`` in the cache, checked; seconds spent. ``who`` names the user
-        whose files are kept from eviction from now on (an iterator)."""
+        whose files are kept from eviction from now on (an iterator). With ``record_bytes`` (the
+        schema's), a shard whose records all have that size comes without its ``.idx``: the loader
+        reads the index only when records differ in size (``fetch_index`` gets it then)."""
         t0 = time.perf_counter()
+        self._ensure_folder()
         shards = list(shards)
         files = {}
         for s in shards:
             files[s.rec] = (s, "rec")
-            files[s.idx] = (s, "idx")
+            if record_bytes is None or s.records * record_bytes != s.bytes or (self.folder / s.idx).exists():
+                files[s.idx] = (s, "idx")
         with self._lock:
             self.wanted[who] = set(files)
         missing = [n for n in files if not self._cached(n, files[n])]
@@ -145,6 +146,23 @@ class ObjectCache:
                     f.result()
             log.info("%s: %d files downloaded in %.1fs", self.remote.url, len(missing), time.perf_counter() - t0)
         return time.perf_counter() - t0
+
+    def fetch_index(self, shard: ShardEntry) -> None:
+        """The ``.idx`` of one shard (see ``fetch``)."""
+        with self._lock:
+            self.wanted.setdefault(f"index-{shard.idx}", set()).add(shard.idx)
+        try:
+            if not self._cached(shard.idx, (shard, "idx")):
+                self._download(shard.idx, shard, "idx")
+        finally:
+            self.release(f"index-{shard.idx}")
+
+    def _ensure_folder(self) -> None:
+        try:
+            (self.folder / _LOCKS).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LoaderError(f"{self.folder}: cannot create the object cache ({exc.strerror}); pass cache_dir= "
+                              "a writable folder") from None
 
     def release(self, who: str) -> None:
         with self._lock:

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from conftest import ROOT, batch_ids, make_store
 
@@ -55,7 +56,7 @@ def test_reads_exactly_what_the_local_store_reads_and_caches_it(s3, tmp_path):
         downloads = mirror_of(it.manifest_path).downloads
     assert got == want
     assert sorted(i for ids, _ in got[0] for i in ids) == list(range(131))
-    assert downloads == 2 * len(COUNTS)  # each .rec and .idx once
+    assert downloads == len(COUNTS)  # each .rec once (records of one size: the loader needs no .idx)
     for s in Manifest.load(local / "manifest.json").shards:  # the cache holds the store's bytes
         assert (cache / "objects" / "data" / "store" / s.rec).read_bytes() == (local / s.rec).read_bytes()
     with ShardIter(url, 8, seed=5, cache_dir=cache) as it:  # a second reader finds everything cached
@@ -84,7 +85,7 @@ def test_a_new_generation_downloads_only_what_is_new(s3, tmp_path):
         assert it.generation == Manifest.load(local / "manifest.json").generation
         ids = sorted(i for b in it for i in batch_ids(b))
         assert len(ids) == 151
-        assert mirror_of(it.manifest_path).downloads - first == 2  # the new date's .rec and .idx only
+        assert mirror_of(it.manifest_path).downloads - first == 1  # the new date's .rec only
 
 
 def test_an_object_whose_bytes_differ_is_refused_naming_the_date(s3, tmp_path):
@@ -189,7 +190,7 @@ def test_processes_sharing_a_cache_download_each_file_once(s3, tmp_path):
         assert p.returncode == 0, err
         outs.append(json.loads(out.strip().splitlines()[-1]))
     assert all(o["n"] == 1200 for o in outs)
-    assert sum(o["downloads"] for o in outs) == 2 * len(counts)
+    assert sum(o["downloads"] for o in outs) == len(counts)
 
 
 @pytest.mark.slow
@@ -209,3 +210,28 @@ def test_dist_sync_workers_with_a_cache_each_read_their_parts_exactly(s3, tmp_pa
         assert history[0][epoch]["generation"] == history[1][epoch]["generation"]
     for k in (0, 1):
         assert (tmp_path / f"cache-{k}" / "objects" / "data" / "store" / "2024-01-02.rec").is_file()
+
+
+def test_records_that_differ_in_size_come_with_their_index(s3, tmp_path):
+    """Records holding dmlc's magic word are split (longer): the loader needs the .idx of that shard."""
+    import datetime as dt
+    import struct
+
+    from shardgen.format import MAGIC, LabelSpec, Schema
+    from shardgen.publish import publish
+    from shardgen.writer import write_shard
+
+    local = tmp_path / "local"
+    local.mkdir()
+    schema = Schema.create(time_steps=2, num_inputs=2, data_name="seq_var", labels=[LabelSpec("a", 1)])
+    magic = np.frombuffer(struct.pack("<I", MAGIC), np.float32)[0]
+    x = np.arange(40, dtype=np.float32).reshape(10, 2, 2)
+    x[3, 0, 1] = x[7, 1, 1] = magic
+    entries = [write_shard(local, dt.date(2024, 1, 2), x, {"a": np.arange(10, dtype=np.float32)}, schema).entry(),
+               write_shard(local, dt.date(2024, 1, 3), x + 1, {"a": np.arange(10, dtype=np.float32)}, schema).entry()]
+    publish(local, schema, 0, entries)
+    url = upload_store(s3, local)
+    with ShardIter(url, 10, shuffle=False, cache_dir=tmp_path / "cache") as it:
+        b = it.next()
+        np.testing.assert_array_equal(b.data[0].asnumpy(), x)
+    assert (tmp_path / "cache" / "objects" / "data" / "store" / "2024-01-02.idx").is_file()
