@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from shardgen.fsutil import atomic_write
+from shardgen.fsutil import atomic_write, clean_temp_files
 from shardgen.lease import Lease
 from shardgen.manifest import Manifest, ShardEntry
 from shardgen.naming import MANIFEST_NAME, SNAPSHOT_DIR
@@ -90,6 +90,8 @@ class ObjectCache:
         self._ahead: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._ensure_folder()
+        for path in clean_temp_files(self.folder):  # downloads of killed processes of this host
+            log.info("removed %s left by a dead process", path.name)
         with _as_loader_error():
             self.remote.check()
 
@@ -169,12 +171,20 @@ class ObjectCache:
             self.wanted.pop(who, None)
 
     def _cached(self, name: str, what: tuple) -> bool:
+        """Whether ``name`` is in the cache as this shard needs it: for a ``.rec``, the size and
+        the sha256 it was verified against at download (a store rebuilt under the same URL, or
+        another endpoint's bucket of the same name, has other hashes: downloaded again)."""
         shard, kind = what
         try:
             size = (self.folder / name).stat().st_size
+            if kind == "rec":
+                return size == shard.bytes and self._marker(name).read_text() == shard.sha256
         except OSError:
             return False
-        return size == shard.bytes if kind == "rec" else size > 0
+        return size > 0
+
+    def _marker(self, name: str) -> Path:
+        return self.folder / _LOCKS / (name + ".sha256")
 
     def _download(self, name: str, shard: ShardEntry, kind: str) -> None:
         with self._file_lock(name):
@@ -183,8 +193,11 @@ class ObjectCache:
             self.downloads += 1
             try:
                 if kind == "rec":
+                    with contextlib.suppress(FileNotFoundError):
+                        self._marker(name).unlink()
                     self.remote.download(name, self.folder / name, size=shard.bytes, sha256=shard.sha256,
                                          what=f"shard {shard.date}")
+                    atomic_write(self._marker(name), shard.sha256.encode(), fsync=False)
                 else:
                     self.remote.download(name, self.folder / name, what=f"index of {shard.date}")
             except ObjectStoreError as exc:
@@ -218,7 +231,10 @@ class ObjectCache:
         """Evict what no epoch of ours uses until the new files fit; refuse to fill the disk."""
         incoming = sum(files[n][0].bytes for n in missing if files[n][1] == "rec")
         if self.limit is not None:
-            self._evict(self._cache_bytes() + incoming - self.limit)
+            left = self._evict(self._cache_bytes() + incoming - self.limit)
+            if left > 0:
+                raise LoaderError(f"{self.folder}: cache_limit {_mb(self.limit)} is full of files other processes "
+                                  f"are using; {_mb(left)} more is needed for this epoch")
         free = shutil.disk_usage(self.folder).free
         if incoming + _RESERVE > free:
             raise LoaderError(f"{self.folder}: downloading this epoch's shards needs {_mb(incoming)} more, but the "
@@ -235,9 +251,10 @@ class ObjectCache:
                 out.append(p)
         return out
 
-    def _evict(self, excess: int) -> None:
+    def _evict(self, excess: int) -> int:
+        """Evict until ``excess`` bytes are freed; what could not be freed."""
         if excess <= 0:
-            return
+            return 0
         with self._lock:
             keep = set().union(*self.wanted.values()) if self.wanted else set()
         candidates = []
@@ -256,6 +273,7 @@ class ObjectCache:
                     path.unlink()  # a process reading it holds it open: its epoch goes on
                     excess -= size
                     log.info("evicted %s from the object cache", path.name)
+        return max(0, excess)
 
     # -- ahead of the next epoch ------------------------------------------------------------------
 

@@ -267,6 +267,8 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
                 bar.update(1)
                 bar.set_postfix(done=len(report.published), failed=len(report.failed), refresh=False)
             pending.flush_if_due()
+            if lock is not None and lock.lost:  # another writer has the store: publish nothing more
+                break
             if should_stop():
                 log.info("stopping: not waiting for the remaining dates")
                 break

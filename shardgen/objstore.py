@@ -76,8 +76,8 @@ def parse_url(url: str) -> tuple[str, str]:
     if not bucket or any(c in bucket for c in " \\"):
         raise ObjectStoreError(f"{url!r}: no bucket name (expected s3://bucket/prefix)")
     prefix = prefix.strip("/")
-    if ".." in prefix.split("/"):
-        raise ObjectStoreError(f"{url!r}: '..' is not allowed in the prefix")
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise ObjectStoreError(f"{url!r}: empty, '.' and '..' parts are not allowed in the prefix")
     return bucket, (prefix + "/" if prefix else "")
 
 
@@ -110,7 +110,12 @@ def _client():
                             response_checksum_validation="when_required",
                             request_checksum_calculation="when_required")
             _clients.clear()
-            _clients[key] = boto3.session.Session().client("s3", config=config)
+            try:
+                _clients[key] = boto3.session.Session().client("s3", config=config)
+            except ValueError as exc:  # e.g. AWS_ENDPOINT_URL without http:// or https://
+                endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                raise ObjectStoreError(f"S3 endpoint {endpoint!r}: {exc} (an endpoint URL starts with http:// "
+                                       "or https://)") from None
         return _clients[key]
 
 
@@ -203,7 +208,12 @@ class ObjectStore:
 
     def check(self) -> None:
         """Raise a clear error unless the bucket is reachable with our credentials."""
-        self._call("checking the bucket", "", lambda: _client().head_bucket(Bucket=self.bucket))
+        try:
+            self._call("checking the bucket", "", lambda: _client().head_bucket(Bucket=self.bucket))
+        except ObjectStoreError as exc:
+            if "(404" in str(exc):
+                raise NoSuchStore(f"{self.where()}: bucket {self.bucket!r} does not exist at {_endpoint()}") from None
+            raise
 
     def head(self, name: str) -> Optional[ObjectInfo]:
         from botocore.exceptions import ClientError
@@ -313,11 +323,12 @@ class ObjectStore:
                 if problem is None:
                     os.replace(tmp, dest)
                     return
+            except _LocalWrite as exc:
+                raise ObjectStoreError(f"{tmp.parent}: cannot write the download of {self.where(name)} "
+                                       f"({exc.__cause__})") from None
             except (ConnectionError, OSError, _Transient) as exc:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-                if isinstance(exc, FileNotFoundError) and exc.filename == str(dest.parent):
-                    raise
                 faults += 1
                 if faults >= ATTEMPTS:
                     raise StoreUnreachable(f"{self.where(name)}: download failed {faults} times; cannot reach "
@@ -338,10 +349,17 @@ class ObjectStore:
         sha, size = hashlib.sha256(), 0
         try:
             r = _client().get_object(Bucket=self.bucket, Key=self.key(name))
-            with open(tmp, "wb") as fh:
+            try:
+                fh = open(tmp, "wb")
+            except OSError as exc:
+                raise _LocalWrite() from exc
+            with fh:
                 for chunk in r["Body"].iter_chunks(_CHUNK):
                     sha.update(chunk)
-                    fh.write(chunk)
+                    try:
+                        fh.write(chunk)
+                    except OSError as exc:  # a full disk is not a network fault: said at once
+                        raise _LocalWrite() from exc
                     size += len(chunk)
         except ClientError as exc:
             if str(exc.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound"):
@@ -359,6 +377,10 @@ class ObjectStore:
 
 
 class _Transient(Exception):
+    pass
+
+
+class _LocalWrite(Exception):
     pass
 
 

@@ -204,22 +204,23 @@ class WriterLock:
         time.sleep(SETTLE_S)
         holder, _ = self._holder()
         if holder is None or holder.get("token") != self.token:
-            raise LockError(self._refusal(holder or {}, 0.0) + " (it took the lock at the same time as us)")
+            raise LockError(self._refusal(holder or {}, None) + " (it took the lock at the same time as us)")
         self._thread = threading.Thread(target=self._beat, name="shardgen-writer-lock", daemon=True)
         self._thread.start()
         return self
 
-    def _refusal(self, holder: dict, age: float) -> str:
+    def _refusal(self, holder: dict, age: Optional[float]) -> str:
+        beat = f", heartbeat {age:.0f}s ago" if age is not None else ""
         return (f"{self.remote.where(WRITER_LOCK)}: {self.what} refused: the store has another writer "
-                f"({holder.get('what', 'unknown')} on {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
-                f"heartbeat {age:.0f}s ago); one writer per store")
+                f"({holder.get('what', 'unknown')} on {holder.get('host', '?')}, pid {holder.get('pid', '?')}"
+                f"{beat}); one writer per store")
 
     def _beat(self) -> None:
         while not self._stop.wait(self.ttl_s / 6):
             try:
                 holder, _ = self._holder()
                 if holder is None or holder.get("token") != self.token:
-                    self._lost = self._refusal(holder or {}, 0.0)
+                    self._lost = self._refusal(holder or {}, None)
                     log.error("%s: lost the writer lock; this process publishes nothing more",
                               self.remote.where(WRITER_LOCK))
                     return
@@ -227,12 +228,17 @@ class WriterLock:
             except ObjectStoreError as exc:
                 log.warning("%s: cannot refresh the writer lock (%s)", self.remote.where(WRITER_LOCK), exc)
 
+    @property
+    def lost(self) -> Optional[str]:
+        """Why this writer lost the lock (None while it holds it, as far as it knows)."""
+        return self._lost
+
     def check(self) -> None:
         """LockError unless we still hold the lock (read from the store)."""
         if self._lost is None:
             holder, _ = self._holder()
             if holder is None or holder.get("token") != self.token:
-                self._lost = self._refusal(holder or {}, 0.0)
+                self._lost = self._refusal(holder or {}, None)
         if self._lost is not None:
             raise LockError(self._lost)
 

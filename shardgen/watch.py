@@ -34,7 +34,7 @@ from .backoff import retry_delay
 from .build import BuildReport, build, wanted
 from .clock import utc_stamp
 from .config import Config
-from .errors import ShardError, ShardgenError
+from .errors import LockError, ShardError, ShardgenError
 from .gc import collect
 from .lock import StoreLock
 from .manifest import Sidecar
@@ -132,6 +132,8 @@ class Watcher:
             try:
                 self.cycle()
                 failures = 0
+            except LockError:  # another writer has the store now: stop, never write beside it
+                raise
             except (ShardgenError, OSError) as exc:  # disk full, an unreadable snapshot ...: never give up
                 failures += 1
                 delay = retry_delay(failures, base=self.interval, cap=MAX_BACKOFF_S)
@@ -148,6 +150,8 @@ class Watcher:
 
     def cycle(self) -> CycleReport:
         cfg, report = self.cfg, CycleReport()
+        if self._writer is not None:
+            self._writer.check()  # a writer that lost the store's lock generates and uploads nothing more
         try:
             manifest = self._open_manifest()
             now = time.monotonic()
@@ -221,7 +225,7 @@ class Watcher:
             failing.append(Failing(date.isoformat(), f.kind, f.attempts, f.error, retry))
         try:
             save_state(self.cfg.store.dir, updated=utc_stamp(wall), pid=os.getpid(), failing=failing)
-            if self._writer is not None:
+            if self._writer is not None and self._writer.lost is None:
                 s3store.put_state(self._writer.remote, (self.cfg.store.dir / WATCH_STATE).read_bytes())
         except (OSError, ShardgenError) as exc:
             log.warning("%s: cannot write the watcher state (%s)", self.cfg.store.where, exc)

@@ -235,3 +235,45 @@ def test_records_that_differ_in_size_come_with_their_index(s3, tmp_path):
         b = it.next()
         np.testing.assert_array_equal(b.data[0].asnumpy(), x)
     assert (tmp_path / "cache" / "objects" / "data" / "store" / "2024-01-02.idx").is_file()
+
+
+def test_a_store_rebuilt_under_the_same_url_is_not_served_from_a_stale_cache(s3, tmp_path):
+    from shardgen.objstore import ObjectStore
+
+    _, url = store_with(s3, tmp_path)
+    cache = tmp_path / "cache"
+    with ShardIter(url, 8, cache_dir=cache) as it:
+        assert min(i for b in it for i in batch_ids(b)) == 0
+    remote = ObjectStore(url)
+    for name in remote.list():
+        remote.delete(name)
+    other = tmp_path / "other"
+    make_store(other, COUNTS, base_id=1000)  # same dates, counts and sizes; other bytes
+    upload_store(s3, other)
+    with ShardIter(url, 8, cache_dir=cache) as it:
+        assert sorted(i for b in it for i in batch_ids(b)) == list(range(1000, 1131))
+
+
+def test_a_killed_download_leaves_nothing_behind_for_the_next_reader(s3, tmp_path):
+    _, url = store_with(s3, tmp_path)
+    mirror = tmp_path / "cache" / "objects" / "data" / "store"
+    mirror.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that is gone
+    from shardgen.fsutil import HOST_TOKEN
+
+    leftover = mirror / f".2024-01-02.rec.tmp-{HOST_TOKEN}-{dead.pid}-0123abcd"
+    leftover.write_bytes(b"x" * 1000)
+    with ShardIter(url, 8, cache_dir=tmp_path / "cache") as it:
+        assert len(read_epoch(it)) == 17
+    assert not leftover.exists()
+
+
+def test_an_endpoint_url_without_a_scheme_is_one_clear_error(s3, tmp_path, monkeypatch):
+    from shardgen import objstore
+
+    _, url = store_with(s3, tmp_path)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"127.0.0.1:{s3.port}")
+    objstore._clients.clear()
+    with pytest.raises(LoaderError, match="http:// or https://"):
+        ShardIter(url, 8, cache_dir=tmp_path / "cache")

@@ -17,6 +17,7 @@ from conftest import ROOT, runs, write_config
 
 from shardgen.build import build
 from shardgen.config import load_config
+from shardgen.errors import LockError
 from shardgen.manifest import Manifest
 from shardgen.objstore import ObjectStore
 
@@ -401,3 +402,19 @@ def test_watch_once_publishes_due_dates_and_adopts_only_good_shards(s3, tmp_path
     assert info["shards"] == 5
     text = cli("status", "-c", cfg)
     assert text.returncode == 0 and "watcher: last cycle" in text.stdout, text.stdout
+
+
+def test_a_watcher_that_lost_the_writer_lock_stops_and_uploads_nothing(s3, tmp_path):
+    import json as _json
+
+    from shardgen.config import load_config
+    from shardgen.objstore import ObjectStore
+    from shardgen.watch import Watcher
+
+    cfg = load_config(s3_config(tmp_path / "a", s3.url("st")))
+    remote = ObjectStore(s3.url("st"))
+    with Watcher(cfg, interval=0.1, today=lambda: __import__("datetime").date(2024, 1, 5)) as watcher:
+        remote.put(".writer.lock", _json.dumps({"token": "someone-else", "host": "other", "pid": 1}).encode())
+        with pytest.raises(LockError, match="another writer"):
+            watcher.run(sleep=lambda s: False)
+    assert not [n for n in remote.list() if n.endswith(".rec")]  # nothing generated or uploaded after that
