@@ -277,13 +277,18 @@ class Watcher:
             if sidecar is not None:  # checked as `shardgen verify` checks a published shard
                 problem = (check_sidecar(cfg.store.dir, sidecar, cfg.schema.fingerprint)
                            or verify_shard(cfg.store.dir, sidecar.entry(), cfg.schema, source="its sidecar"))
-            if problem:
-                self._bad_files.add(key)
-                log.warning("%s: not adopting the shard in the store: %s", date, problem)
-                continue
-            log.info("adopted %s (%d records, written by another producer)", date, sidecar.records)
-            entries.append(sidecar.entry())
+            self._judge(key, date, sidecar, problem, entries)
         return entries
+
+    def _judge(self, key: tuple, date: dt.date, sidecar: Optional[Sidecar], problem: Optional[str],
+               entries: list) -> None:
+        """Adopt a checked shard into ``entries``, or note its file as bad (once) and say why."""
+        if problem:
+            self._bad_files.add(key)
+            log.warning("%s: not adopting the shard in the store: %s", date, problem)
+            return
+        log.info("adopted %s (%d records, written by another producer)", date, sidecar.records)
+        entries.append(sidecar.entry())
 
     def _adopt_objects(self) -> list:
         """``_adopt`` on an object store: each candidate is downloaded and checked as ``verify`` would."""
@@ -312,10 +317,5 @@ class Watcher:
                         problem = verify_shard(Path(tmp), sidecar.entry(), cfg.schema, source="its sidecar")
                     except ShardgenError as exc:
                         problem = str(exc)
-            if problem:
-                self._bad_files.add(key)
-                log.warning("%s: not adopting the shard in the store: %s", date, problem)
-                continue
-            log.info("adopted %s (%d records, written by another producer)", date, sidecar.records)
-            entries.append(sidecar.entry())
+            self._judge(key, date, sidecar, problem, entries)
         return entries
