@@ -37,11 +37,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
+from shardgen.format.check import needs_index
+from shardgen.format.schema import Schema
 from shardgen.fsutil import atomic_write, clean_temp_files
 from shardgen.lease import Lease
 from shardgen.manifest import Manifest, ShardEntry
 from shardgen.naming import MANIFEST_NAME, SNAPSHOT_DIR
-from shardgen.objstore import ObjectStore, ObjectStoreError, is_remote, parse_url
+from shardgen.objstore import ObjectStore, ObjectStoreError, is_remote, parse_url, store_errors_as
 
 from .errors import LoaderError
 
@@ -92,7 +94,7 @@ class ObjectCache:
         self._ensure_folder()
         for path in clean_temp_files(self.folder):  # downloads of killed processes of this host
             log.info("removed %s left by a dead process", path.name)
-        with _as_loader_error():
+        with store_errors_as(LoaderError):
             self.remote.check()
 
     @property
@@ -103,7 +105,7 @@ class ObjectCache:
 
     def pull_manifest(self) -> None:
         """The store's newest manifest into the mirror (checked before it replaces the old one)."""
-        with _as_loader_error():
+        with store_errors_as(LoaderError):
             data = self.remote.get(MANIFEST_NAME)
         if data is None:
             raise LoaderError(f"{self.remote.where(MANIFEST_NAME)}: no manifest (run `shardgen build` first)")
@@ -115,7 +117,7 @@ class ObjectCache:
         name = f"{SNAPSHOT_DIR}/{int(generation)}.json"
         if (self.folder / name).is_file():  # snapshots are immutable
             return
-        with _as_loader_error():
+        with store_errors_as(LoaderError):
             data = self.remote.get(name)
         if data is not None:
             (self.folder / SNAPSHOT_DIR).mkdir(exist_ok=True)
@@ -123,18 +125,18 @@ class ObjectCache:
 
     # -- shards ------------------------------------------------------------------------------------
 
-    def fetch(self, shards: Iterable[ShardEntry], *, who: str = "", record_bytes: Optional[int] = None) -> float:
+    def fetch(self, shards: Iterable[ShardEntry], *, who: str = "", schema: Optional[Schema] = None) -> float:
         """Every file of ``shards`` in the cache, checked; seconds spent. ``who`` names the user
-        whose files are kept from eviction from now on (an iterator). With ``record_bytes`` (the
-        schema's), a shard whose records all have that size comes without its ``.idx``: the loader
-        reads the index only when records differ in size (``fetch_index`` gets it then)."""
+        whose files are kept from eviction from now on (an iterator). With the ``schema``, a shard
+        comes without its ``.idx`` unless reading it needs one (``needs_index``; ``fetch_index``
+        gets it later if the check asks for it after all)."""
         t0 = time.perf_counter()
         self._ensure_folder()
         shards = list(shards)
         files = {}
         for s in shards:
             files[s.rec] = (s, "rec")
-            if record_bytes is None or s.records * record_bytes != s.bytes or (self.folder / s.idx).exists():
+            if schema is None or needs_index(s, schema) or (self.folder / s.idx).exists():
                 files[s.idx] = (s, "idx")
         with self._lock:
             self.wanted[who] = set(files)
@@ -143,9 +145,8 @@ class ObjectCache:
         if missing:
             self._make_room(missing, files)
             with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(missing)), thread_name_prefix="shardgen-fetch") as pool:
-                errors = [f for f in (pool.submit(self._download, n, *files[n]) for n in missing)]
-                for f in errors:
-                    f.result()
+                for done in [pool.submit(self._download, n, *files[n]) for n in missing]:
+                    done.result()  # the first download's error, if any
             log.info("%s: %d files downloaded in %.1fs", self.remote.url, len(missing), time.perf_counter() - t0)
         return time.perf_counter() - t0
 
@@ -301,14 +302,6 @@ class ObjectCache:
 
         self._ahead = threading.Thread(target=run, name="shardgen-fetch-ahead", daemon=True)
         self._ahead.start()
-
-
-@contextlib.contextmanager
-def _as_loader_error():
-    try:
-        yield
-    except ObjectStoreError as exc:
-        raise LoaderError(str(exc)) from None
 
 
 _MIRRORS: dict[Path, ObjectCache] = {}

@@ -205,7 +205,7 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
         raise LoaderError(f"{manifest_path}: no shards selected (generation {manifest.generation})")
     cache = mirror_of(Path(manifest_path))
     if cache is not None:  # a store on an object store: this epoch's files into the local cache first
-        cache.fetch(shards, who=fetcher, record_bytes=manifest.schema.record_bytes)
+        cache.fetch(shards, who=fetcher, schema=manifest.schema)
     mine = Path(cache_dir).resolve() / f"{HOST_TOKEN}-{os.getpid()}"
     if ";" in str(mine):
         raise LoaderError(f"{mine}: a path given to MXNet may not contain ';' (it joins .rec paths with it)")
@@ -216,18 +216,19 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
         for s in shards:
             fd = _open_shard(store, s)
             files.fds.append(fd)
-            if cache is not None and not (store / s.idx).is_file():
-                try:  # the index is read only if records differ in size: fetched then
-                    frames = check_shard(fd, str(store / s.rec), str(store / s.idx), s, manifest.schema,
-                                         verify=verify)
-                except ShardError:
-                    cache.fetch_index(s)
-            if not (store / s.idx).is_file() and cache is None:
+            if cache is None and not (store / s.idx).is_file():
                 raise LoaderError(f"{store / s.idx}: index file is missing (shard {s.date})")
             try:
                 frames = check_shard(fd, str(store / s.rec), str(store / s.idx), s, manifest.schema, verify=verify)
             except ShardError as exc:
-                raise LoaderError(str(exc)) from None
+                if cache is None or (store / s.idx).is_file():
+                    raise LoaderError(str(exc)) from None
+                cache.fetch_index(s)  # the check asked for the index the cache left out: fetched, checked again
+                try:
+                    frames = check_shard(fd, str(store / s.rec), str(store / s.idx), s, manifest.schema,
+                                         verify=verify)
+                except ShardError as exc2:
+                    raise LoaderError(str(exc2)) from None
             parts.append(frames.offsets + base)
             counts.append(frames.counts)
             keys.append(frames.keys)

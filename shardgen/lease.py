@@ -32,7 +32,7 @@ from typing import Optional
 from .fsutil import atomic_write, boot_id, pid_alive, pid_namespace
 from .naming import CLOCK_NAME, LEASE_DIR, new_lease_name
 
-__all__ = ["LEASE_DIR", "DEFAULT_TTL_S", "Lease", "live_lease_generations", "store_clock"]
+__all__ = ["LEASE_DIR", "DEFAULT_TTL_S", "Lease", "live_lease_generations", "judge_lease", "store_clock"]
 
 log = logging.getLogger(__name__)
 DEFAULT_TTL_S = 60.0
@@ -53,17 +53,20 @@ class _Heartbeat:
 
     def write(self) -> bool:
         """Write the lease file (again); False, with one warning, if it cannot be written."""
-        info = {"generation": self.generation, "host": _HOST, "pid": os.getpid(), "pidns": _PIDNS,
-                "boot_id": _BOOT}
         try:
             self.path.parent.mkdir(exist_ok=True)
-            atomic_write(self.path, json.dumps(info, sort_keys=True).encode(), fsync=False)
+            atomic_write(self.path, self.text(), fsync=False)
         except OSError as exc:
             if not self.warned:
                 log.warning("%s: cannot write a reader lease (%s); gc cannot see this reader", self.path, exc)
                 self.warned = True
             return False
         return True
+
+    def text(self) -> bytes:
+        """What the lease holds: the generation and who reads it."""
+        return json.dumps({"generation": self.generation, "host": _HOST, "pid": os.getpid(), "pidns": _PIDNS,
+                           "boot_id": _BOOT}, sort_keys=True).encode()
 
     def beat(self) -> None:
         with self.lock:
@@ -99,9 +102,8 @@ class _RemoteHeartbeat(_Heartbeat):
     def write(self) -> bool:
         from .objstore import ObjectStoreError
 
-        info = {"generation": self.generation, "host": _HOST, "pid": os.getpid(), "pidns": _PIDNS, "boot_id": _BOOT}
         try:
-            self.remote.put(self.name, json.dumps(info, sort_keys=True).encode(), verify=False)
+            self.remote.put(self.name, self.text(), verify=False)
         except ObjectStoreError as exc:
             if not self.warned:
                 log.warning("%s: cannot write a reader lease (%s); gc cannot see this reader",
@@ -193,6 +195,29 @@ def _pid_is_checkable(info: dict) -> bool:
             and bool(_BOOT) and info.get("boot_id") == _BOOT)
 
 
+def judge_lease(where: str, age: Optional[float], text: Optional[bytes], ttl_s: float
+                ) -> tuple[Optional[int], Optional[str]]:
+    """What one lease (its bytes, ``age`` by the store's clock) means to gc: ``(generation, None)``
+    while it is live (-1 if it is unreadable but young: it protects everything), ``(None, why)``
+    when it is dead (remove it), ``(None, None)`` when it is unreadable and old (leave it)."""
+    try:
+        if text is None:
+            raise ValueError("cannot be read")
+        info = json.loads(text)
+        generation, pid = int(info["generation"]), int(info["pid"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        log.warning("%s: unreadable lease; counting it as live until it is %gs old", where, ttl_s)
+        return (-1 if age is not None and age <= ttl_s else None), None
+    if age > ttl_s:
+        why = f"no heartbeat for {age:.0f}s"
+    elif _pid_is_checkable(info) and not pid_alive(pid):
+        why = f"process {pid} is gone"
+    else:
+        return generation, None
+    log.info("ignoring dead reader lease %s (generation %d): %s", where, generation, why)
+    return None, why
+
+
 def live_lease_generations(store: Path, ttl_s: float, *, now: Optional[float] = None,
                            remove_dead: bool = True) -> list[int]:
     """Generations named by live leases of the store; dead leases are removed.
@@ -204,26 +229,17 @@ def live_lease_generations(store: Path, ttl_s: float, *, now: Optional[float] = 
         return live
     now = store_clock(store) if now is None else now
     for path in folder.glob("*.json"):
-        age = None
+        age, text = None, None
         try:
             age = now - path.stat().st_mtime
-            info = json.loads(path.read_text())
-            generation, pid = int(info["generation"]), int(info["pid"])
+            text = path.read_bytes()
         except FileNotFoundError:
             continue
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            log.warning("%s: unreadable lease; counting it as live until it is %gs old", path, ttl_s)
-            if age is not None and age <= ttl_s:
-                live.append(-1)  # protects everything
-            continue
-        if age > ttl_s:
-            why = f"no heartbeat for {age:.0f}s"
-        elif _pid_is_checkable(info) and not pid_alive(pid):
-            why = f"process {pid} is gone"
-        else:
+        except OSError:
+            pass
+        generation, dead = judge_lease(str(path), age, text, ttl_s)
+        if generation is not None:
             live.append(generation)
-            continue
-        log.info("ignoring dead reader lease %s (generation %d): %s", path.name, generation, why)
-        if remove_dead:
+        elif dead and remove_dead:
             path.unlink(missing_ok=True)
     return live

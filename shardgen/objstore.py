@@ -22,20 +22,19 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import datetime as dt
 import hashlib
 import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, TypeVar
+from typing import Callable, Iterator, Optional, TypeVar, Union
 
 from .errors import ShardgenError
 from .fsutil import temp_name
 
 __all__ = ["is_remote", "parse_url", "ObjectStore", "ObjectInfo", "ObjectStoreError", "StoreUnreachable",
-           "CredentialsRefused", "ObjectMismatch", "NoSuchStore", "ATTEMPTS"]
+           "CredentialsRefused", "ObjectMismatch", "NoSuchStore", "ATTEMPTS", "store_errors_as"]
 
 ATTEMPTS = 4  # tries of one request or download before giving up (backoff 0.5, 1, 2 s)
 _BACKOFF_S = 0.5
@@ -126,6 +125,14 @@ def _endpoint() -> str:
         return "the S3 endpoint"
 
 
+def _missing(exc: BaseException) -> bool:
+    """Whether a failed request says there is no such object."""
+    from botocore.exceptions import ClientError
+
+    return isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code")) in (
+        "404", "NoSuchKey", "NotFound")
+
+
 def _md5(path_or_bytes) -> tuple[str, str, int]:
     """(base64 MD5, hex sha256, size) of bytes or of a file."""
     md5, sha = hashlib.md5(), hashlib.sha256()
@@ -179,7 +186,7 @@ class ObjectStore:
                     "ExpiredToken"):
             return CredentialsRefused(f"{self.where(name)}: {_endpoint()} refused our credentials ({code}); "
                                       "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
-        if code == "NoSuchBucket":
+        if code == "NoSuchBucket" or (code == "404" and not name):  # HEAD of the bucket has no error body
             return NoSuchStore(f"{self.where()}: bucket {self.bucket!r} does not exist at {_endpoint()}")
         if code == "BadDigest":
             return ObjectMismatch(f"{self.where(name)}: the server received other bytes than were sent "
@@ -208,21 +215,14 @@ class ObjectStore:
 
     def check(self) -> None:
         """Raise a clear error unless the bucket is reachable with our credentials."""
-        try:
-            self._call("checking the bucket", "", lambda: _client().head_bucket(Bucket=self.bucket))
-        except ObjectStoreError as exc:
-            if "(404" in str(exc):
-                raise NoSuchStore(f"{self.where()}: bucket {self.bucket!r} does not exist at {_endpoint()}") from None
-            raise
+        self._call("checking the bucket", "", lambda: _client().head_bucket(Bucket=self.bucket))
 
     def head(self, name: str) -> Optional[ObjectInfo]:
-        from botocore.exceptions import ClientError
-
         def go():
             try:
                 r = _client().head_object(Bucket=self.bucket, Key=self.key(name))
-            except ClientError as exc:
-                if str(exc.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound"):
+            except Exception as exc:
+                if _missing(exc):
                     return None
                 raise
             return ObjectInfo(int(r["ContentLength"]), r["LastModified"].timestamp(), r.get("ETag", "").strip('"'))
@@ -231,45 +231,45 @@ class ObjectStore:
 
     def get(self, name: str) -> Optional[bytes]:
         """The object's bytes, or None if there is no such object."""
-        from botocore.exceptions import ClientError
+        found = self.get_with_info(name)
+        return None if found is None else found[0]
 
+    def get_with_info(self, name: str) -> Optional[tuple[bytes, ObjectInfo]]:
+        """The object's bytes and its size, mtime and ETag (one request), or None."""
         def go():
             try:
                 r = _client().get_object(Bucket=self.bucket, Key=self.key(name))
-            except ClientError as exc:
-                if str(exc.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound"):
+            except Exception as exc:
+                if _missing(exc):
                     return None
                 raise
             body = r["Body"].read()
             if len(body) != int(r["ContentLength"]):
                 raise ConnectionError(f"short read: {len(body)} of {r['ContentLength']} bytes")
-            return body
+            return body, ObjectInfo(len(body), r["LastModified"].timestamp(), r.get("ETag", "").strip('"'))
 
         return self._call("GET", name, go)
 
     def put(self, name: str, data: bytes, *, verify: bool = True) -> None:
         """Write one object whole (one PUT with Content-MD5); with ``verify``, HEAD it after."""
-        md5, sha, size = _md5(data)
+        self._put(name, data, verify=verify)
+
+    def upload(self, name: str, path: Path) -> str:
+        """Upload a local file as one object, checked after upload; its sha256."""
+        return self._put(name, Path(path), verify=True)
+
+    def _put(self, name: str, source: Union[bytes, Path], *, verify: bool) -> str:
+        md5, sha, size = _md5(source)
 
         def go():
-            _client().put_object(Bucket=self.bucket, Key=self.key(name), Body=data, ContentMD5=md5,
-                                 Metadata={"sha256": sha})
+            with contextlib.ExitStack() as stack:
+                body = source if isinstance(source, bytes) else stack.enter_context(open(source, "rb"))
+                _client().put_object(Bucket=self.bucket, Key=self.key(name), Body=body, ContentMD5=md5,
+                                     ContentLength=size, Metadata={"sha256": sha})
 
         self._call("PUT", name, go)
         if verify:
             self._check_uploaded(name, size, md5)
-
-    def upload(self, name: str, path: Path) -> str:
-        """Upload a local file as one object, checked after upload; its sha256."""
-        md5, sha, size = _md5(path)
-
-        def go():
-            with open(path, "rb") as fh:
-                _client().put_object(Bucket=self.bucket, Key=self.key(name), Body=fh, ContentMD5=md5,
-                                     ContentLength=size, Metadata={"sha256": sha})
-
-        self._call("PUT", name, go)
-        self._check_uploaded(name, size, md5)
         return sha
 
     def _check_uploaded(self, name: str, size: int, md5_b64: str) -> None:
@@ -362,7 +362,7 @@ class ObjectStore:
                         raise _LocalWrite() from exc
                     size += len(chunk)
         except ClientError as exc:
-            if str(exc.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound"):
+            if _missing(exc):
                 raise ObjectMismatch(f"{self.where(name)}: no such object (listed in the manifest)") from None
             error = self._error(exc, "GET", name)
             if error is not None:
@@ -391,7 +391,3 @@ def store_errors_as(kind: type) -> Iterator[None]:
         yield
     except ObjectStoreError as exc:
         raise kind(str(exc)) from None
-
-
-def utc_from(ts: float) -> dt.datetime:
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc)

@@ -39,6 +39,7 @@ from .errors import LockError, ManifestError, ShardError
 from .format.schema import Schema
 from .fsutil import HOST_TOKEN
 from .gc import entry_files, kept_snapshots, sweep
+from .lease import judge_lease
 from .manifest import Manifest, ShardEntry, Sidecar
 from .naming import CLOCK_NAME, LEASE_DIR, MANIFEST_NAME, SNAPSHOT_DIR, WATCH_STATE, name_version
 from .objstore import ObjectStore, ObjectStoreError
@@ -62,13 +63,17 @@ def load_manifest(remote: ObjectStore, name: str = MANIFEST_NAME) -> Optional[Ma
     return None if data is None else Manifest.parse(data, remote.where(name))
 
 
+def _no_manifest(remote: ObjectStore) -> ManifestError:
+    return ManifestError(f"{remote.where(MANIFEST_NAME)}: no manifest (run `shardgen build` first)")
+
+
 def load_generation(remote: ObjectStore, generation: int) -> Manifest:
     """Generation ``generation`` exactly (its snapshot, or the manifest if it is that one)."""
     found = load_manifest(remote, _snapshot_name(generation))
     if found is None:
         found = load_manifest(remote)
         if found is None:
-            raise ManifestError(f"{remote.where(MANIFEST_NAME)}: no manifest (run `shardgen build` first)")
+            raise _no_manifest(remote)
         if found.generation != generation:
             raise ManifestError(f"{remote.where(_snapshot_name(generation))}: generation {generation} is gone "
                                 f"(its snapshot was garbage-collected); the newest is {found.generation}")
@@ -182,10 +187,10 @@ class WriterLock:
         self._thread: Optional[threading.Thread] = None
 
     def _holder(self) -> tuple[Optional[dict], Optional[float]]:
-        info = self.remote.head(WRITER_LOCK)
-        if info is None:
+        found = self.remote.get_with_info(WRITER_LOCK)
+        if found is None:
             return None, None
-        data = self.remote.get(WRITER_LOCK)
+        data, info = found
         try:
             holder = json.loads(data) if data else {}
         except ValueError:
@@ -268,22 +273,13 @@ def live_lease_generations(remote: ObjectStore, ttl_s: float, *, remove_dead: bo
     for name, info in remote.list(LEASE_DIR + "/").items():
         if not name.endswith(".json"):
             continue
-        age = now - info.mtime
-        try:
-            data = remote.get(name)
-            if data is None:
-                continue
-            generation = int(json.loads(data)["generation"])
-        except (ValueError, KeyError, TypeError):
-            log.warning("%s: unreadable lease; counting it as live until it is %gs old", remote.where(name), ttl_s)
-            if age <= ttl_s:
-                live.append(-1)
+        text = remote.get(name)
+        if text is None:  # released meanwhile
             continue
-        if age <= ttl_s:
+        generation, dead = judge_lease(remote.where(name), now - info.mtime, text, ttl_s)
+        if generation is not None:
             live.append(generation)
-            continue
-        log.info("ignoring dead reader lease %s (generation %d): no heartbeat for %.0fs", name, generation, age)
-        if remove_dead:
+        elif dead and remove_dead:
             remote.delete(name)
     return live
 
@@ -315,13 +311,13 @@ def collect(remote: ObjectStore, lock: WriterLock, *, grace_s: float, lease_ttl_
 # -- verify, status, watcher state ------------------------------------------------------------------
 
 def verify_store(remote: ObjectStore) -> tuple[Manifest, list[tuple[str, str]]]:
-    """``shardgen verify`` on an object store: every published shard is downloaded (into a
-    temporary folder, one at a time) and checked as on disk."""
+    """``shardgen verify`` on an object store: every published shard is downloaded into a
+    temporary folder and checked there as on disk."""
     from .verify import verify_store as verify_folder
 
     manifest = load_manifest(remote)
     if manifest is None:
-        raise ManifestError(f"{remote.where(MANIFEST_NAME)}: no manifest (run `shardgen build` first)")
+        raise _no_manifest(remote)
     with tempfile.TemporaryDirectory(prefix="shardgen-verify-") as tmp:
         folder = Path(tmp)
         (folder / MANIFEST_NAME).write_bytes(manifest.dumps())
@@ -336,14 +332,10 @@ def verify_store(remote: ObjectStore) -> tuple[Manifest, list[tuple[str, str]]]:
                     names |= Manifest.parse(data, remote.where(_snapshot_name(n))).files()
         names |= manifest.files()
         for name in sorted(names):
-            data_ok = True
             try:
                 remote.download(name, folder / name)
-            except ObjectStoreError as exc:
+            except ObjectStoreError as exc:  # missing: verify_folder names the date too
                 problems.append(("-", str(exc)))
-                data_ok = False
-            if not data_ok:
-                continue
         _, found = verify_folder(folder)
         for date, problem in found:
             problems.append((date, problem.replace(str(folder), remote.url)))
@@ -356,7 +348,7 @@ def status(remote: ObjectStore) -> dict:
 
     data = remote.get(MANIFEST_NAME)
     if data is None:
-        raise ManifestError(f"{remote.where(MANIFEST_NAME)}: no manifest (run `shardgen build` first)")
+        raise _no_manifest(remote)
     manifest = Manifest.parse(data, remote.where(MANIFEST_NAME))
     return summary(manifest, remote.where(MANIFEST_NAME), json.loads(data).get("format"), snapshot_numbers(remote))
 

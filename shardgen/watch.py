@@ -38,7 +38,7 @@ from .errors import LockError, ShardError, ShardgenError
 from .gc import collect
 from .lock import StoreLock
 from .manifest import Sidecar
-from .naming import WATCH_LOCK, WATCH_STATE, dated_sidecars
+from .naming import WATCH_LOCK, dated_sidecars
 from .publish import check_sidecar, open_manifest, publish
 from .verify import verify_shard
 from .watchstate import Failing, save_state
@@ -224,9 +224,9 @@ class Watcher:
                 retry = utc_stamp(wall + max(0.0, f.retry_at - mono))
             failing.append(Failing(date.isoformat(), f.kind, f.attempts, f.error, retry))
         try:
-            save_state(self.cfg.store.dir, updated=utc_stamp(wall), pid=os.getpid(), failing=failing)
+            data = save_state(self.cfg.store.dir, updated=utc_stamp(wall), pid=os.getpid(), failing=failing)
             if self._writer is not None and self._writer.lost is None:
-                s3store.put_state(self._writer.remote, (self.cfg.store.dir / WATCH_STATE).read_bytes())
+                s3store.put_state(self._writer.remote, data)
         except (OSError, ShardgenError) as exc:
             log.warning("%s: cannot write the watcher state (%s)", self.cfg.store.where, exc)
 

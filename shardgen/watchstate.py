@@ -23,7 +23,7 @@ from typing import Optional
 from .fsutil import atomic_write
 from .naming import WATCH_STATE
 
-__all__ = ["WATCH_STATE", "FORMAT", "Failing", "save_state", "load_state", "parse_state"]
+__all__ = ["WATCH_STATE", "FORMAT", "Failing", "state_bytes", "save_state", "load_state", "parse_state"]
 
 log = logging.getLogger(__name__)
 FORMAT = "shardgen-watch/1"
@@ -38,10 +38,18 @@ class Failing:
     next_retry: Optional[str]  # UTC, or None: when the dropped file changes
 
 
-def save_state(store: Path, *, updated: str, pid: int, failing: list[Failing]) -> None:
+def state_bytes(*, updated: str, pid: int, failing: list[Failing]) -> bytes:
+    """The state file's bytes."""
     doc = {"format": FORMAT, "updated": updated, "pid": pid,
            "failing": [asdict(f) for f in sorted(failing, key=lambda f: f.date)]}
-    atomic_write(Path(store) / WATCH_STATE, json.dumps(doc, sort_keys=True, indent=1).encode(), fsync=False)
+    return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+
+def save_state(store: Path, *, updated: str, pid: int, failing: list[Failing]) -> bytes:
+    """Write the state file; its bytes."""
+    data = state_bytes(updated=updated, pid=pid, failing=failing)
+    atomic_write(Path(store) / WATCH_STATE, data, fsync=False)
+    return data
 
 
 def load_state(store: Path) -> Optional[dict]:

@@ -33,7 +33,7 @@ from .framing import HEADER_BYTES, MAGIC, PAYLOAD_WORD, data_bytes, image_tail, 
 from .index import parse_index
 from .schema import Schema, day_number
 
-__all__ = ["VERIFY_MODES", "ShardFrames", "Published", "check_shard", "read_offsets"]
+__all__ = ["VERIFY_MODES", "ShardFrames", "Published", "check_shard", "read_offsets", "needs_index"]
 
 VERIFY_MODES = ("frame", "sha256", "none")
 _CACHE: dict = {}
@@ -213,11 +213,17 @@ def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify
     return None, problem
 
 
-def _scan_file(fd: int, size: int, idx_path: str, entry: Published, schema: Schema, verify: str,
+def needs_index(entry: Published, schema: Schema) -> bool:
+    """Whether reading a shard needs its ``.idx``: only when its records differ in size (else every
+    record is whole and of the schema's size, and the offsets follow from the count)."""
+    return entry.records * schema.record_bytes != entry.bytes
+
+
+def _scan_file(fd: int, idx_path: str, entry: Published, schema: Schema, verify: str,
                check_index: bool) -> tuple[np.ndarray, Optional[tuple], object]:
     day = day_number(dt.date.fromisoformat(entry.date))
     rb = schema.record_bytes
-    if entry.records * rb == size:  # every record whole and of one size: no index to parse
+    if not needs_index(entry, schema):  # every record whole and of one size: no index to parse
         offsets = np.arange(entry.records, dtype=np.int64) * rb
         if check_index and not np.array_equal(read_offsets(idx_path, entry), offsets):
             raise ShardError(f"{idx_path}: offsets differ from the records of the .rec ({entry.date})")
@@ -227,7 +233,7 @@ def _scan_file(fd: int, size: int, idx_path: str, entry: Published, schema: Sche
         buf = memoryview(mm)
         try:
             found, problem = _scan(buf, offsets, schema, day, verify, entry)
-            if isinstance(problem, tuple) and entry.records * rb == size:
+            if isinstance(problem, tuple) and not needs_index(entry, schema):
                 # Whole-size records did not frame: maybe split records after all; ask the index.
                 offsets = read_offsets(idx_path, entry)
                 found, problem = _scan(buf, offsets, schema, day, verify, entry)
@@ -253,7 +259,7 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: Published, schema:
         hit: Optional[ShardFrames] = _CACHE.get(key)
     if hit is not None and cache:
         return hit
-    offsets, found, problem = _scan_file(fd, st.st_size, idx_path, entry, schema, verify, check_index)
+    offsets, found, problem = _scan_file(fd, idx_path, entry, schema, verify, check_index)
     if problem == "sha256":
         raise ShardError(f"{rec_path}: sha256 differs from the manifest ({entry.date}): the file changed "
                          "after it was published")
