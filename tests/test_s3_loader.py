@@ -3,6 +3,7 @@ through the local cache, faults, a shared cache, the cache limit, new generation
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -277,3 +278,35 @@ def test_an_endpoint_url_without_a_scheme_is_one_clear_error(s3, tmp_path, monke
     objstore._clients.clear()
     with pytest.raises(LoaderError, match="http:// or https://"):
         ShardIter(url, 8, cache_dir=tmp_path / "cache")
+
+
+def test_a_download_that_would_nearly_fill_the_disk_is_refused(s3, tmp_path, monkeypatch):
+    from loader import objcache
+
+    _, url = store_with(s3, tmp_path)
+    free = shutil.disk_usage(tmp_path).free
+    monkeypatch.setattr(objcache, "_RESERVE", free)  # as if the disk had no room beyond the reserve
+    with pytest.raises(LoaderError, match=r"needs .* MB more, but the disk has .* MB free"):
+        ShardIter(url, 8, cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache" / "objects" / "data" / "store").glob("*.rec"))
+
+
+def test_the_next_generations_shards_are_fetched_half_way_through_an_epoch(s3, tmp_path):
+    local, url = store_with(s3, tmp_path)
+    with ShardIter(url, 8, cache_dir=tmp_path / "cache") as it:
+        cache = mirror_of(it.manifest_path)
+        make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation, published mid-epoch
+        upload_store(s3, local)
+        for _ in range(it.batches_per_epoch // 2 + 1):
+            it.next()
+        deadline = time.monotonic() + 20
+        while cache._ahead is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cache._ahead.join(20)
+        assert (cache.folder / "2024-01-05.rec").is_file()  # before reset() asked for it
+        before = cache.downloads
+        for _ in it:
+            pass
+        it.reset()
+        assert sorted(i for b in it for i in batch_ids(b)) == list(range(151))
+        assert cache.downloads == before

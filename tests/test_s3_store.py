@@ -418,3 +418,24 @@ def test_a_watcher_that_lost_the_writer_lock_stops_and_uploads_nothing(s3, tmp_p
         with pytest.raises(LockError, match="another writer"):
             watcher.run(sleep=lambda s: False)
     assert not [n for n in remote.list() if n.endswith(".rec")]  # nothing generated or uploaded after that
+
+
+@pytest.mark.slow
+def test_build_to_s3_on_the_dask_backend(s3, tmp_path):
+    from dask.distributed import LocalCluster
+
+    from shardgen.build import build
+    from shardgen.cluster import _close_clients
+    from shardgen.config import load_config
+
+    path = s3_config(tmp_path / "a", s3.url("dk"), jobs=2)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        path.write_text(path.read_text().replace(
+            'backend = "loky"', f'backend = "dask"\nscheduler = "{cluster.scheduler_address}"'))
+        cfg = load_config(path)
+        report = build(cfg)
+        _close_clients()
+    assert not report.failed and len(report.published) == 4
+    assert {p.name for p in objects(s3, "dk").glob("*.rec")} == {f"2024-01-0{d}.rec" for d in range(2, 6)}
+    assert not [p for p in cfg.store.dir.iterdir() if p.suffix in (".rec", ".idx")]
+    assert cli("verify", "-c", path).returncode == 0
