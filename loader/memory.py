@@ -20,13 +20,13 @@ import sys
 import threading
 from typing import Optional, Union
 
-import mxnet as mx
 import numpy as np
 
 from shardgen.format.schema import Schema
 
 from .errors import LoaderError
 from .shuffle_buffer import ShuffleBuffer, buffer_bytes
+from .zerocopy import Loan, lend
 
 __all__ = ["Arena", "settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "footprint",
            "parse_size", "check_footprint", "format_bytes"]
@@ -118,8 +118,8 @@ def check_footprint(parts: dict, settings: str, *, share: float = MEMORY_SHARE) 
 
 class Arena:
     """The big buffers of an iterator, reused from epoch to epoch: shuffle buffers (one per stream
-    alive, the current and the next epoch's) and batch buffers handed to MXNet without a copy
-    (``from_numpy``), taken back once MXNet lets go of them. Allocating them anew each epoch grew
+    alive, the current and the next epoch's) and batch buffers lent to MXNet without a copy
+    (``loader.zerocopy``), taken back once MXNet gave them back. Allocating them anew each epoch grew
     the process by megabytes per epoch (the allocator's heap fragments around 4-128 MB blocks), and
     freeing and faulting in a fresh 4 MB array per batch cost the caller's ``next()``."""
 
@@ -127,6 +127,7 @@ class Arena:
         self.schema, self.batch_floats, self.keep = schema, batch_floats, keep
         self._shuffle: list[ShuffleBuffer] = []
         self._batches: list[np.ndarray] = []
+        self._loans: dict[int, Loan] = {}  # buffer address -> its loan (kept buffers only)
         self._lock = threading.Lock()
 
     def shuffle_buffer(self, capacity: int) -> ShuffleBuffer:
@@ -142,20 +143,28 @@ class Arena:
         with self._lock:  # two streams are alive at most (this epoch's and the next's): keep two
             self._shuffle = (self._shuffle + [buffer])[-2:]
 
-    @staticmethod
-    def hand_out(flat: np.ndarray, views: list) -> list:
+    def hand_out(self, flat: np.ndarray, views: list) -> list:
         """The caller's arrays: ``views`` ``(start, stop, shape)`` of the batch buffer ``flat``,
-        handed to MXNet without a copy."""
-        whole = mx.nd.from_numpy(flat, zero_copy=True)
-        return [whole[a:z].reshape(shape) for a, z, shape in views]
+        lent to MXNet without a copy (``loader.zerocopy``: dropping them runs no Python)."""
+        with self._lock:
+            loan, arrays = lend(flat, views, self._loans.get(flat.ctypes.data))
+            if loan is not None and any(b is flat for b in self._batches):
+                self._loans[flat.ctypes.data] = loan
+        return arrays
 
     def batch(self) -> np.ndarray:
-        """A free batch buffer: one no caller holds any more, or a new one."""
+        """A free batch buffer: one MXNet gave back and no stream holds, or a new one."""
         with self._lock:
             for a in self._batches:
-                if sys.getrefcount(a) <= 3:  # the list, this loop and the call: MXNet holds it no more
-                    a.flags.writeable = True
+                loan = self._loans.get(a.ctypes.data)
+                # References: the list, this loop, the call and the loan: no stream holds it.
+                if (loan is None or not loan.out) and sys.getrefcount(a) <= 3 + (loan is not None):
+                    a.flags.writeable = True  # from_numpy (the rare fallback) leaves it read-only
                     return a
+            a = np.empty(self.batch_floats, np.float32)
+            if len(self._batches) < self.keep:
+                self._batches.append(a)
+            return a
             a = np.empty(self.batch_floats, np.float32)
             if len(self._batches) < self.keep:
                 self._batches.append(a)

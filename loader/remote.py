@@ -1,7 +1,7 @@
 """``ShardIter`` with ``producer="process"``: the trainer's side of the producer
 process (:mod:`loader.producer`), which does all of an iterator's reading, shuffling and batch
 assembly. The trainer's ``next()`` only waits on a socket (the GIL released), maps a shared-memory
-slot and wraps it for MXNet without a copy: about 0.1 ms of Python, and none of the producer's
+slot and lends it to MXNet without a copy: tens of microseconds of Python, and none of the producer's
 work competes with the training loop for this process's GIL.
 
 The iterator behaves as the in-process one (``producer="thread"``) does; its epochs, order,

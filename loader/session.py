@@ -2,14 +2,14 @@
 once per trainer process, and one session per iterator.
 
 A session's reader thread takes every message off the socket: batches of the current epoch are
-mapped and wrapped for MXNet as they arrive (so ``next()`` only pops a ready batch: no socket
+mapped and lent to MXNet as they arrive (so ``next()`` only pops a ready batch: no socket
 call, no MXNet call), answers go to the command waiting for them, batches of an earlier epoch
-give their slot back. This thread holds the trainer's GIL about 0.1-0.5 ms per batch; the
+give their slot back. This thread holds the trainer's GIL some 20-100 us per batch; the
 producer's work (the native readers' hand-off, the shuffle buffer, batch assembly) never does.
 
 ``next()`` tells the producer how many batches it took every ``ack_every`` batches (the producer
-keeps at most ``prefetch_buffer + 1`` batches ahead of that) and gives back the slots nothing
-refers to any more.
+keeps at most ``prefetch_buffer + 1`` batches ahead of that) and gives back the slots MXNet gave
+back.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ class ShuffleBuffer:
         """Records ``(m, F)`` as the native iterator returns them (their framing already checked);
         of record ``i`` only items ``[lo[i], hi[i])`` when given (a record shared between parts)."""
         n_rec = len(payload)
-        slots = np.array([self.free.pop() for _ in range(n_rec)], np.int64)
+        slots = np.array(self.free[:-n_rec - 1:-1] if n_rec else [], np.int64)  # as n_rec pop()s would
+        del self.free[len(self.free) - n_rec:]
         records = self.codec.decode(payload, self.schema)
         counts = records.counts
         self.day[slots] = records.day
@@ -91,17 +92,20 @@ class ShuffleBuffer:
         else:
             pick = rng.choice(self.count, size=n, replace=False)
             codes = self.live[pick]
-            # Swap-remove: fill the holes below m - n with the tail items that were not picked.
-            tail = np.arange(self.count - n, self.count)
-            holes = pick[pick < self.count - n]
-            self.live[holes] = self.live[tail[~np.isin(tail, pick)]]
+            # Swap-remove: fill the holes below m - n with the tail items that were not picked (in
+            # order; a mask, not a sort: this runs with the GIL held, batch after batch).
+            start = self.count - n
+            in_tail = np.zeros(n, bool)
+            in_tail[pick[pick >= start] - start] = True
+            self.live[pick[pick < start]] = self.live[start:self.count][~in_tail]
         self.count -= n
         return codes
 
     def release(self, codes: np.ndarray) -> None:
         """The items ``codes`` are used up: free the slots with nothing left."""
-        slots, used = np.unique(codes // self.k, return_counts=True)
-        self.remaining[slots] -= used
+        used = np.bincount(codes // self.k, minlength=self.capacity)  # no sort: see draw()
+        slots = np.flatnonzero(used)
+        self.remaining[slots] -= used[slots]
         self.free.extend(slots[self.remaining[slots] == 0].tolist())
 
     def gather(self, codes: np.ndarray, out: Optional[np.ndarray] = None

@@ -1,8 +1,7 @@
 """Batch buffers shared between the producer process and the trainer: one ``memfd`` per slot,
-mapped by both. The producer assembles a batch straight into a free slot; the trainer wraps the
-slot's arrays for MXNet without a copy (``mx.nd.from_numpy``) and gives the slot back once MXNet
-and the caller let go of them (the wrapped arrays hold the slot's numpy array; MXNet drops them
-when its engine is done with them).
+mapped by both. The producer assembles a batch straight into a free slot; the trainer lends the
+slot's arrays to MXNet without a copy (``loader.zerocopy``) and gives the slot back once MXNet
+gave it back (every array and view dropped, every pending operation on it done).
 
 A slot's file descriptor travels once, with the first batch in it (``SCM_RIGHTS``); after that a
 batch message names the slot by number. The producer reuses a slot that is neither out with the
@@ -20,10 +19,10 @@ import sys
 import threading
 from typing import Optional
 
-import mxnet as mx
 import numpy as np
 
 from .memory import Arena
+from .zerocopy import Loan, lend
 
 __all__ = ["SlotArena", "SlotMaps"]
 
@@ -88,6 +87,7 @@ class SlotMaps:
     def __init__(self, floats: int, views: list):
         self.floats, self.views = floats, views
         self.arrays: dict[int, np.ndarray] = {}
+        self.loans: dict[int, Optional[Loan]] = {}
         self.held: set[int] = set()
         self.lock = threading.Lock()
 
@@ -103,12 +103,14 @@ class SlotMaps:
         flat = self.arrays[number]
         with self.lock:
             self.held.add(number)
-        return [mx.nd.from_numpy(flat[a:z].reshape(shape), zero_copy=True) for a, z, shape in self.views]
+            self.loans[number], arrays = lend(flat, self.views, self.loans.get(number))
+        return arrays
 
     def released(self, keep: Optional[int] = None) -> list[int]:
         """Held slots nothing refers to any more (but ``keep``): the producer may reuse them."""
         with self.lock:
-            # References: the dict, getrefcount's argument; more while a wrapped array is alive.
-            done = [n for n in self.held if n != keep and sys.getrefcount(self.arrays[n]) <= 2]
+            # A loan MXNet gave back; else (from_numpy) the references: the dict, the argument.
+            done = [n for n in self.held if n != keep and (not self.loans[n].out if self.loans.get(n) is not None
+                                                           else sys.getrefcount(self.arrays[n]) <= 2)]
             self.held.difference_update(done)
         return done

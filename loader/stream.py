@@ -280,8 +280,8 @@ class EpochStream:
                 return
 
     def _arrays(self, flat: np.ndarray, x: np.ndarray, labels: np.ndarray, days: np.ndarray) -> list:
-        """The caller's named arrays: views of ONE buffer handed to MXNet without a copy (one
-        chunk to free per batch, not four). A short batch is filled with its own rows (MXNet would
+        """The caller's named arrays: views of ONE buffer lent to MXNet without a copy
+        (``loader.zerocopy``: given back without Python). A short batch is filled with its own rows (MXNet would
         leave uninitialised memory there, and padding must always be valid data)."""
         p, s = self.params, self.params.schema
         b, n = p.batch_size, len(labels)

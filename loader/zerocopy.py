@@ -1,0 +1,143 @@
+"""Lending a numpy buffer to MXNet without a copy, and knowing when MXNet gave it back, without
+running Python when it does.
+
+``mx.nd.from_numpy`` frees its arrays through a Python callback. MXNet calls it from an engine
+thread when the last array of a chunk is gone, so every batch the trainer drops makes that thread
+take the trainer's GIL: about 150 us of the trainer's time per batch here (GIL hand-offs), and a
+wait of up to a switch interval when the GIL is busy.
+
+A ``Loan`` hands MXNet one ``DLManagedTensor`` per array of a buffer (``MXNDArrayFromDLPackEx``
+with a handle MXNet keeps: no copy of the descriptor). Its deleter is a C function, libc's
+``pthread_spin_unlock``, which only stores 0 in the first 4 bytes of the descriptor it is given:
+the low half of ``dl_tensor.data``. MXNet calls it once the engine is done with the chunk (every
+array and view of it gone, every pending operation on it finished), so a descriptor whose data
+field no longer holds the buffer's address is one MXNet gave back. Where libc has no such function
+a Python deleter does the same store (the old cost, same protocol).
+
+The descriptors live as long as a loan is out: loans not yet given back are kept in a module
+registry, so a loan survives its iterator while the caller still holds the batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Optional
+
+import mxnet as mx
+import numpy as np
+from mxnet.base import _LIB, check_call
+from mxnet.ndarray.ndarray import DeleterFunc, DLContext, DLDataType, DLManagedTensor
+
+__all__ = ["Loan", "lend", "give_back_available"]
+
+_LOW = 0xFFFFFFFF
+_FLOAT32 = DLDataType(*DLDataType.TYPE_MAP["float32"])
+
+
+def _c_deleter() -> tuple[DeleterFunc, bool]:
+    """The deleter: libc's ``pthread_spin_unlock`` (a release store of 0), else a Python one."""
+    for name in (None, "libc.so.6", "libpthread.so.0"):
+        try:
+            fn = ctypes.CDLL(name).pthread_spin_unlock
+        except (OSError, AttributeError):
+            continue
+        return DeleterFunc(ctypes.cast(fn, ctypes.c_void_p).value), True
+    return DeleterFunc(_python_deleter), False
+
+
+def _python_deleter(tensor) -> None:  # the same store, for a libc without pthread spinlocks
+    ctypes.c_uint32.from_address(ctypes.addressof(tensor.contents)).value = 0
+
+
+_DELETER, _NATIVE = _c_deleter()
+_OUT: set = set()  # loans MXNet holds: their descriptors must outlive its deleter call
+_OUT_LOCK = threading.Lock()
+_SWEEP = [64]  # sweep _OUT for loans given back when it reaches this size (then twice what is left)
+
+
+def give_back_available() -> bool:
+    """Whether MXNet gives buffers back without running Python (libc's deleter)."""
+    return _NATIVE
+
+
+class Loan:
+    """The MXNet arrays ``views`` ``(start, stop, shape)`` of the float32 buffer ``flat``."""
+
+    def __init__(self, flat: np.ndarray, views: list):
+        if flat.dtype != np.float32 or not flat.flags.c_contiguous:
+            raise ValueError("a loan needs a contiguous float32 buffer")
+        self.flat, self.views = flat, list(views)
+        self._tensors, self._shapes, self._addresses = [], [], []
+        base = flat.ctypes.data
+        for a, _z, shape in views:
+            address = base + 4 * a
+            if address & _LOW == 0:  # could not be told from a given-back descriptor: see lend()
+                raise ValueError("an array address with a zero low half")
+            dims = (ctypes.c_int64 * len(shape))(*shape)
+            t = DLManagedTensor()
+            t.dl_tensor.ctx = DLContext(1, 0)
+            t.dl_tensor.ndim = len(shape)
+            t.dl_tensor.dtype = _FLOAT32
+            t.dl_tensor.shape = dims
+            t.dl_tensor.strides = None
+            t.dl_tensor.byte_offset = 0
+            t.dl_tensor.data = None  # set when lent; MXNet zeroes its low half when it gives it back
+            t.deleter = _DELETER
+            self._tensors.append(t)
+            self._shapes.append(dims)
+            self._addresses.append(address)
+        self._out = False
+
+    @property
+    def out(self) -> bool:
+        """Lent and not yet given back by MXNet."""
+        return self._refresh()
+
+    def _refresh(self) -> bool:
+        if self._out and all(t.dl_tensor.data != a for t, a in zip(self._tensors, self._addresses)):
+            self._out = False
+            with _OUT_LOCK:
+                _OUT.discard(self)
+        return self._out
+
+    def lend(self) -> list:
+        """The arrays, as new MXNet arrays over the buffer (the loan must not be out). Not
+        thread-safe for one loan (its owner lends it under its own lock); ``out`` may be asked
+        from any thread: it turns false only once every descriptor of a finished lending came back."""
+        if self.out:
+            raise RuntimeError("this buffer is still lent to MXNet")
+        arrays = []
+        for t, a in zip(self._tensors, self._addresses):
+            handle = ctypes.c_void_p()
+            t.dl_tensor.data = a
+            try:
+                check_call(_LIB.MXNDArrayFromDLPackEx(ctypes.byref(t), False, ctypes.byref(handle)))
+            except BaseException:
+                t.dl_tensor.data = None  # not lent
+                raise
+            arrays.append(mx.nd.NDArray(handle=handle))
+        # Out only now: a reader of `out` between the descriptors' data being set and this line
+        # sees the loan not out and leaves it alone (its owner is the only one to lend it).
+        self._out = True
+        with _OUT_LOCK:
+            _OUT.add(self)
+            sweep = len(_OUT) >= _SWEEP[0]
+        if sweep:  # loans nobody asks about any more (buffers the arena did not keep)
+            for loan in list(_OUT):
+                loan._refresh()
+            with _OUT_LOCK:
+                _SWEEP[0] = max(64, 2 * len(_OUT))
+        return arrays
+
+
+def lend(flat: np.ndarray, views: list, loan: Optional[Loan] = None) -> tuple[Optional[Loan], list]:
+    """The arrays ``views`` of ``flat`` lent to MXNet: through ``loan`` if it is ``flat``'s, else a
+    new loan; through ``mx.nd.from_numpy`` in the (4 GiB aligned) case a loan cannot track."""
+    if loan is None or loan.flat is not flat or loan.views != list(views):
+        try:
+            loan = Loan(flat, views)
+        except ValueError:
+            whole = mx.nd.from_numpy(flat, zero_copy=True)
+            return None, [whole[a:z].reshape(shape) for a, z, shape in views]
+    return loan, loan.lend()

@@ -1,0 +1,140 @@
+"""Batches lent to MXNet without a copy (``loader.zerocopy``): a buffer is written again only
+after MXNet gave it back (every array and view of it dropped, every pending operation on it done),
+and giving it back runs no Python (no GIL taken behind the trainer's back)."""
+
+import threading
+
+import mxnet as mx
+import numpy as np
+import pytest
+from conftest import batch_ids, make_store
+
+from loader import ShardIter, zerocopy
+from loader.memory import Arena
+
+VIEWS = [(0, 12, (2, 3, 2)), (12, 14, (2,))]
+
+
+def test_libc_gives_buffers_back_without_python():
+    assert zerocopy.give_back_available(), "no C deleter: every dropped batch would take the GIL"
+
+
+def test_a_loan_is_out_until_mxnet_drops_every_array_and_view():
+    flat = np.arange(14, dtype=np.float32)
+    loan = zerocopy.Loan(flat, VIEWS)
+    x, y = loan.lend()
+    assert x.shape == (2, 3, 2) and y.shape == (2,)
+    assert x.asnumpy().ravel().tolist() == list(range(12)) and y.asnumpy().tolist() == [12, 13]
+    view = x[1:2]  # a view MXNet made: it shares the buffer, and Python cannot count it
+    del x, y
+    mx.nd.waitall()
+    assert loan.out, "given back while a view of it was alive"
+    assert view.asnumpy().ravel().tolist() == list(range(6, 12))
+    with pytest.raises(RuntimeError):
+        loan.lend()
+    del view
+    mx.nd.waitall()
+    _until(lambda: not loan.out, "the loan was not given back once every array was dropped")
+    again = loan.lend()  # lent again: the same buffer
+    assert again[1].asnumpy().tolist() == [12, 13]
+
+
+def test_a_pending_operation_keeps_the_loan_out():
+    """Arrays dropped while an engine operation that reads them still waits (on a slow one): the
+    buffer comes back only after that read."""
+    flat = np.ones(14, np.float32)
+    loan = zerocopy.Loan(flat, VIEWS)
+    x, y = loan.lend()
+    slow = mx.nd.dot(mx.nd.ones((1500, 1500)), mx.nd.ones((1500, 1500)))  # ~0.1-1 s of CPU
+    total = x.sum() + y.sum() + slow[0, 0] * 0
+    del x, y
+    assert loan.out, "given back while an operation reading it was still pending"
+    assert total.asscalar() == 14
+    _until(lambda: not loan.out, "not given back after the pending read finished")
+
+
+def test_the_iterator_never_rewrites_a_batch_the_caller_holds(tmp_path):
+    """Hold every batch of two epochs, and views of them, in both modes: each still holds the
+    windows it was handed (a buffer reused early would show another batch's ids)."""
+    make_store(tmp_path / "s", {"2024-01-02": 150, "2024-01-03": 90})
+    for producer in ("thread", "process"):
+        with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", seed=3, producer=producer,
+                       prefetch_buffer=2) as it:
+            held, views = [], []
+            for _ in range(2):
+                for b in it:
+                    held.append((b, batch_ids(b)))
+                    views.append((b.label[0][2:5], batch_ids(b)[2:5]))
+                it.reset()
+            for b, ids in held:
+                assert batch_ids(b) == ids, producer
+            held.clear()
+            for view, ids in views:
+                assert view.asnumpy().astype(int).tolist() == ids, producer
+
+
+def test_buffers_are_reused_once_given_back(tmp_path):
+    """A trainer that drops each batch: the arena keeps reusing the same few buffers."""
+    make_store(tmp_path / "s", {"2024-01-02": 400})
+    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c") as it:
+        for _ in range(3):
+            assert sorted(i for b in it for i in batch_ids(b)) == list(range(400))
+            it.reset()
+        arena = it._epochs.arena
+        assert len(arena._batches) <= arena.keep and len(arena._loans) <= arena.keep
+        assert len(zerocopy._OUT) <= 2 * (it.prefetch_buffer + 2)
+
+
+def test_a_buffer_a_loan_cannot_track_falls_back_to_from_numpy(monkeypatch):
+    """An address whose low half is zero cannot be told from a given-back one: that buffer goes
+    through mx.nd.from_numpy (its Python deleter), and is reused only when MXNet lets go."""
+    arena = Arena(None, 14, keep=2)
+
+    def refuse(*a, **k):
+        raise ValueError("an array address with a zero low half")
+
+    monkeypatch.setattr(zerocopy.Loan, "__init__", refuse)
+    flat = arena.batch()
+    flat[:] = np.arange(14)
+    x, y = arena.hand_out(flat, VIEWS)
+    assert y.asnumpy().tolist() == [12, 13]
+    del flat
+    assert arena.batch() is not arena._batches[0], "reused while MXNet held it"
+    del x, y
+    mx.nd.waitall()
+    _until(lambda: arena.batch() is arena._batches[0], "not reused after MXNet let go")
+
+
+def test_lending_from_many_threads_at_once():
+    loans = [zerocopy.Loan(np.full(14, i, np.float32), VIEWS) for i in range(8)]
+    errors = []
+
+    def work(loan, value):
+        try:
+            for _ in range(200):
+                while loan.out:
+                    pass
+                x, y = loan.lend()
+                assert x.asnumpy()[0, 0, 0] == value
+                del x, y
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(loan, i)) for i, loan in enumerate(loans)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    _until(lambda: not any(loan.out for loan in loans), "loans left out")
+
+
+def _until(predicate, what: str, seconds: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(what)
