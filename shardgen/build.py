@@ -6,14 +6,16 @@ alone publishes the manifest. ``build`` is also the one code path the watcher ca
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
 import time
-from concurrent.futures import BrokenExecutor
+from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
+import numpy as np
 from joblib import Parallel, delayed
 
 from . import s3store
@@ -80,10 +82,12 @@ def complete_shard(cfg: Config, date: dt.date) -> Optional[Sidecar]:
     return sidecar
 
 
-def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool = False) -> DateResult:
+def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool = False,
+            raw: Optional[Callable[[], np.ndarray]] = None) -> DateResult:
     """Make the shard of one date. Never raises: failures come back as a result naming the date.
 
     ``raw_only``: use the raw file already there and never run the generator (watched drop-ins).
+    ``raw``: returns the raw array (``obtain_raw`` already started for this date, see ``_pipelined``).
     """
     t0 = time.perf_counter()
     try:
@@ -105,7 +109,7 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
             version = 1
         if remote:
             cfg.store.dir.mkdir(parents=True, exist_ok=True)  # the staging folder of this worker
-        raw = obtain_raw(cfg, date, force=force, generate=not raw_only)
+        raw = raw() if raw is not None else obtain_raw(cfg, date, force=force, generate=not raw_only)
         windows = run_processor(cfg.process.load(), raw, date, schema, dict(cfg.process.options))
         if windows.n == 0:
             marker = Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", "")
@@ -153,10 +157,33 @@ def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = Fal
 
         return on_cluster()
     if jobs == 1 or len(dates) <= 1:
-        return (produce(cfg, d, force=force, raw_only=d in raw_dates) for d in dates)
+        return _pipelined(cfg, dates, force=force, raw_dates=raw_dates)
     parallel = Parallel(n_jobs=min(jobs, len(dates)), backend=cfg.run.backend,
                         return_as="generator_unordered")
     return parallel(tasks)
+
+
+def _pipelined(cfg: Config, dates: list[dt.date], *, force: bool, raw_dates: frozenset) -> Iterator[DateResult]:
+    """One date at a time, as ``jobs=1`` promises (one generator running at once), but the next
+    date's generator runs while this date's windows are cut, packed and written: a build then
+    costs little more than its generator alone. A date whose shard is complete is not generated."""
+
+    def raw_for(d: dt.date) -> Optional[Future]:
+        if not force and complete_shard(cfg, d) is not None:
+            return None  # produce() adopts it
+        return pool.submit(obtain_raw, cfg, d, force=force, generate=d not in raw_dates)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="shardgen-generate") as pool:
+        ahead = raw_for(dates[0]) if dates else None
+        try:
+            for i, d in enumerate(dates):
+                current, ahead = ahead, (raw_for(dates[i + 1]) if i + 1 < len(dates) else None)
+                yield produce(cfg, d, force=force, raw_only=d in raw_dates,
+                              raw=current.result if current is not None else None)
+        finally:  # stopped early (stop asked, lock lost): the date generating ahead is abandoned
+            if ahead is not None and not ahead.cancel():
+                with contextlib.suppress(BaseException):
+                    ahead.result()
 
 
 class _Pending:

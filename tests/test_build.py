@@ -4,6 +4,7 @@ import datetime as dt
 import os
 import re
 import signal
+import textwrap
 import time
 from pathlib import Path
 
@@ -191,3 +192,37 @@ def test_window_retires_oldest_without_deleting(cfg_dir):
     # A retired date is done: a later build does not bring it back.
     report = build(cfg)
     assert report.skipped == 4 and not report.published
+
+
+def test_jobs_1_runs_one_generator_at_a_time_and_the_next_one_while_a_date_is_written(cfg_dir):
+    """jobs=1: generators never overlap each other, but the next date's generator runs while a
+    date's windows are cut and written (a build costs little more than its generator alone)."""
+    log = cfg_dir / "gen.log"
+    path = write_config(cfg_dir, start="2024-01-02", end="2024-01-04", jobs=1, process="slow_proc:process")
+    log.write_text("")
+    (cfg_dir / "slow_proc.py").write_text(textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from shardgen.process import sliding_windows
+
+        def process(raw, date, **kw):
+            # the next weekday's generator starts while this date is processed
+            nxt = {{"2024-01-02": "2024-01-03", "2024-01-03": "2024-01-04"}}.get(date.isoformat())
+            deadline = time.monotonic() + 10
+            while nxt and "start " + nxt not in Path({str(log)!r}).read_text():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the next date's generator did not start while " + str(date) + " was processed")
+                time.sleep(0.02)
+            return sliding_windows(raw, date, **kw)
+    """))
+    text = path.read_text()
+    gen = text[text.index("command = [") + len("command = ["):text.index("]\noutput")]
+    wrapped = (f'command = ["/bin/sh", "-c", "echo start $0 >> {log}; sleep 0.2; \\"$@\\"; rc=$?; '
+               f'echo end $0 >> {log}; exit $rc", "{{date}}", {gen}]\noutput')
+    path.write_text(text[:text.index("command = [")] + wrapped + text[text.index("]\noutput") + len("]\noutput"):])
+    report = build(load_config(path))
+    assert not report.failed, report.failed
+    assert len(report.published) == 3
+    events = log.read_text().split("\n")
+    kinds = [e.split()[0] for e in events if e]
+    assert kinds == ["start", "end"] * 3, events  # never two generators at once
