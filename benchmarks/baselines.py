@@ -18,7 +18,7 @@ import numpy as np
 
 from shardgen.layout import Schema, day_number
 
-__all__ = ["ListBatchIter", "samples_from_arrays", "question_design_epoch"]
+__all__ = ["ListBatchIter", "PoppedBatches", "samples_from_arrays", "question_design_epoch"]
 
 Sample = tuple  # (x (T, C), label_1, ..., date)
 
@@ -55,6 +55,26 @@ class ListBatchIter(mx.io.DataIter):
         self.cursor += self.batch_size
         fields = [mx.nd.array(np.stack(f), dtype=np.float32) for f in zip(*chunk)]
         return mx.io.DataBatch(data=fields[:1], label=fields[1:], pad=0)
+
+
+class PoppedBatches(mx.io.DataIter):
+    """The floor of the stall measurement: batches built once, before the run, handed out from a
+    list (``next()`` makes a DataBatch and nothing else). What a consumer waits with it is the
+    cost of its own thread waking and calling ``next()`` on this machine, not a loader's."""
+
+    def __init__(self, arrays: list, batches: int, batch_size: int):
+        super().__init__(batch_size)
+        self.arrays, self.batches, self.i = arrays, batches, 0
+
+    def reset(self) -> None:
+        self.i = 0
+
+    def next(self) -> mx.io.DataBatch:
+        if self.i >= self.batches:
+            raise StopIteration
+        a = self.arrays[self.i % len(self.arrays)]
+        self.i += 1
+        return mx.io.DataBatch(data=a[:1], label=a[1:], pad=0)
 
 
 def _windows_python(raw: np.ndarray, date: dt.date, schema: Schema) -> list[Sample]:

@@ -30,7 +30,7 @@ from loader.shard_iter import ShardIter
 from shardgen.format import day_number
 from shardgen.process import sliding_windows
 
-from .baselines import ListBatchIter, samples_from_arrays
+from .baselines import ListBatchIter, PoppedBatches, samples_from_arrays
 from .e2e import end_to_end
 from .objects import object_store_epoch
 from .report import chart, machine_info, table, targets
@@ -157,6 +157,15 @@ def loaders(x: np.ndarray, labels: list[np.ndarray], store: Path, batch_size: in
     ]
 
 
+def stall_floor(x: np.ndarray, labels: list[np.ndarray], batch_size: int, like: dict, seconds: float) -> dict:
+    """The same consumer, at the same step times as ``like`` (ShardIter's run), over batches
+    built before the run (``PoppedBatches``): what waking the consumer costs on this machine."""
+    arrays = [[mx.nd.array(x[i * batch_size:(i + 1) * batch_size])] +
+              [mx.nd.array(lab[i * batch_size:(i + 1) * batch_size]) for lab in labels] for i in range(8)]
+    loader = Loader("batches popped from a list", lambda: PoppedBatches(arrays, 200, batch_size))
+    return {k: stall(loader, like[k]["step_ms"] / 1000, seconds) for k in ("stall_50", "stall_90")}
+
+
 def cold_epoch(store: Path, batch_size: int, cache: Path) -> dict:
     evicted = evict(store)
     it = ShardIter(store, batch_size, shuffle=True, cache_dir=cache)
@@ -213,6 +222,7 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
         r["stall_90"] = stall(loader, 1 / (0.9 * rate_batches), seconds)
         r["note"] = loader.note
         res["loaders"][loader.name] = r
+    res["stall_floor"] = stall_floor(x, labels, bs, res["loaders"]["ShardIter"], seconds)
     res["shardier_cold_epoch"] = cold_epoch(store, bs, cache)
     log("bench: a cold epoch from an S3 store on loopback")
     res["object_store"] = object_store_epoch(store, workdir, bs, cache)

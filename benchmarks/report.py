@@ -104,6 +104,11 @@ def table(res: dict) -> str:
         lines.append(f"{name:32} {r['samples_per_s']:>11,.0f} {r['payload_gb_per_s']:>6.2f} "
                      f"{r['stall_50']['stall_pct']:>9.1f}% {r['stall_90']['stall_pct']:>9.1f}% "
                      f"{r['stall_50']['next_p99_ms']:>12.2f} / {r['stall_90']['next_p99_ms']:<9.2f}")
+    fl = res.get("stall_floor")
+    if fl:
+        lines.append(f"{'floor: batches popped from a list':32} {'':>11} {'':>6} {fl['stall_50']['stall_pct']:>9.1f}% "
+                     f"{fl['stall_90']['stall_pct']:>9.1f}% {fl['stall_50']['next_p99_ms']:>12.2f} / "
+                     f"{fl['stall_90']['next_p99_ms']:<9.2f}   (ShardIter's steps; next() builds nothing)")
     c = res["shardier_cold_epoch"]
     lines.append(f"{'ShardIter, first (cold) epoch':32} {c['samples_per_s']:>11,.0f} {c['payload_gb_per_s']:>6.2f}")
     ob = res.get("object_store")
