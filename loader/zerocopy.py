@@ -29,7 +29,7 @@ import numpy as np
 from mxnet.base import _LIB, check_call
 from mxnet.ndarray.ndarray import DeleterFunc, DLContext, DLDataType, DLManagedTensor
 
-__all__ = ["Loan", "lend", "give_back_available"]
+__all__ = ["Loan", "lend", "give_back_available", "outstanding"]
 
 _LOW = 0xFFFFFFFF
 _FLOAT32 = DLDataType(*DLDataType.TYPE_MAP["float32"])
@@ -54,6 +54,13 @@ _DELETER, _NATIVE = _c_deleter()
 _OUT: set = set()  # loans MXNet holds: their descriptors must outlive its deleter call
 _OUT_LOCK = threading.Lock()
 _SWEEP = [64]  # sweep _OUT for loans given back when it reaches this size (then twice what is left)
+
+
+def outstanding() -> int:
+    """Loans MXNet still holds (the registry swept first)."""
+    for loan in list(_OUT):
+        loan._refresh()
+    return len(_OUT)
 
 
 def give_back_available() -> bool:
