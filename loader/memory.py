@@ -165,7 +165,3 @@ class Arena:
             if len(self._batches) < self.keep:
                 self._batches.append(a)
             return a
-            a = np.empty(self.batch_floats, np.float32)
-            if len(self._batches) < self.keep:
-                self._batches.append(a)
-            return a

@@ -53,14 +53,21 @@ def _python_deleter(tensor) -> None:  # the same store, for a libc without pthre
 _DELETER, _NATIVE = _c_deleter()
 _OUT: set = set()  # loans MXNet holds: their descriptors must outlive its deleter call
 _OUT_LOCK = threading.Lock()
-_SWEEP = [64]  # sweep _OUT for loans given back when it reaches this size (then twice what is left)
+_LENDS = [0]  # lends since the last sweep of _OUT (a sweep every max(64, len(_OUT)) lends: O(1) each)
 
 
 def outstanding() -> int:
     """Loans MXNet still holds (the registry swept first)."""
-    for loan in list(_OUT):
-        loan._refresh()
+    _sweep()
     return len(_OUT)
+
+
+def _sweep() -> None:
+    """Drop the loans MXNet gave back from the registry (their buffers may go)."""
+    with _OUT_LOCK:
+        loans, _LENDS[0] = list(_OUT), 0
+    for loan in loans:
+        loan._refresh()
 
 
 def give_back_available() -> bool:
@@ -95,6 +102,7 @@ class Loan:
             self._shapes.append(dims)
             self._addresses.append(address)
         self._out = False
+        self._lock = threading.Lock()  # lending and judging it given back, one at a time
 
     @property
     def out(self) -> bool:
@@ -102,39 +110,38 @@ class Loan:
         return self._refresh()
 
     def _refresh(self) -> bool:
-        if self._out and all(t.dl_tensor.data != a for t, a in zip(self._tensors, self._addresses)):
-            self._out = False
-            with _OUT_LOCK:
-                _OUT.discard(self)
-        return self._out
+        with self._lock:  # atomic with lend(): a judgement of the last lending never ends a new one
+            if self._out and all(t.dl_tensor.data != a for t, a in zip(self._tensors, self._addresses)):
+                self._out = False
+                with _OUT_LOCK:
+                    _OUT.discard(self)
+            return self._out
 
     def lend(self) -> list:
-        """The arrays, as new MXNet arrays over the buffer (the loan must not be out). Not
-        thread-safe for one loan (its owner lends it under its own lock); ``out`` may be asked
-        from any thread: it turns false only once every descriptor of a finished lending came back."""
-        if self.out:
-            raise RuntimeError("this buffer is still lent to MXNet")
-        arrays = []
-        for t, a in zip(self._tensors, self._addresses):
-            handle = ctypes.c_void_p()
-            t.dl_tensor.data = a
-            try:
-                check_call(_LIB.MXNDArrayFromDLPackEx(ctypes.byref(t), False, ctypes.byref(handle)))
-            except BaseException:
-                t.dl_tensor.data = None  # not lent
-                raise
-            arrays.append(mx.nd.NDArray(handle=handle))
-        # Out only now: a reader of `out` between the descriptors' data being set and this line
-        # sees the loan not out and leaves it alone (its owner is the only one to lend it).
-        self._out = True
-        with _OUT_LOCK:
-            _OUT.add(self)
-            sweep = len(_OUT) >= _SWEEP[0]
-        if sweep:  # loans nobody asks about any more (buffers the arena did not keep)
-            for loan in list(_OUT):
-                loan._refresh()
+        """The arrays, as new MXNet arrays over the buffer (the loan must not be out)."""
+        with self._lock:
+            if self._out and not all(t.dl_tensor.data != a for t, a in zip(self._tensors, self._addresses)):
+                raise RuntimeError("this buffer is still lent to MXNet")
+            arrays = []
+            for t, a in zip(self._tensors, self._addresses):
+                handle = ctypes.c_void_p()
+                t.dl_tensor.data = a
+                try:
+                    check_call(_LIB.MXNDArrayFromDLPackEx(ctypes.byref(t), False, ctypes.byref(handle)))
+                except BaseException:
+                    t.dl_tensor.data = None  # not lent
+                    self._out = bool(arrays)  # those lent so far come back when dropped
+                    with _OUT_LOCK:
+                        (_OUT.add if arrays else _OUT.discard)(self)
+                    raise
+                arrays.append(mx.nd.NDArray(handle=handle))
+            self._out = True
             with _OUT_LOCK:
-                _SWEEP[0] = max(64, 2 * len(_OUT))
+                _OUT.add(self)
+                _LENDS[0] += 1
+                sweep = _LENDS[0] >= max(64, len(_OUT))
+        if sweep:  # outside this loan's lock: a sweep takes every loan's in turn
+            _sweep()
         return arrays
 
 

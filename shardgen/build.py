@@ -6,23 +6,22 @@ alone publishes the manifest. ``build`` is also the one code path the watcher ca
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import logging
+import threading
 import time
-from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional
 
-import numpy as np
 from joblib import Parallel, delayed
 
 from . import s3store
 from .config import Config
 from .errors import Interrupted, ShardgenError
 from .fsutil import atomic_write, clean_temp_files
-from .generator import STOP, obtain_raw
+from .generator import STOP, abandon_with, obtain_raw
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, Sidecar
 from .naming import shard_paths
 from .process import run_processor
@@ -83,23 +82,22 @@ def complete_shard(cfg: Config, date: dt.date) -> Optional[Sidecar]:
 
 
 def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool = False,
-            raw: Optional[Callable[[], np.ndarray]] = None) -> DateResult:
+            ahead: Optional[Callable[[], tuple]] = None) -> DateResult:
     """Make the shard of one date. Never raises: failures come back as a result naming the date.
 
     ``raw_only``: use the raw file already there and never run the generator (watched drop-ins).
-    ``raw``: returns the raw array (``obtain_raw`` already started for this date, see ``_pipelined``).
+    ``ahead``: returns what ``_prepare`` returned for this date, started earlier (``_pipelined``).
     """
     t0 = time.perf_counter()
     try:
-        if not force:
-            sidecar = complete_shard(cfg, date)
-            if sidecar is not None:
-                if cfg.store.remote:  # in the store already: a copy a killed run left in staging goes
-                    for path in shard_paths(cfg.store.dir, date).values():
-                        path.unlink(missing_ok=True)
-                status = "empty" if sidecar.records == 0 else "adopted"
-                entry = sidecar.entry() if sidecar.records else None
-                return DateResult(date, status, entry, "no windows", time.perf_counter() - t0)
+        sidecar, raw = ahead() if ahead is not None else _prepare(cfg, date, force=force, raw_only=raw_only)
+        if sidecar is not None:
+            if cfg.store.remote:  # in the store already: a copy a killed run left in staging goes
+                for path in shard_paths(cfg.store.dir, date).values():
+                    path.unlink(missing_ok=True)
+            status = "empty" if sidecar.records == 0 else "adopted"
+            entry = sidecar.entry() if sidecar.records else None
+            return DateResult(date, status, entry, "no windows", time.perf_counter() - t0)
         schema = cfg.schema
         # A forced rewrite gets new file names: published files are never written over.
         remote = cfg.store.objects()
@@ -109,7 +107,6 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
             version = 1
         if remote:
             cfg.store.dir.mkdir(parents=True, exist_ok=True)  # the staging folder of this worker
-        raw = raw() if raw is not None else obtain_raw(cfg, date, force=force, generate=not raw_only)
         windows = run_processor(cfg.process.load(), raw, date, schema, dict(cfg.process.options))
         if windows.n == 0:
             marker = Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", "")
@@ -131,6 +128,16 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
     except (OSError, MemoryError) as exc:
         return DateResult(date, "failed", message=f"{date}: {type(exc).__name__}: {exc}",
                           seconds=time.perf_counter() - t0)
+
+
+def _prepare(cfg: Config, date: dt.date, *, force: bool, raw_only: bool) -> tuple:
+    """``(sidecar, None)`` for a shard already complete (adopted), else ``(None, raw array)``:
+    what comes before the windows are cut. Raises as ``obtain_raw`` does."""
+    if not force:
+        sidecar = complete_shard(cfg, date)
+        if sidecar is not None:
+            return sidecar, None
+    return None, obtain_raw(cfg, date, force=force, generate=not raw_only)
 
 
 def wanted(manifest: Manifest, dates: Iterable[dt.date], *, force: bool = False) -> list[dt.date]:
@@ -166,24 +173,26 @@ def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = Fal
 def _pipelined(cfg: Config, dates: list[dt.date], *, force: bool, raw_dates: frozenset) -> Iterator[DateResult]:
     """One date at a time, as ``jobs=1`` promises (one generator running at once), but the next
     date's generator runs while this date's windows are cut, packed and written: a build then
-    costs little more than its generator alone. A date whose shard is complete is not generated."""
+    costs little more than its generator alone. Stopped early (a stop asked, the writer lock
+    lost, Ctrl-C), the generators still running are abandoned (killed) before it returns."""
+    abandon = threading.Event()
 
-    def raw_for(d: dt.date) -> Optional[Future]:
-        if not force and complete_shard(cfg, d) is not None:
-            return None  # produce() adopts it
-        return pool.submit(obtain_raw, cfg, d, force=force, generate=d not in raw_dates)
+    def prepare(d: dt.date) -> tuple:
+        with abandon_with(abandon):
+            return _prepare(cfg, d, force=force, raw_only=d in raw_dates)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="shardgen-generate") as pool:
-        ahead = raw_for(dates[0]) if dates else None
-        try:
-            for i, d in enumerate(dates):
-                current, ahead = ahead, (raw_for(dates[i + 1]) if i + 1 < len(dates) else None)
-                yield produce(cfg, d, force=force, raw_only=d in raw_dates,
-                              raw=current.result if current is not None else None)
-        finally:  # stopped early (stop asked, lock lost): the date generating ahead is abandoned
-            if ahead is not None and not ahead.cancel():
-                with contextlib.suppress(BaseException):
-                    ahead.result()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="shardgen-generate")
+    futures = [pool.submit(prepare, dates[0])] if dates else []
+    try:
+        for i, d in enumerate(dates):
+            if i + 1 < len(dates):
+                futures.append(pool.submit(prepare, dates[i + 1]))
+            yield produce(cfg, d, force=force, raw_only=d in raw_dates, ahead=futures[i].result)
+    finally:
+        abandon.set()  # a no-op when every date was produced
+        for f in futures:
+            f.cancel()
+        pool.shutdown(wait=True)  # what runs stops within a poll (~50 ms): killed, Interrupted
 
 
 class _Pending:

@@ -23,17 +23,20 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from .config import Config
 from .errors import GeneratorError, Interrupted, RawDataError
 
-__all__ = ["load_raw", "run_generator", "obtain_raw", "STOP", "request_stop", "clear_stop", "stop_marker"]
+__all__ = ["load_raw", "run_generator", "obtain_raw", "STOP", "request_stop", "clear_stop", "stop_marker",
+           "abandon_with"]
 
 log = logging.getLogger(__name__)
 _STDERR_TAIL = 5
 STOP = threading.Event()  # set by request_stop: abandon running generators of this process
+_LOCAL = threading.local()  # .abandon: an Event that abandons this thread's generators (see abandon_with)
 _POLL_S = 0.05
 
 
@@ -64,14 +67,28 @@ def clear_stop() -> None:
         stop_marker(os.getpid()).unlink()
 
 
+@contextlib.contextmanager
+def abandon_with(event: threading.Event) -> Iterator[None]:
+    """Generators this thread runs inside the block are abandoned (killed, ``Interrupted``) once
+    ``event`` is set, as after ``request_stop`` (a build running one ahead, stopped early)."""
+    saved = getattr(_LOCAL, "abandon", None)
+    _LOCAL.abandon = event
+    try:
+        yield
+    finally:
+        _LOCAL.abandon = saved
+
+
 class _StopCheck:
-    """Whether to stop: ``STOP`` here, or the marker of the process that started this worker."""
+    """Whether to stop: ``STOP`` here, the marker of the process that started this worker, or
+    this thread's ``abandon_with`` event."""
 
     def __init__(self) -> None:
         self.marker = stop_marker(os.getppid())
+        self.abandon = getattr(_LOCAL, "abandon", None)
 
     def __call__(self) -> bool:
-        return STOP.is_set() or self.marker.exists()
+        return STOP.is_set() or (self.abandon is not None and self.abandon.is_set()) or self.marker.exists()
 
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; True (at once) if a stop is requested meanwhile."""

@@ -226,3 +226,23 @@ def test_jobs_1_runs_one_generator_at_a_time_and_the_next_one_while_a_date_is_wr
     events = log.read_text().split("\n")
     kinds = [e.split()[0] for e in events if e]
     assert kinds == ["start", "end"] * 3, events  # never two generators at once
+
+
+def test_jobs_1_a_bad_sidecar_of_a_later_date_fails_that_date_only(cfg_dir):
+    """The date looked at ahead (is its shard complete?) fails alone, as it did before (review)."""
+    cfg = load_config(write_config(cfg_dir, start="2024-01-02", end="2024-01-05", jobs=1))
+    (cfg_dir / "shards").mkdir(parents=True, exist_ok=True)
+    (cfg_dir / "shards" / "2024-01-03.json").write_text("{not json")
+    report = build(cfg)
+    assert sorted(report.published) == [dt.date(2024, 1, 2), dt.date(2024, 1, 4), dt.date(2024, 1, 5)]
+    assert [d for d, _ in report.failed] == [dt.date(2024, 1, 3)]
+
+
+def test_jobs_1_stopped_early_abandons_the_generator_running_ahead(cfg_dir):
+    cfg = load_config(write_config(cfg_dir, start="2024-01-02", end="2024-01-05", jobs=1,
+                                   modes={"*": "slow:4"}))
+    t0 = time.monotonic()
+    report = build(cfg, should_stop=lambda: True)
+    took = time.monotonic() - t0
+    assert report.published == [dt.date(2024, 1, 2)]
+    assert took < 7, f"waited {took:.1f}s for the generator running ahead"

@@ -170,3 +170,27 @@ def test_cli_os_errors_are_one_line(tmp_path):
                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert [ln for ln in r.stderr.splitlines() if "error" in ln][-1].startswith("shardgen: error: ")
+
+
+@pytest.mark.parametrize("mode", ["slow:30", "hang"])
+def test_ctrl_c_on_build_stops_its_generators_at_once(tmp_path, mode):
+    """jobs=1 runs the next date's generator in a thread: Ctrl-C still kills it (and what it
+    started) at once, not after it finished or timed out (found by review: 19 s, then orphans)."""
+    cfg = write_config(tmp_path / "p", end="2024-01-05", jobs=1, timeout=60, modes={"*": mode})
+    b = subprocess.Popen([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         start_new_session=True)
+    try:
+        wait_for(lambda: (tmp_path / "p" / "modes.json.runs").exists(), timeout=60, what="a generator running")
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        b.send_signal(signal.SIGINT)
+        out, err = b.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if b.poll() is None:
+            os.killpg(b.pid, signal.SIGKILL)
+    assert b.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert took < 10, f"exited {took:.1f}s after Ctrl-C"
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "p" / "modes.json")], capture_output=True, text=True).stdout
+    assert not left.split(), f"generator processes still running: {left}"
