@@ -4,6 +4,8 @@ date selection, and the ``date`` label turned back into dates."""
 from __future__ import annotations
 
 import datetime as dt
+import os
+import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -26,13 +28,34 @@ def manifest_path_of(path: Path) -> Path:
     return path / MANIFEST_NAME if path.is_dir() else path
 
 
+_PARSED: dict = {}  # path -> (file identity, Manifest): parsed again only when the file changed
+_PARSED_LOCK = threading.Lock()
+
+
 def load_manifest(path: Path) -> Manifest:
-    """The newest manifest (for a store on an object store: fetched into its mirror first)."""
+    """The newest manifest (for a store on an object store: fetched into its mirror first). Every
+    reset() asks; an unchanged file (same inode, size, mtime and ctime: the manifest is replaced
+    by rename) is not parsed again (400 shards: ~9 ms an epoch)."""
     cache = mirror_of(path)
     try:
         if cache is not None:
             cache.pull_manifest()
-        return Manifest.load(path)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return Manifest.load(path)  # says what is wrong
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with _PARSED_LOCK:
+            hit = _PARSED.get(str(path))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        manifest = Manifest.load(path)
+        with _PARSED_LOCK:
+            _PARSED.pop(str(path), None)
+            _PARSED[str(path)] = (key, manifest)
+            while len(_PARSED) > 16:
+                del _PARSED[next(iter(_PARSED))]
+        return manifest
     except ManifestError as exc:
         raise LoaderError(str(exc)) from None
 

@@ -336,7 +336,7 @@ class ShardIter(mx.io.DataIter):
             if self._cursor:
                 self.history.append(self.stats)
             stream, res.stream = res.stream, None
-            stream.close()
+            stream.close(wait=self._cursor < self._batches)  # read to its end: its thread is ending
 
     def close(self) -> None:
         """Stop the native threads, let go of the files and drop the reader lease now rather than

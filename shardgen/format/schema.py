@@ -7,6 +7,7 @@ Dates are stored as day numbers (days since 1970-01-01), exact in float32.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -167,9 +168,10 @@ class Schema:
 
     # -- identity -------------------------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """A digest of everything that decides how a record is laid out."""
+        """A digest of everything that decides how a record is laid out (computed once: every
+        shard check of every epoch compares it)."""
         core = self._core()
         if self.codec.format == 1:  # format 1's digest, unchanged: old stores still match
             blob = {"layout": 1, **core}
