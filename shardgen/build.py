@@ -15,8 +15,6 @@ from concurrent.futures import BrokenExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional
 
-from joblib import Parallel, delayed
-
 from . import s3store
 from .config import Config
 from .errors import Interrupted, ShardgenError
@@ -153,6 +151,10 @@ def wanted(manifest: Manifest, dates: Iterable[dt.date], *, force: bool = False)
 def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = False,
               raw_dates: frozenset = frozenset()) -> Iterable[DateResult]:
     """Results of ``produce`` for every date, in completion order."""
+    if (jobs == 1 or len(dates) <= 1) and cfg.run.backend != "dask":
+        return _pipelined(cfg, dates, force=force, raw_dates=raw_dates)
+    from joblib import Parallel, delayed  # here: a jobs=1 build does not pay for its import
+
     tasks = (delayed(produce)(cfg, d, force=force, raw_only=d in raw_dates) for d in dates)
     if cfg.run.backend == "dask":
         from .cluster import dask_parallel
@@ -163,8 +165,6 @@ def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = Fal
                 yield from parallel(tasks)
 
         return on_cluster()
-    if jobs == 1 or len(dates) <= 1:
-        return _pipelined(cfg, dates, force=force, raw_dates=raw_dates)
     parallel = Parallel(n_jobs=min(jobs, len(dates)), backend=cfg.run.backend,
                         return_as="generator_unordered")
     return parallel(tasks)

@@ -13,9 +13,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
-
-from tqdm import tqdm
+from typing import Any, Optional, Sequence
 
 from . import s3store
 from .build import build
@@ -38,6 +36,8 @@ class _TqdmHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
+            from tqdm import tqdm  # on first use: a CLI start costs its import otherwise (~50 ms)
+
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # logging must never raise
             self.handleError(record)
@@ -56,7 +56,9 @@ def _setup_logging(verbose: int) -> None:
         logging.getLogger(chatty).setLevel(max(root.level, logging.WARNING) if verbose < 3 else logging.DEBUG)
 
 
-def _bar(total: int) -> tqdm:
+def _bar(total: int) -> Any:
+    from tqdm import tqdm
+
     return tqdm(total=total, unit="date", desc="build", dynamic_ncols=True, file=sys.stderr,
                 disable=None)  # None: no bar when stderr is not a terminal
 

@@ -16,14 +16,16 @@ import ctypes
 import datetime as dt
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -142,6 +144,24 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _exit_watch(proc: subprocess.Popen) -> Callable[[float], int]:
+    """``wait(seconds)``: the exit code, or TimeoutExpired. Through a pidfd where Linux has one, so
+    an exit is seen at once: ``Popen.wait(timeout)`` polls with sleeps growing to 50 ms, which
+    added ~10 ms to every date of a build."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        return lambda seconds: proc.wait(timeout=seconds)
+
+    def wait(seconds: float) -> int:
+        if proc.returncode is None and not select.select([fd], [], [], seconds)[0]:
+            raise subprocess.TimeoutExpired(proc.args, seconds)
+        return proc.wait()
+
+    weakref.finalize(wait, os.close, fd)
+    return wait
+
+
 def run_generator(cfg: Config, date: dt.date) -> None:
     """One run of the generator for ``date``; GeneratorError on failure or timeout."""
     argv = cfg.argv(date)
@@ -159,10 +179,11 @@ def run_generator(cfg: Config, date: dt.date) -> None:
         except OSError as exc:
             raise GeneratorError(f"{date}: cannot start generator {argv[0]!r} ({exc.strerror})") from None
         deadline = time.monotonic() + timeout
+        exited = _exit_watch(proc)
         try:
             while True:
                 try:
-                    code = proc.wait(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
+                    code = exited(min(_POLL_S, max(0.0, deadline - time.monotonic())))
                     break
                 except subprocess.TimeoutExpired:
                     if stopping():
