@@ -97,18 +97,22 @@ def targets(res: dict) -> list[dict]:
             for n, v, op, t in rows]
 
 
+def _stall_cells(r: dict) -> str:
+    """The stall and next() p99 columns of a loader row."""
+    s50, s90 = r["stall_50"], r["stall_90"]
+    return (f"{s50['stall_pct']:>9.1f}% {s90['stall_pct']:>9.1f}% {s50['next_p99_ms']:>12.2f} / "
+            f"{s90['next_p99_ms']:<9.2f}")
+
+
 def table(res: dict) -> str:
     lines = [f"{'loader':32} {'samples/s':>11} {'GB/s':>6} {'stall@50%':>10} {'stall@90%':>10} "
              f"{'next() p99 ms @50%/@90%':>24}"]
     for name, r in res["loaders"].items():
-        lines.append(f"{name:32} {r['samples_per_s']:>11,.0f} {r['payload_gb_per_s']:>6.2f} "
-                     f"{r['stall_50']['stall_pct']:>9.1f}% {r['stall_90']['stall_pct']:>9.1f}% "
-                     f"{r['stall_50']['next_p99_ms']:>12.2f} / {r['stall_90']['next_p99_ms']:<9.2f}")
+        lines.append(f"{name:32} {r['samples_per_s']:>11,.0f} {r['payload_gb_per_s']:>6.2f} {_stall_cells(r)}")
     fl = res.get("stall_floor")
     if fl:
-        lines.append(f"{'floor: batches popped from a list':32} {'':>11} {'':>6} {fl['stall_50']['stall_pct']:>9.1f}% "
-                     f"{fl['stall_90']['stall_pct']:>9.1f}% {fl['stall_50']['next_p99_ms']:>12.2f} / "
-                     f"{fl['stall_90']['next_p99_ms']:<9.2f}   (ShardIter's steps; next() builds nothing)")
+        lines.append(f"{'floor: batches popped from a list':32} {'':>11} {'':>6} {_stall_cells(fl)}"
+                     "   (ShardIter's steps; next() builds nothing)")
     c = res["shardier_cold_epoch"]
     lines.append(f"{'ShardIter, first (cold) epoch':32} {c['samples_per_s']:>11,.0f} {c['payload_gb_per_s']:>6.2f}")
     ob = res.get("object_store")
