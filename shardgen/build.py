@@ -182,16 +182,21 @@ def _pipelined(cfg: Config, dates: list[dt.date], *, force: bool, raw_dates: fro
             return _prepare(cfg, d, force=force, raw_only=d in raw_dates)
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="shardgen-generate")
-    futures = [pool.submit(prepare, dates[0])] if dates else []
+    # Only this date's task and the next one's are held: a finished one holds a raw array.
+    ahead = pool.submit(prepare, dates[0]) if dates else None
+    current = None
     try:
         for i, d in enumerate(dates):
-            if i + 1 < len(dates):
-                futures.append(pool.submit(prepare, dates[i + 1]))
-            yield produce(cfg, d, force=force, raw_only=d in raw_dates, ahead=futures[i].result)
+            current, ahead = ahead, (pool.submit(prepare, dates[i + 1]) if i + 1 < len(dates) else None)
+            result = produce(cfg, d, force=force, raw_only=d in raw_dates, ahead=current.result)
+            current = None  # its raw array goes now, not at the next date
+            yield result
     finally:
         abandon.set()  # a no-op when every date was produced
-        for f in futures:
-            f.cancel()
+        for f in (current, ahead):
+            if f is not None:
+                f.cancel()
+        current = ahead = None
         pool.shutdown(wait=True)  # what runs stops within a poll (~50 ms): killed, Interrupted
 
 

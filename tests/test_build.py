@@ -246,3 +246,48 @@ def test_jobs_1_stopped_early_abandons_the_generator_running_ahead(cfg_dir):
     took = time.monotonic() - t0
     assert report.published == [dt.date(2024, 1, 2)]
     assert took < 7, f"waited {took:.1f}s for the generator running ahead"
+
+
+def test_jobs_1_holds_at_most_the_next_dates_raw_array(cfg_dir):
+    """The pipeline lets go of each date's raw array once the date is written (review: a build
+    held every date's raw array to its end)."""
+    path = write_config(cfg_dir, start="2024-01-02", end="2024-01-12", jobs=1, process="count_raw:process")
+    (cfg_dir / "count_raw.py").write_text(textwrap.dedent("""
+        import gc, weakref
+        from shardgen.process import sliding_windows
+        REFS, MOST = [], [0]
+
+        def process(raw, date, **kw):
+            gc.collect()
+            MOST[0] = max(MOST[0], sum(r() is not None for r in REFS))
+            REFS.append(weakref.ref(raw))
+            return sliding_windows(raw, date, **kw)
+    """))
+    report = build(load_config(path))
+    assert len(report.published) == 9 and not report.failed
+    import count_raw
+
+    assert count_raw.MOST[0] <= 1, f"{count_raw.MOST[0]} earlier raw arrays alive while a date was processed"
+
+
+def test_failing_generators_leave_no_descriptors_and_any_descriptor_number_works(cfg_dir):
+    """A build of many failing dates in a process that already has over 1024 descriptors open:
+    each date fails alone (select() refused fds >= 1024; pidfds were left to the GC)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1300:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        cfg = load_config(write_config(cfg_dir, start="2024-01-02", end="2024-03-29", jobs=1,
+                                       modes={"*": "fail", "2024-01-02": "ok"}))
+        before = len(os.listdir("/proc/self/fd"))
+        report = build(cfg)
+        after = len(os.listdir("/proc/self/fd"))
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert report.published == [dt.date(2024, 1, 2)] and len(report.failed) == 63
+    assert after - before <= 2, f"{after - before} descriptors left open by {len(report.failed)} failed dates"
