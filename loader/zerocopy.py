@@ -8,11 +8,12 @@ wait of up to a switch interval when the GIL is busy.
 
 A ``Loan`` hands MXNet one ``DLManagedTensor`` per array of a buffer (``MXNDArrayFromDLPackEx``
 with a handle MXNet keeps: no copy of the descriptor). Its deleter is a C function, libc's
-``pthread_spin_unlock``, which only stores 0 in the first 4 bytes of the descriptor it is given:
-the low half of ``dl_tensor.data``. MXNet calls it once the engine is done with the chunk (every
-array and view of it gone, every pending operation on it finished), so a descriptor whose data
-field no longer holds the buffer's address is one MXNet gave back. Where libc has no such function
-a Python deleter does the same store (the old cost, same protocol).
+``pthread_spin_unlock``, which only stores its unlocked value (0, or 1 on x86) in the first 4
+bytes of the descriptor it is given: the low half of ``dl_tensor.data``. MXNet calls it once the
+engine is done with the chunk (every array and view of it gone, every pending operation on it
+finished), so a descriptor whose data field no longer holds the buffer's address is one MXNet
+gave back. Where libc has no such function a Python deleter stores 0 (the old cost, same
+protocol).
 
 The descriptors live as long as a loan is out: loans not yet given back are kept in a module
 registry, so a loan survives its iterator while the caller still holds the batch.
@@ -36,7 +37,8 @@ _FLOAT32 = DLDataType(*DLDataType.TYPE_MAP["float32"])
 
 
 def _c_deleter() -> tuple[DeleterFunc, bool]:
-    """The deleter: libc's ``pthread_spin_unlock`` (a release store of 0), else a Python one."""
+    """The deleter: libc's ``pthread_spin_unlock`` (a release store of its unlocked value, 0, or 1
+    on x86), else a Python one."""
     for name in (None, "libc.so.6", "libpthread.so.0"):
         try:
             fn = ctypes.CDLL(name).pthread_spin_unlock
@@ -109,9 +111,13 @@ class Loan:
         """Lent and not yet given back by MXNet."""
         return self._refresh()
 
+    def _given_back(self) -> bool:
+        """Every descriptor no longer holds the address it was lent with (under ``_lock``)."""
+        return all(t.dl_tensor.data != a for t, a in zip(self._tensors, self._addresses))
+
     def _refresh(self) -> bool:
         with self._lock:  # atomic with lend(): a judgement of the last lending never ends a new one
-            if self._out and all(t.dl_tensor.data != a for t, a in zip(self._tensors, self._addresses)):
+            if self._out and self._given_back():
                 self._out = False
                 with _OUT_LOCK:
                     _OUT.discard(self)
@@ -120,7 +126,7 @@ class Loan:
     def lend(self) -> list:
         """The arrays, as new MXNet arrays over the buffer (the loan must not be out)."""
         with self._lock:
-            if self._out and not all(t.dl_tensor.data != a for t, a in zip(self._tensors, self._addresses)):
+            if self._out and not self._given_back():
                 raise RuntimeError("this buffer is still lent to MXNet")
             arrays = []
             for t, a in zip(self._tensors, self._addresses):

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, TypeVar, Union
+from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
 from .errors import ShardgenError
 from .fsutil import temp_name
@@ -133,6 +133,16 @@ def _missing(exc: BaseException) -> bool:
         "404", "NoSuchKey", "NotFound")
 
 
+def _unless_missing(request: Callable[[], Any]) -> Any:
+    """``request()``'s answer, or None when it says there is no such object."""
+    try:
+        return request()
+    except Exception as exc:
+        if _missing(exc):
+            return None
+        raise
+
+
 def _md5(path_or_bytes) -> tuple[str, str, int]:
     """(base64 MD5, hex sha256, size) of bytes or of a file."""
     md5, sha = hashlib.md5(), hashlib.sha256()
@@ -219,12 +229,9 @@ class ObjectStore:
 
     def head(self, name: str) -> Optional[ObjectInfo]:
         def go():
-            try:
-                r = _client().head_object(Bucket=self.bucket, Key=self.key(name))
-            except Exception as exc:
-                if _missing(exc):
-                    return None
-                raise
+            r = _unless_missing(lambda: _client().head_object(Bucket=self.bucket, Key=self.key(name)))
+            if r is None:
+                return None
             return ObjectInfo(int(r["ContentLength"]), r["LastModified"].timestamp(), r.get("ETag", "").strip('"'))
 
         return self._call("HEAD", name, go)
@@ -237,12 +244,9 @@ class ObjectStore:
     def get_with_info(self, name: str) -> Optional[tuple[bytes, ObjectInfo]]:
         """The object's bytes and its size, mtime and ETag (one request), or None."""
         def go():
-            try:
-                r = _client().get_object(Bucket=self.bucket, Key=self.key(name))
-            except Exception as exc:
-                if _missing(exc):
-                    return None
-                raise
+            r = _unless_missing(lambda: _client().get_object(Bucket=self.bucket, Key=self.key(name)))
+            if r is None:
+                return None
             body = r["Body"].read()
             if len(body) != int(r["ContentLength"]):
                 raise ConnectionError(f"short read: {len(body)} of {r['ContentLength']} bytes")
