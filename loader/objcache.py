@@ -289,12 +289,13 @@ class ObjectCache:
                 data = self.remote.get(MANIFEST_NAME)
                 if data is None:
                     return
-                shards = select(Manifest.parse(data, self.remote.where(MANIFEST_NAME)))
+                manifest = Manifest.parse(data, self.remote.where(MANIFEST_NAME))
+                shards = select(manifest)
                 with self._lock:
                     busy = set().union(*self.wanted.values()) if self.wanted else set()
                 new = [s for s in shards if s.rec not in busy]
                 if new and (self.limit is None or sum(s.bytes for s in shards) <= self.limit):
-                    self.fetch(new, who="ahead")
+                    self.fetch(new, who="ahead", schema=manifest.schema)  # no .idx the reading won't need
             except Exception as exc:  # noqa: BLE001 - a background hint only
                 log.info("%s: fetching the next generation ahead failed (%s)", self.remote.url, exc)
             finally:

@@ -89,6 +89,25 @@ def test_a_new_generation_downloads_only_what_is_new(s3, tmp_path):
         assert mirror_of(it.manifest_path).downloads - first == 1  # the new date's .rec only
 
 
+def test_fetching_ahead_takes_no_index_the_reading_does_not_need(s3, tmp_path):
+    # Found by CI: the ahead fetch ran without the schema and downloaded every .idx (records of one
+    # size need none) when it ran after the reader had let go of its files.
+    local, url = store_with(s3, tmp_path)
+    cache = tmp_path / "cache"
+    with ShardIter(url, 8, cache_dir=cache) as it:
+        read_epoch(it)
+        mirror = mirror_of(it.manifest_path)
+    before = mirror.downloads
+    make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation with one more date
+    upload_store(s3, local)
+    mirror.fetch_ahead(lambda m: m.shards)  # no reader holds a file now: every shard is "new"
+    mirror._ahead.join(30)
+    folder = mirror.manifest_path.parent
+    assert (folder / "2024-01-05.rec").is_file()
+    assert not list(folder.glob("*.idx"))
+    assert mirror.downloads - before == 1
+
+
 def test_an_object_whose_bytes_differ_is_refused_naming_the_date(s3, tmp_path):
     local, url = store_with(s3, tmp_path)
     rec = s3.root / "data" / "store" / "2024-01-03.rec"
