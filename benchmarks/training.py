@@ -6,6 +6,7 @@ competes for cores."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -59,10 +60,13 @@ def _from(it: ShardIter):
         it.reset()
 
 
-def loop_cost(store: Path, batch_size: int, cache: Path, steps: int = 30) -> dict:
+def loop_cost(store: Path, batch_size: int, cache: Path, steps: int = 20, rounds: int = 5) -> dict:
     """Seconds of the same loop fed from RAM, by ShardIter in a thread (the default) and by
-    ShardIter in its producer process; the ratios to RAM."""
-    out: dict = {"steps": steps, "batch_size": batch_size}
+    ShardIter in its producer process; the ratios to RAM. The machine is shared and its speed
+    drifts by more than the effect measured, so the three run side by side in ``rounds`` rounds
+    (their order rotating) and each ratio is the median of the rounds' ratios to the RAM run of the
+    same round."""
+    out: dict = {"steps": steps, "rounds": rounds, "batch_size": batch_size}
     with ShardIter(store, batch_size, cache_dir=cache) as it:
         ram = [(b.data[0].copy(), b.label[0].copy()) for b, _ in zip(it, range(8))]
     mx.nd.waitall()
@@ -71,14 +75,20 @@ def loop_cost(store: Path, batch_size: int, cache: Path, steps: int = 30) -> dic
         while True:
             yield from ram
 
-    rounds = {"ram": [], "process": [], "thread": []}
-    for _ in range(2):  # interleaved, best of two: the machine is shared
-        rounds["ram"].append(_loop(from_ram(), steps))
-        for producer in ("process", "thread"):
-            with ShardIter(store, batch_size, cache_dir=cache, producer=producer) as it:
-                rounds[producer].append(_loop(_from(it), steps))
-    for name, seconds in rounds.items():
-        out[f"{name}_s"] = min(seconds)
-    out["thread_ratio"] = out["thread_s"] / out["ram_s"]
-    out["process_ratio"] = out["process_s"] / out["ram_s"]
+    def run(name: str) -> float:
+        if name == "ram":
+            return _loop(from_ram(), steps)
+        with ShardIter(store, batch_size, cache_dir=cache, producer=name) as it:
+            return _loop(_from(it), steps)
+
+    names = ["ram", "thread", "process"]
+    times: dict = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % 3:] + names[:r % 3]:
+            times[name].append(run(name))
+    for name in names:
+        out[f"{name}_s"] = statistics.median(times[name])
+        out[f"{name}_rounds_s"] = times[name]
+    for name in ("thread", "process"):
+        out[f"{name}_ratio"] = statistics.median(t / r for t, r in zip(times[name], times["ram"]))
     return out
