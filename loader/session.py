@@ -150,12 +150,19 @@ class Session:
     def call(self, kind: str, *args: Any, timeout: float) -> Any:
         """Send a command and wait for its answer (a LoaderError if the producer reports one)."""
         with self.calling:
+            free = None
             with self.cond:
                 if kind in EPOCH_COMMANDS:
                     self.token += 1
                     self.ready.clear()
                     self.untold = 0
+                    free, self.free = self.free, []
                 token = self.token
+            if free is not None and self.slots is not None:
+                # The slots this epoch's batches came in, unless still held: an epoch cut short before
+                # its first ack (fewer than ``ack_every`` batches taken) would otherwise keep them all
+                # from the producer, which makes new ones. No token: the count taken is not updated.
+                self.send(("ack", None, 0, free + self.slots.released()))
             self.send((kind, token, *args))
             deadline = time.monotonic() + timeout
             with self.cond:
