@@ -62,7 +62,7 @@ class ShardIter(mx.io.DataIter):
         return super().__new__(cls)
 
     def __init__(self, manifest: os.PathLike | str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-                 preprocess_threads: int = 4, prefetch_buffer: int = 4, num_parts: int = 1,
+                 preprocess_threads: int = 4, prefetch_buffer: int = 8, num_parts: int = 1,
                  part_index: int = 0, last_batch: str = "pad", dates: DateRange = None,
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
                  verify: str = "frame", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,

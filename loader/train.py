@@ -198,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=4, help="ShardIter preprocess_threads")
-    p.add_argument("--prefetch", type=int, default=4, help="ShardIter prefetch_buffer")
+    p.add_argument("--prefetch", type=int, default=8, help="ShardIter prefetch_buffer")
     p.add_argument("--max-batches", type=int, default=0, help="stop each epoch after this many batches")
     p.add_argument("--kvstore", default=None, help="e.g. dist_sync (under loader.launch); default: local")
     p.add_argument("--module", action="store_true", help="use mx.mod.Module.fit instead of Gluon")
