@@ -123,8 +123,9 @@ def _train_on_arrivals(store: Path, watcher: subprocess.Popen, n_dates: int, bat
                        cache: Path) -> dict:
     """ShardIter trains on each date as soon as it is published, an epoch per batch of arrivals."""
     consumed: set[str] = set()
-    batches = real = expected = 0
-    waited, it = 0.0, None
+    batches = real = expected = epochs = 0
+    waited, it, t0 = 0.0, None, time.perf_counter()
+    first_batch_s, epoch_start_s = None, 0.0
     try:
         while len(consumed) < n_dates:
             t1 = time.perf_counter()
@@ -135,10 +136,16 @@ def _train_on_arrivals(store: Path, watcher: subprocess.Popen, n_dates: int, bat
             else:  # the next epoch: the dates published since the last one
                 it.dates = (min(fresh), None)
                 it.reset()
+            epochs, t_epoch = epochs + 1, time.perf_counter()
             for b in it:
                 t2 = time.perf_counter()
                 touch(list(b.data) + list(b.label))
                 waited += time.perf_counter() - t2
+                if first_batch_s is None:
+                    first_batch_s = time.perf_counter() - t0
+                elif t_epoch:  # a later epoch's set-up: its plan, and its shuffle buffer filled
+                    epoch_start_s += time.perf_counter() - t_epoch
+                t_epoch = 0.0
                 time.sleep(step_s)
                 batches += 1
                 real += batch_size - b.pad
@@ -147,7 +154,8 @@ def _train_on_arrivals(store: Path, watcher: subprocess.Popen, n_dates: int, bat
     finally:
         if it is not None:
             it.close()
-    return {"batches": batches, "samples": real, "expected_samples": expected, "waiting_for_data_s": waited}
+    return {"batches": batches, "samples": real, "expected_samples": expected, "waiting_for_data_s": waited,
+            "epochs": epochs, "first_batch_s": first_batch_s, "later_epochs_start_s": epoch_start_s}
 
 
 def end_to_end(workdir: Path, n_dates: int, batch_size: int, step_s: float, cache: Path, work_ms: int = 0) -> dict:
@@ -171,6 +179,8 @@ def end_to_end(workdir: Path, n_dates: int, batch_size: int, step_s: float, cach
     finally:
         _stop(watcher)
     consumer = ours["batches"] * step_s
+    # The floor: nothing can train before the first date is generated, cut, written and published.
+    ours["busy_after_first_batch_pct"] = 100 * consumer / (wall - ours["first_batch_s"])
     return {
         "dates": n_dates, "step_ms": 1000 * step_s, "batch_size": batch_size, "generator_work_ms": work_ms,
         "question_design": question,

@@ -131,8 +131,14 @@ def table(res: dict) -> str:
     costly = res.get("end_to_end_costly", {})
     if "question_design" in costly:
         q, s = costly["question_design"], costly["shardgen_watch_shardier"]
-        lines += [f"end to end, generator {costly['generator_work_ms']} ms of CPU per date: consumer busy "
-                  f"{q['busy_pct']:.1f}% (question's design) vs {s['busy_pct']:.1f}% (shardgen watch + ShardIter)"]
+        lines += [f"end to end, {costly['dates']} dates, generator {costly['generator_work_ms']} ms of CPU per date: "
+                  f"consumer busy {q['busy_pct']:.1f}% (question's design) vs {s['busy_pct']:.1f}% (shardgen watch + "
+                  f"ShardIter)"]
+        if "first_batch_s" in s:
+            lines += [f"  floor: first batch after {s['first_batch_s']:.2f}s (the first date generated, cut, written, "
+                      f"published); busy from then on {s['busy_after_first_batch_pct']:.1f}%; {s['epochs']} epochs "
+                      f"(one per batch of arrivals), the later ones' set-up (plan, shuffle buffer filled) "
+                      f"{s['later_epochs_start_s']:.2f}s"]
     sc = res.get("scale")
     if sc:
         lines += ["", f"{'layout':10} {'bytes/window':>13} {'build s':>8} {'warm samples/s':>15} "
