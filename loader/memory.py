@@ -93,13 +93,20 @@ def parse_size(value: Union[int, str], what: str = "shuffle_buffer") -> tuple[st
     return "bytes", n
 
 
+def batch_buffers(prefetch_buffer: int, *, process: bool = False) -> int:
+    """Caller batches an iterator may hold at once. In a thread: this epoch's ready queue and the
+    next one's, and those MXNet still holds. In a producer process (``loader.producer``), also the
+    window sent ahead to the trainer (``prefetch_buffer + 1``) and those not acknowledged yet."""
+    return 3 * prefetch_buffer + 6 if process else 2 * (prefetch_buffer + 4)
+
+
 def footprint(schema: Schema, *, buffer_records: int, native_batch: int, readers: int, prefetch_buffer: int,
               batch_floats: int) -> dict:
     """Bytes each part of an iterator may hold at most, and their total."""
     parts = {
         "shuffle buffers": 2 * buffer_bytes(schema, buffer_records),
         "native queues": 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
-        "batch buffers": 2 * (prefetch_buffer + 4) * 4 * batch_floats,
+        "batch buffers": batch_buffers(prefetch_buffer) * 4 * batch_floats,
     }
     parts["total"] = sum(parts.values())
     return parts

@@ -173,6 +173,7 @@ class Session:
         return info
 
     def _init(self, args: tuple, kwargs: dict) -> dict:
+        from .memory import batch_buffers, check_footprint
         from .shard_iter import ShardIter
         from .slots import SlotArena
 
@@ -182,8 +183,13 @@ class Session:
 
         self.it = ShardIter(*args, producer="thread", _arena=arena, **kwargs)
         it = self.it
+        memory = dict(it.memory)  # as a thread would hold it, plus the batches sent ahead to the trainer
+        memory["batch buffers"] = batch_buffers(it.prefetch_buffer, process=True) * 4 * self.arena.batch_floats
+        memory["total"] = sum(v for k, v in memory.items() if k != "total")
+        check_footprint(memory, f"prefetch_buffer={it.prefetch_buffer} in the producer process, "
+                                f"batch_size={it.batch_size}")
         return {**epoch_info(it), "schema": it.schema.to_json(), "label_names": it.label_names,
-                "memory": it.memory, "floats": self.arena.batch_floats, "views": it._epochs.stream._views}
+                "memory": memory, "floats": self.arena.batch_floats, "views": it._epochs.stream._views}
 
     def _close(self, token: Any) -> None:
         try:

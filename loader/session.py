@@ -149,6 +149,7 @@ class Session:
 
     def call(self, kind: str, *args: Any, timeout: float) -> Any:
         """Send a command and wait for its answer (a LoaderError if the producer reports one)."""
+        self.mine()  # first: a fork's copy of a lock held at fork time would hang it
         with self.calling:
             free = None
             with self.cond:

@@ -139,6 +139,22 @@ def test_a_killed_or_interrupted_trainer_leaves_nothing_running(tmp_path, how):
             proc.wait(timeout=10)
 
 
+@pytest.mark.parametrize("prefetch_buffer", [4, 8])
+def test_the_slots_of_full_epochs_stay_within_the_memory_planned(tmp_path, prefetch_buffer):
+    """Found in review: with prefetch_buffer=8 the producer held 27 batch slots where it.memory
+    planned 24 (its own queue, the window sent to the trainer and the batches not acknowledged)."""
+    make_store(tmp_path / "s", {"2024-01-02": 2000})
+    with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", producer="process",
+                   prefetch_buffer=prefetch_buffer) as it:
+        for _ in range(3):
+            for _b in it:
+                pass
+            it.reset()
+        session = it._session
+        slot_bytes = next(iter(session.slots.arrays.values())).nbytes
+        assert len(session.slots.arrays) * slot_bytes <= it.memory["batch buffers"], len(session.slots.arrays)
+
+
 @pytest.mark.parametrize("prefetch_buffer, taken", [(None, 3), (4, 1), (8, 3)])
 def test_epochs_cut_short_reuse_their_slots(tmp_path, prefetch_buffer, taken):
     """Batches queued in the producer or in flight when reset() cuts an epoch short give their
