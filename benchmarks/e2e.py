@@ -130,20 +130,21 @@ def _train_on_arrivals(store: Path, watcher: subprocess.Popen, n_dates: int, bat
         while len(consumed) < n_dates:
             t1 = time.perf_counter()
             fresh = _fresh_dates(store, watcher, consumed)
-            waited += time.perf_counter() - t1
+            t_epoch = time.perf_counter()
+            waited += t_epoch - t1
             if it is None:
                 it = ShardIter(store, batch_size, dates=(min(fresh), None), last_batch="pad", cache_dir=cache)
             else:  # the next epoch: the dates published since the last one
                 it.dates = (min(fresh), None)
                 it.reset()
-            epochs, t_epoch = epochs + 1, time.perf_counter()
+            epochs += 1
             for b in it:
                 t2 = time.perf_counter()
                 touch(list(b.data) + list(b.label))
                 waited += time.perf_counter() - t2
                 if first_batch_s is None:
                     first_batch_s = time.perf_counter() - t0
-                elif t_epoch:  # a later epoch's set-up: its plan, and its shuffle buffer filled
+                elif t_epoch:  # a later epoch's set-up: reset() (its plan), its shuffle buffer filled
                     epoch_start_s += time.perf_counter() - t_epoch
                 t_epoch = 0.0
                 time.sleep(step_s)
