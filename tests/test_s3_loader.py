@@ -100,6 +100,8 @@ def test_fetching_ahead_takes_no_index_the_reading_does_not_need(s3, tmp_path):
     before = mirror.downloads
     make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation with one more date
     upload_store(s3, local)
+    if mirror._ahead is not None:  # the reader's own fetch ahead (half way through its epoch) ends first
+        mirror._ahead.join(30)
     mirror.fetch_ahead(lambda m: m.shards)  # no reader holds a file now: every shard is "new"
     mirror._ahead.join(30)
     folder = mirror.manifest_path.parent
