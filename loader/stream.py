@@ -113,6 +113,7 @@ class EpochStream:
                 views.append((pos, pos + b * lab.width, (b,) if lab.width == 1 else (b, lab.width)))
                 pos += b * lab.width
         self._views = views
+        self.ender: Optional[threading.Thread] = None  # the thread ending it after close(wait=False)
         self._thread = threading.Thread(target=self._run, name="shardgen-batches", daemon=True)
         self._thread.start()
 
@@ -153,8 +154,9 @@ class EpochStream:
             return
         if wait:
             self._finish()
-        else:
-            threading.Thread(target=self._finish, name="shardgen-epoch-end", daemon=True).start()
+        elif self.ender is None:
+            self.ender = threading.Thread(target=self._finish, name="shardgen-epoch-end", daemon=True)
+            self.ender.start()
 
     def _finish(self) -> None:
         self._thread.join()

@@ -275,3 +275,37 @@ def test_dist_sync_workers_agree_when_a_date_lands_mid_race(tmp_path, publish_ro
         assert sorted(e0["ids"] + e1["ids"]) == list(range(records)), f"epoch {epoch}"
     assert ranks[0]["pinned"] is None
     assert live_lease_generations(store, 60) == []
+
+
+def test_new_generations_mid_epoch_let_the_old_plans_go_once_their_readers_end(tmp_path, monkeypatch):
+    """reset() onto a new generation no longer waits for the discarded next-epoch stream (its
+    native readers stop in the background, ~20 ms): the old plan's links and descriptors must
+    still go once that stream has ended, and none may be left after close()."""
+    from loader.epochs import Epochs
+
+    deferred = []
+    original = Epochs._drop_after
+    monkeypatch.setattr(Epochs, "_drop_after", lambda self, stream, plan: (deferred.append(plan.folder),
+                                                                          original(self, stream, plan)))
+    store, cache = tmp_path / "s", tmp_path / "c"
+    counts = {"2024-01-02": 300, "2024-01-03": 300}
+    make_store(store, counts)
+    before = len(os.listdir("/proc/self/fd"))
+    with ShardIter(store, 8, cache_dir=cache) as it:
+        mine = next(cache.glob("*-%d" % os.getpid()))
+        for k in range(10):
+            for _, _b in zip(range(it.batches_per_epoch // 2 + 2), it):  # past half: the next epoch is filling
+                pass
+            counts[f"2024-02-{k + 1:02d}"] = 40
+            make_store(store, counts)  # a new generation with one more date
+            it.reset()
+            ids = sorted(i for b in it for i in batch_ids(b))
+            assert ids == list(range(sum(counts.values())))
+            it.reset()
+        deadline = time.monotonic() + 10
+        while len([p for p in mine.iterdir() if p.is_dir()]) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len([p for p in mine.iterdir() if p.is_dir()]) == 1  # this plan's only
+    assert not mine.exists() or not [p for p in mine.iterdir() if p.is_dir()]
+    assert len(os.listdir("/proc/self/fd")) <= before
+    assert len(deferred) == 10  # every switch went through the deferred path
