@@ -29,7 +29,6 @@ class Epochs:
         self.plan: Optional[EpochPlan] = None
         self.arena: Optional[Arena] = None
         self.lock = threading.Lock()
-        self.pending: list[threading.Thread] = []  # plans let go once a stream still reading them ends
 
     def start(self, plan: EpochPlan, epoch: int, params: StreamParams, skip: int = 0) -> EpochStream:
         """Make ``plan`` current and return the stream reading ``epoch`` of it: the one already
@@ -39,12 +38,9 @@ class Epochs:
         with self.lock:
             previous = self.plan
             ahead, self.ahead = self.ahead, None
-            discarded = None
             if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != epoch or skip):
-                # Halted now; its native readers take ~20 ms to stop, which the caller does not wait
-                # for: the old plan's files are let go once it has ended (_drop_after).
-                discarded, ahead = ahead, None
-                discarded.close(wait=False)
+                ahead.close()  # reads files of the old plan: gone before its files are let go
+                ahead = None
             try:
                 stream = ahead if ahead is not None else EpochStream(plan, epoch, params, self.arena, skip=skip)
             except BaseException:
@@ -55,24 +51,10 @@ class Epochs:
                 hold(plan)
             self.plan = plan
             if previous is not None and previous.folder != plan.folder:
-                if discarded is not None and discarded.plan.folder == previous.folder:
-                    self._drop_after(discarded, previous)
-                else:
-                    drop(previous)
+                drop(previous)
             self.lease.renew(plan.generation)
             self.stream = stream
             return stream
-
-    def _drop_after(self, stream: EpochStream, plan: EpochPlan) -> None:
-        """Let go of ``plan``'s files once ``stream`` (which may still read them) has ended."""
-        def run() -> None:
-            if stream.ender is not None:
-                stream.ender.join()
-            drop(plan)
-
-        thread = threading.Thread(target=run, name="shardgen-plan-end", daemon=True)
-        self.pending = [t for t in self.pending if t.is_alive()] + [thread]
-        thread.start()
 
     def open_ahead(self, epoch: int, params: StreamParams) -> None:
         """The stream of ``epoch`` on the current plan starts filling while this epoch ends (a new
@@ -93,9 +75,6 @@ class Epochs:
     def close(self) -> None:
         with self.lock:
             self.close_streams()
-            for thread in self.pending:  # old plans' files let go before close() returns
-                thread.join()
-            self.pending = []
             if self.plan is not None:
                 drop(self.plan)
                 self.plan = None

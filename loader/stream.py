@@ -113,7 +113,6 @@ class EpochStream:
                 views.append((pos, pos + b * lab.width, (b,) if lab.width == 1 else (b, lab.width)))
                 pos += b * lab.width
         self._views = views
-        self.ender: Optional[threading.Thread] = None  # the thread ending it after close(wait=False)
         self._thread = threading.Thread(target=self._run, name="shardgen-batches", daemon=True)
         self._thread.start()
 
@@ -154,9 +153,8 @@ class EpochStream:
             return
         if wait:
             self._finish()
-        elif self.ender is None:
-            self.ender = threading.Thread(target=self._finish, name="shardgen-epoch-end", daemon=True)
-            self.ender.start()
+        else:
+            threading.Thread(target=self._finish, name="shardgen-epoch-end", daemon=True).start()
 
     def _finish(self) -> None:
         self._thread.join()
