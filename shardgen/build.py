@@ -148,6 +148,11 @@ def wanted(manifest: Manifest, dates: Iterable[dt.date], *, force: bool = False)
             if force or (d.isoformat() not in done and not (full and d.isoformat() < oldest))]
 
 
+def warm() -> None:
+    """Nothing; a worker process that runs it has imported this module (``watch`` warms its
+    workers so before any date is due)."""
+
+
 def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = False,
               raw_dates: frozenset = frozenset()) -> Iterable[DateResult]:
     """Results of ``produce`` for every date, in completion order."""

@@ -115,13 +115,16 @@ class Watcher:
         """Start the worker processes now, so the first date that falls due does not wait for them."""
         jobs = self.jobs or self.cfg.run.jobs
         if jobs > 1 and self.cfg.run.backend == "loky":
-            import importlib
-
             from joblib import Parallel, delayed
 
+            from .build import warm
+
             # Each worker imports what producing a date needs (numpy, the writer: ~0.1 s) now too.
-            Parallel(n_jobs=jobs, backend="loky")(delayed(importlib.import_module)("shardgen.build")
-                                                  for _ in range(jobs))
+            # Only a head start: if it fails, the first date starts its workers itself.
+            try:
+                Parallel(n_jobs=jobs, backend="loky")(delayed(warm)() for _ in range(jobs))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not start the %d worker processes ahead (%s); the first due date will", jobs, exc)
 
     def __exit__(self, *exc: object) -> None:
         generator.clear_stop()
