@@ -178,8 +178,9 @@ def table(res: dict) -> str:
     tl = res.get("training_loop")
     if tl:
         lines.append(f"Gluon LSTM loop, {tl['steps']} steps of {tl['batch_size']}, medians of {tl.get('rounds', 1)} "
-                     f"rounds: from RAM {tl['ram_s']:.2f}s, ShardIter {tl['thread_s']:.2f}s ({tl['thread_ratio']:.3f}x), "
-                     f"ShardIter producer process {tl['process_s']:.2f}s ({tl['process_ratio']:.3f}x); "
+                     f"rounds: from RAM {tl['ram_s']:.2f}s, ShardIter {tl['thread_s']:.2f}s "
+                     f"({tl['thread_ratio']:.3f}x), ShardIter producer process {tl['process_s']:.2f}s "
+                     f"({tl['process_ratio']:.3f}x); "
                      f"{res['machine'].get('nproc', '?')} cores")
     lines += ["", "targets:"]
     lines += [f"  [{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['value']:.2f} (target {t['target']})"

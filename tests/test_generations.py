@@ -288,7 +288,7 @@ def test_new_generations_mid_epoch_let_the_old_plans_go_once_their_readers_end(t
     make_store(store, counts)
     before = len(os.listdir("/proc/self/fd"))
     with ShardIter(store, 8, cache_dir=cache) as it:
-        mine = next(cache.glob("*-%d" % os.getpid()))
+        mine = next(cache.glob(f"*-{os.getpid()}"))
         for k in range(10):
             for _, _b in zip(range(it.batches_per_epoch // 2 + 2), it):  # past half: the next epoch is filling
                 pass
