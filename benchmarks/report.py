@@ -163,7 +163,7 @@ def table(res: dict) -> str:
         head = f"soak, {so['epochs']} epochs in {so['seconds']:.0f}s (planned {so['planned_mb']:.0f} MB): "
         lines += ["", head + "; ".join(
             f"epoch {x['epoch']}: {x['rss_mb']:.0f} MB RSS, {x['fds']} fds, {x['threads']} threads, generation "
-            f"{x['generation']}" for x in so["samples"]) + " (fds, threads: the least of the last 10 epochs)"]
+            f"{x['generation']}" for x in so["samples"]) + " (fds, threads: the least of the last 30 epochs)"]
     w = res["writer"]
     lines += ["", f"writer: shards {w['shard_no_fsync_mb_per_s']:,.0f} MB/s ({w['shard_mb_per_s']:,.0f} fsync'd, as "
               f"shipped), np.save {w['np_save_mb_per_s']:,.0f} MB/s (no fsync) -> {w['ratio_no_fsync']:.2f}x "
