@@ -174,14 +174,11 @@ def scale_suite(workdir: Path, *, quick: bool, seconds: float, log: Callable[[st
     # Two passes, the second in reverse order, averaged: the machine's speed drifts by more than
     # the ratios judged here (400 / 4 shards read 0.77 and 0.94 in two runs of one pass each).
     rates: dict = {n: [] for n in counts}
-    stock_runs: list = []
+    stock_runs = [stock_one_file(*stock, seconds / 2)]  # stock MXNet first and last
     for order in (counts, counts[::-1]):
-        if order[0] == counts[0]:
-            stock_runs.append(stock_one_file(*stock, seconds / 2))
         for n in order:
             rates[n].append(shuffled_rate(workdir / f"shards_{n}", cache, seconds / 2))
-        if order[0] != counts[0]:
-            stock_runs.append(stock_one_file(*stock, seconds / 2))
+    stock_runs.append(stock_one_file(*stock, seconds / 2))
     for n in counts:
         out["shards"][str(n)] = sum(rates[n]) / len(rates[n])
     out["stock_one_file"] = {"open_s": min(r["open_s"] for r in stock_runs),

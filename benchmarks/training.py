@@ -60,7 +60,7 @@ def _from(it: ShardIter):
         it.reset()
 
 
-def loop_cost(store: Path, batch_size: int, cache: Path, steps: int = 20, rounds: int = 5) -> dict:
+def loop_cost(store: Path, batch_size: int, cache: Path, steps: int = 30, rounds: int = 5) -> dict:
     """Seconds of the same loop fed from RAM, by ShardIter in a thread (the default) and by
     ShardIter in its producer process; the ratios to RAM. The machine is shared and its speed
     drifts by more than the effect measured, so the three run side by side in ``rounds`` rounds
