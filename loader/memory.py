@@ -29,7 +29,7 @@ from .shuffle_buffer import ShuffleBuffer, buffer_bytes
 from .zerocopy import Loan, lend
 
 __all__ = ["Arena", "settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "footprint",
-           "parse_size", "check_footprint", "format_bytes"]
+           "batch_buffers", "in_producer_process", "parse_size", "check_footprint", "format_bytes"]
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
@@ -109,6 +109,13 @@ def footprint(schema: Schema, *, buffer_records: int, native_batch: int, readers
         "batch buffers": batch_buffers(prefetch_buffer) * 4 * batch_floats,
     }
     parts["total"] = sum(parts.values())
+    return parts
+
+
+def in_producer_process(parts: dict, prefetch_buffer: int, batch_floats: int) -> dict:
+    """``footprint``'s parts for an iterator run by the producer process (``batch_buffers(process=True)``)."""
+    parts = {**parts, "batch buffers": batch_buffers(prefetch_buffer, process=True) * 4 * batch_floats}
+    parts["total"] = sum(v for k, v in parts.items() if k != "total")
     return parts
 
 

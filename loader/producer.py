@@ -173,7 +173,7 @@ class Session:
         return info
 
     def _init(self, args: tuple, kwargs: dict) -> dict:
-        from .memory import batch_buffers, check_footprint
+        from .memory import check_footprint, in_producer_process
         from .shard_iter import ShardIter
         from .slots import SlotArena
 
@@ -183,9 +183,7 @@ class Session:
 
         self.it = ShardIter(*args, producer="thread", _arena=arena, **kwargs)
         it = self.it
-        memory = dict(it.memory)  # as a thread would hold it, plus the batches sent ahead to the trainer
-        memory["batch buffers"] = batch_buffers(it.prefetch_buffer, process=True) * 4 * self.arena.batch_floats
-        memory["total"] = sum(v for k, v in memory.items() if k != "total")
+        memory = in_producer_process(it.memory, it.prefetch_buffer, self.arena.batch_floats)
         check_footprint(memory, f"prefetch_buffer={it.prefetch_buffer} in the producer process, "
                                 f"batch_size={it.batch_size}")
         return {**epoch_info(it), "schema": it.schema.to_json(), "label_names": it.label_names,

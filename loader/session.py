@@ -163,7 +163,7 @@ class Session:
                 # The slots this epoch's batches came in, unless still held: an epoch cut short before
                 # its first ack (fewer than ``ack_every`` batches taken) would otherwise keep them all
                 # from the producer, which makes new ones. No token: the count taken is not updated.
-                self.send(("ack", None, 0, free + self.slots.released()))
+                self._ack(None, 0, free)
             self.send((kind, token, *args))
             deadline = time.monotonic() + timeout
             with self.cond:
@@ -179,6 +179,11 @@ class Session:
         if answer == "error":
             raise LoaderError(payload)
         return payload
+
+    def _ack(self, token: Any, taken: int, free: list[int]) -> None:
+        """Tell the producer ``taken`` (for ``token``'s epoch) and give back ``free`` and the slots
+        MXNet gave back."""
+        self.send(("ack", token, taken, free + self.slots.released()))
 
     def take(self, taken: int, ack_every: int) -> tuple:
         """The next item of this epoch: ``("batch", arrays, pad)`` or ``("error", message)``."""
@@ -198,7 +203,7 @@ class Session:
                 free, self.free = self.free, []
                 token = self.token
         if tell:
-            self.send(("ack", token, taken + 1, free + self.slots.released()))
+            self._ack(token, taken + 1, free)
         return item
 
     def close(self, timeout: float) -> None:
