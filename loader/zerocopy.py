@@ -17,6 +17,12 @@ protocol).
 
 The descriptors live as long as a loan is out: loans not yet given back are kept in a module
 registry, so a loan survives its iterator while the caller still holds the batch.
+
+The arrays lent are ``LentNDArray``s: MXNet's arrays whose handle is freed without letting go of the
+GIL. MXNet frees through a ctypes call that releases it, so every array the trainer drops (4 a
+batch) was a chance for the producer thread to take the GIL and keep it until its next release or
+a switch interval later, in the middle of the trainer's ``next()``. Freeing a handle only drops
+references (the chunk's last one pushes its deletion to the engine): it never waits.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import numpy as np
 from mxnet.base import _LIB, check_call
 from mxnet.ndarray.ndarray import DeleterFunc, DLContext, DLDataType, DLManagedTensor
 
-__all__ = ["Loan", "lend", "give_back_available", "outstanding"]
+__all__ = ["Loan", "LentNDArray", "lend", "give_back_available", "outstanding"]
 
 _LOW = 0xFFFFFFFF
 _FLOAT32 = DLDataType(*DLDataType.TYPE_MAP["float32"])
@@ -53,6 +59,19 @@ def _python_deleter(tensor) -> None:  # the same store, for a libc without pthre
 
 
 _DELETER, _NATIVE = _c_deleter()
+# MXNDArrayFree called with the GIL held (PyDLL: the same library, loaded already).
+_FREE_HOLDING_GIL = ctypes.PyDLL(_LIB._name).MXNDArrayFree
+_FREE_HOLDING_GIL.argtypes = [ctypes.c_void_p]
+
+
+class LentNDArray(mx.nd.NDArray):
+    """An MXNet array over a lent buffer (or a view of one: MXNet makes views of ``self.__class__``);
+    dropping it frees its handle without releasing the GIL (see the module docstring)."""
+
+    __slots__: list = []
+
+    def __del__(self, _free=_FREE_HOLDING_GIL, _check=check_call) -> None:  # noqa: B008 (bound at exit too)
+        _check(_free(self.handle))
 _OUT: set = set()  # loans MXNet holds: their descriptors must outlive its deleter call
 _OUT_LOCK = threading.Lock()
 _LENDS = [0]  # lends since the last sweep of _OUT (a sweep every max(64, len(_OUT)) lends: O(1) each)
@@ -140,7 +159,7 @@ class Loan:
                     with _OUT_LOCK:
                         (_OUT.add if arrays else _OUT.discard)(self)
                     raise
-                arrays.append(mx.nd.NDArray(handle=handle))
+                arrays.append(LentNDArray(handle=handle))
             self._out = True
             with _OUT_LOCK:
                 _OUT.add(self)

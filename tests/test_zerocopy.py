@@ -19,6 +19,24 @@ def test_libc_gives_buffers_back_without_python():
     assert zerocopy.give_back_available(), "no C deleter: every dropped batch would take the GIL"
 
 
+def test_dropping_a_batch_frees_its_arrays_without_releasing_the_gil(tmp_path):
+    """Every array a batch holds, in both modes, and every view MXNet makes of one, frees its handle
+    through a call that keeps the GIL (a dropped batch is no chance for the producer thread to take
+    it in the middle of the trainer's next())."""
+    import ctypes
+
+    assert zerocopy._FREE_HOLDING_GIL._flags_ & ctypes._FUNCFLAG_PYTHONAPI, "a free that releases the GIL"
+    make_store(tmp_path / "s", {"2024-01-02": 40})
+    for producer in ("thread", "process"):
+        with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", producer=producer) as it:
+            b = it.next()
+            arrays = list(b.data) + list(b.label)
+            assert {type(a) for a in arrays} == {zerocopy.LentNDArray}, producer
+            assert type(arrays[0][1:3].reshape((-1,))) is zerocopy.LentNDArray, producer
+            del b, arrays
+            assert sum(batch_ids(b) != [] for b in it) == 4, producer  # the rest reads on as before
+
+
 def test_a_loan_is_out_until_mxnet_drops_every_array_and_view():
     flat = np.arange(14, dtype=np.float32)
     loan = zerocopy.Loan(flat, VIEWS)
