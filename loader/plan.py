@@ -145,10 +145,10 @@ def reader_source(plan: EpochPlan, first: int, stop: int) -> ReaderSource:
 def recheck(plan: EpochPlan, schema: Any, verify: str) -> None:
     """Check the plan's open files again if they changed since (size or mtime): a file damaged in
     place is caught before the next epoch reads it. Unchanged files hit the check's cache."""
-    store = str(plan.store)
+    store = os.path.join(str(plan.store), "")  # its paths by concatenation: this runs at every reset()
     for s, fd in zip(plan.shards, plan.files.fds if plan.files else ()):
         try:
-            check_shard(fd, os.path.join(store, s.rec), os.path.join(store, s.idx), s, schema, verify=verify)
+            check_shard(fd, store + s.rec, store + s.idx, s, schema, verify=verify)
         except ShardError as exc:
             raise LoaderError(str(exc)) from None
 

@@ -50,12 +50,14 @@ class _Heartbeat:
         self.stop = threading.Event()
         self.lock = threading.RLock()  # orders a beat against release: a released lease is never rewritten
         self.warned = False
+        self.written: Optional[int] = None  # the generation the lease last said
 
     def write(self) -> bool:
         """Write the lease file (again); False, with one warning, if it cannot be written."""
         try:
             self.path.parent.mkdir(exist_ok=True)
             atomic_write(self.path, self.text(), fsync=False)
+            self.written = self.generation
         except OSError as exc:
             if not self.warned:
                 log.warning("%s: cannot write a reader lease (%s); gc cannot see this reader", self.path, exc)
@@ -104,6 +106,7 @@ class _RemoteHeartbeat(_Heartbeat):
 
         try:
             self.remote.put(self.name, self.text(), verify=False)
+            self.written = self.generation
         except ObjectStoreError as exc:
             if not self.warned:
                 log.warning("%s: cannot write a reader lease (%s); gc cannot see this reader",
@@ -162,6 +165,10 @@ class Lease:
         """Hold a lease on ``generation`` from now on (and keep it fresh)."""
         state = self._state
         with state.lock:
+            if (generation == state.generation == state.written and self._thread is not None
+                    and self._thread.is_alive() and not state.stop.is_set()):
+                return  # said already, and kept fresh (written again if deleted) by the heartbeat: no write
+                # on the trainer's reset() each epoch
             state.generation = generation
             if not state.write():
                 return

@@ -212,6 +212,34 @@ def test_a_lease_can_be_renewed_after_release(tmp_path):
     lease_.release()
 
 
+def test_renewing_the_same_generation_writes_nothing_and_a_failed_write_is_retried(tmp_path, monkeypatch):
+    """A reader renews at every reset(): the lease is written when its generation changes (or the
+    last write failed), not every epoch; the heartbeat keeps it fresh meanwhile."""
+    lease_ = Lease(tmp_path, refresh_s=60)
+    writes = []
+    real = lease.atomic_write
+    monkeypatch.setattr(lease, "atomic_write", lambda path, data, **kw: (writes.append(data), real(path, data, **kw)))
+    lease_.renew(1)
+    lease_.renew(1)
+    assert len(writes) == 1
+    lease_.renew(2)
+    assert len(writes) == 2 and json.loads(lease_.path.read_text())["generation"] == 2
+
+    def failing(path, data, **kw):
+        writes.append(data)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(lease, "atomic_write", failing)
+    lease_.renew(3)  # fails (a warning): the file still says 2
+    monkeypatch.setattr(lease, "atomic_write", lambda path, data, **kw: (writes.append(data), real(path, data, **kw)))
+    lease_.renew(3)  # not skipped: the lease never said 3
+    assert len(writes) == 4 and json.loads(lease_.path.read_text())["generation"] == 3
+    lease_.release()
+    lease_.renew(3)  # released: written again
+    assert len(writes) == 5 and lease_.path.exists()
+    lease_.release()
+
+
 # -- temp files and loader folders --------------------------------------------------------------
 
 
