@@ -61,7 +61,7 @@ class Epochs:
         generation at ``reset()`` discards it)."""
         if self.ahead is None and self.plan is not None:
             try:
-                self.ahead = EpochStream(self.plan, epoch, params, self.arena)
+                self.ahead = EpochStream(self.plan, epoch, params, self.arena, behind=True)
             except LoaderError:
                 self.ahead = None
 

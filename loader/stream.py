@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,6 +30,8 @@ from .parts import PartSplit, SharedRecords, split_part
 from .plan import EpochPlan, reader_source
 from .seeding import epoch_shuffle
 from .shuffle_buffer import ShuffleBuffer
+
+BEHIND_S = 0.002  # how long a stream started behind the caller's next() waits before it starts
 
 __all__ = ["StreamParams", "EpochStream", "plan_part", "batch_floats", "buffer_capacity"]
 
@@ -74,8 +77,10 @@ def plan_part(plan: EpochPlan, p: StreamParams) -> PartSplit:
 class EpochStream:
     """Batches ``(arrays, valid)`` of one epoch; ``get()`` blocks for the next, ``close()`` stops."""
 
-    def __init__(self, plan: EpochPlan, epoch: int, params: StreamParams, arena: Arena, *, skip: int = 0):
+    def __init__(self, plan: EpochPlan, epoch: int, params: StreamParams, arena: Arena, *, skip: int = 0,
+                 behind: bool = False):
         self.plan, self.epoch, self.params, self._arena = plan, epoch, params, arena
+        self._behind = behind
         self.split = plan_part(plan, params)
         self.part_samples = list(self.split.part_samples)
         self.readers = len(self.split.readers)
@@ -213,6 +218,11 @@ class EpochStream:
 
     def _run(self) -> None:
         natives: list = []
+        if self._behind:
+            # Started from the caller's next() (the next epoch, half way through this one): let go of
+            # the GIL first, or start() returns only when this thread lets go of it (up to a switch
+            # interval, 5 ms, in the middle of next()).
+            time.sleep(BEHIND_S)
         try:
             p = self.params
             seeds, rng = epoch_shuffle(p.seed, self.epoch, p.part_index, len(self.split.readers), p.shuffle)
