@@ -30,11 +30,7 @@ def rss_mb() -> float:
 
 
 def _counts() -> tuple[int, int]:
-    """Descriptors and threads once the epoch just ended has been torn down (``reset()`` leaves
-    that to a short-lived thread, which holds the old native readers for ~10 ms)."""
-    for t in threading.enumerate():
-        if t.name == "shardgen-epoch-end":
-            t.join(5.0)
+    """Descriptors and threads."""
     return len(os.listdir("/proc/self/fd")), threading.active_count()
 
 

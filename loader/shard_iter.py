@@ -220,7 +220,7 @@ class ShardIter(mx.io.DataIter):
             raise LoaderError(f"{self.manifest_path}: no epoch to read: the last reset() failed; fix the cause "
                               "(e.g. the date selection) and call reset() again")
         arrays, valid = res.stream.get()
-        if res.ahead is None and self._cursor + 1 >= self._ahead_at:
+        if not self._ahead_asked and self._cursor + 1 >= self._ahead_at:
             self._open_ahead()
         return arrays, self.batch_size - valid if self.last_batch == "pad" else 0
 
@@ -317,14 +317,17 @@ class ShardIter(mx.io.DataIter):
         self._cursor, self._samples, self._blocked = skip, 0, 0.0
         self._epoch_t0 = self._epoch_t1 = None
         # The next epoch's stream starts half way through this one: its buffer fills (and its native
-        # iterators open) while this epoch's batches are consumed.
+        # iterators open) while this epoch's batches are consumed. The stream's producer thread starts
+        # it as it gets there (Epochs._half_way); next() asks again when the caller gets there.
         self._ahead_at = max(skip, self._batches // 2)
+        self._ahead_asked = False
         if self._cursor >= self._ahead_at:
             self._open_ahead()
 
     def _open_ahead(self) -> None:
         """The next epoch's stream, on this plan, starts filling while this epoch ends (a new
         generation at ``reset()`` discards it)."""
+        self._ahead_asked = True
         self._epochs.open_ahead(self.epoch + 1, self._params)
         cache = mirror_of(self.manifest_path)
         if cache is not None and self._choice.pin is None:  # a store on an object store: new shards ahead

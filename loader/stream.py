@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mxnet as mx
 import numpy as np
@@ -78,9 +78,11 @@ class EpochStream:
     """Batches ``(arrays, valid)`` of one epoch; ``get()`` blocks for the next, ``close()`` stops."""
 
     def __init__(self, plan: EpochPlan, epoch: int, params: StreamParams, arena: Arena, *, skip: int = 0,
-                 behind: bool = False):
+                 behind: bool = False, on_half: Optional[Callable[[EpochStream], None]] = None):
+        """``behind``: started from the caller's ``next()``; ``on_half(self)``: called by the producer
+        thread once it is half way through the epoch's batches."""
         self.plan, self.epoch, self.params, self._arena = plan, epoch, params, arena
-        self._behind = behind
+        self._behind, self._on_half = behind, on_half
         self.split = plan_part(plan, params)
         self.part_samples = list(self.split.part_samples)
         self.readers = len(self.split.readers)
@@ -107,6 +109,7 @@ class EpochStream:
         self._cond = threading.Condition()
         self._low = max(0, params.prefetch_buffer // 2 - 1) if params.prefetch_buffer > 1 else 0
         self._halt = threading.Event()
+        self._ended = False  # the producer thread is past its last use of the buffers
         self._skip = skip
         sc = params.schema
         self._x_shape = (params.batch_size, sc.time_steps, sc.num_inputs)
@@ -149,20 +152,23 @@ class EpochStream:
 
     def close(self, wait: bool = True) -> None:
         """Stop the producer thread; its buffers go back to the arena once it ended. ``wait=False``
-        (an epoch read to its end, at ``reset()``): a short-lived thread waits for that instead of
-        the caller (the native readers' teardown takes ~10 ms)."""
+        (an epoch read to its end, at ``reset()``): the thread gives them back itself as it ends
+        (the native readers' teardown takes ~10 ms), or the caller does now if it already ended."""
         self._halt.set()
         with self._cond:
             self._cond.notify_all()
+            ended = self._ended
         if self._thread is threading.current_thread():
             return
         if wait:
-            self._finish()
-        else:
-            threading.Thread(target=self._finish, name="shardgen-epoch-end", daemon=True).start()
+            self._thread.join()
+            self._give_back()
+        elif ended:
+            self._give_back()
 
-    def _finish(self) -> None:
-        self._thread.join()
+    def _give_back(self) -> None:
+        """The shuffle buffer back to the arena, and the batches never taken (once: either the
+        caller or the ending thread)."""
         with self._cond:
             buffer, self._buffer = self._buffer, None
             self._ready.clear()  # batches never taken: their buffers go back to the arena now
@@ -241,6 +247,11 @@ class EpochStream:
             self._offer(exc)
         finally:
             natives.clear()  # frees the native iterators (their threads stop) in this thread
+            with self._cond:
+                self._ended = True
+                halted = self._halt.is_set()
+            if halted:  # closed without waiting for this thread (else the caller gives back)
+                self._give_back()
 
     def _shared(self) -> Optional[SharedRecords]:
         """The records this part shares with a neighbour (None: none)."""
@@ -261,6 +272,8 @@ class EpochStream:
         for index in range(self.batches):
             if self._halt.is_set():
                 return
+            if index == self.batches // 2 and self._on_half is not None:
+                self._on_half(self)
             valid = min(bs, self.samples - index * bs)
             if valid <= 0:
                 # Parts differ by one sample, so a shorter part can run out a batch early (README,

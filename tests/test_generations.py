@@ -307,6 +307,37 @@ def test_new_generations_mid_epoch_let_the_old_plans_go_once_their_readers_end(t
     assert not [t.name for t in threading.enumerate() if t.name.startswith("shardgen-") and t.name != "shardgen-lease"]
 
 
+def test_the_next_epoch_is_started_by_the_producer_thread_not_in_next(tmp_path, monkeypatch):
+    """Half way through an epoch the next epoch's stream starts from the current stream's producer
+    thread (creating it in the caller's next() held that next() 0.5-2.5 ms); an epoch too short for
+    that (its producer gets half way before the stream is current) still gets one from next()."""
+    import loader.epochs
+
+    started = []
+    real = loader.epochs.EpochStream
+
+    def recording(*args, **kwargs):
+        stream = real(*args, **kwargs)
+        started.append((stream.epoch, threading.current_thread().name))
+        return stream
+
+    monkeypatch.setattr(loader.epochs, "EpochStream", recording)
+    store, cache = tmp_path / "s", tmp_path / "c"
+    make_store(store, {"2024-01-02": 400, "2024-01-03": 400})
+    with ShardIter(store, 8, cache_dir=cache, prefetch_buffer=2) as it:
+        for _ in range(3):
+            assert sorted(i for b in it for i in batch_ids(b)) == list(range(800))
+            it.reset()
+    assert started[0] == (0, "MainThread")  # the first, from the constructor
+    assert started[1:4] == [(1, "shardgen-batches"), (2, "shardgen-batches"), (3, "shardgen-batches")]
+    started.clear()
+    with ShardIter(store, 400, cache_dir=cache) as it:  # 4 batches: the next epoch's producer is half way at once
+        for _ in range(3):
+            assert sorted(i for b in it for i in batch_ids(b)) == list(range(800))
+            it.reset()
+    assert [e for e, _ in started] == [0, 1, 2, 3]
+
+
 def test_a_reset_that_fails_after_the_next_epoch_was_halted_keeps_its_files_until_it_ends(tmp_path):
     """Found in review of a change since reverted: a reset() whose new epoch cannot start (a part
     smaller than a batch) after the next-epoch stream was halted without waiting left that stream
