@@ -93,6 +93,16 @@ class Epochs:
             if stream is not None:
                 stream.close()
 
+    def close_when_free(self) -> None:
+        """``close()``, for the iterator's finalizer: garbage collection may run it in any thread,
+        also in a producer thread that holds the lock (``_half_way``); that one closes from a
+        thread of its own."""
+        if self.lock.acquire(blocking=False):
+            self.lock.release()
+            self.close()
+        else:
+            threading.Thread(target=self.close, name="shardgen-close", daemon=True).start()
+
     def close(self) -> None:
         with self.lock:
             self.close_streams()

@@ -84,7 +84,7 @@ class ShardIter(mx.io.DataIter):
         self.history: list[dict] = []
         self._closed = False
         self._epochs = Epochs(lease_for(self.manifest_path.parent))  # tells gc which generation we read
-        self._finalizer = weakref.finalize(self, self._epochs.close)
+        self._finalizer = weakref.finalize(self, self._epochs.close_when_free)
         self._choice = Choice(pin=generation)
         manifest_obj = self._choice.manifest(self.manifest_path)
         self.schema = manifest_obj.schema

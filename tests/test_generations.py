@@ -338,6 +338,24 @@ def test_the_next_epoch_is_started_by_the_producer_thread_not_in_next(tmp_path, 
     assert [e for e, _ in started] == [0, 1, 2, 3]
 
 
+def test_the_finalizer_run_by_a_thread_holding_the_epochs_lock_closes_later(tmp_path):
+    """Garbage collection can run a dropped iterator's finalizer in any thread, also in a producer
+    thread inside ``_half_way`` (holding the lock): it must not wait for that lock (a deadlock), and
+    everything is still let go."""
+    make_store(tmp_path / "s", {"2024-01-02": 100})
+    it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
+    next(it)
+    epochs = it._epochs
+    with epochs.lock:
+        epochs.close_when_free()  # returns at once
+        assert epochs.plan is not None
+    deadline = time.monotonic() + 10
+    while (epochs.plan is not None or epochs.stream is not None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert epochs.plan is None and epochs.stream is None and epochs.ahead is None
+    it.close()
+
+
 def test_a_reset_that_fails_after_the_next_epoch_was_halted_keeps_its_files_until_it_ends(tmp_path):
     """Found in review of a change since reverted: a reset() whose new epoch cannot start (a part
     smaller than a batch) after the next-epoch stream was halted without waiting left that stream
