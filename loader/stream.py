@@ -32,6 +32,7 @@ from .seeding import epoch_shuffle
 from .shuffle_buffer import ShuffleBuffer
 
 BEHIND_S = 0.002  # how long a stream started behind the caller's next() waits before it starts
+YIELD_S = 0.0005  # how long the next epoch's stream naps while the current one is short of batches
 
 __all__ = ["StreamParams", "EpochStream", "plan_part", "batch_floats", "buffer_capacity"]
 
@@ -78,11 +79,14 @@ class EpochStream:
     """Batches ``(arrays, valid)`` of one epoch; ``get()`` blocks for the next, ``close()`` stops."""
 
     def __init__(self, plan: EpochPlan, epoch: int, params: StreamParams, arena: Arena, *, skip: int = 0,
-                 behind: bool = False, on_half: Optional[Callable[[EpochStream], None]] = None):
+                 behind: bool = False, on_half: Optional[Callable[[EpochStream], None]] = None,
+                 yield_to: Optional[Callable[[EpochStream], bool]] = None):
         """``behind``: started from the caller's ``next()``; ``on_half(self)``: called by the producer
-        thread once it is half way through the epoch's batches."""
+        thread once it is half way through the epoch's batches; ``yield_to(self)``: True while
+        another stream needs the GIL and the cores first (this one naps before each native read)."""
         self.plan, self.epoch, self.params, self._arena = plan, epoch, params, arena
-        self._behind, self._on_half = behind, on_half
+        self._behind, self._on_half, self._yield_to = behind, on_half, yield_to
+        self._producing = True  # the producer thread has batches left to assemble
         self.split = plan_part(plan, params)
         self.part_samples = list(self.split.part_samples)
         self.readers = len(self.split.readers)
@@ -144,6 +148,10 @@ class EpochStream:
             index, arrays, valid = item
             if index >= self._skip:
                 return arrays, valid
+
+    def short(self) -> bool:
+        """Its producer is still assembling and the caller's queue is at its low mark or below."""
+        return self._producing and len(self._ready) <= self._low
 
     def skip_to(self, index: int) -> None:
         """Pass over batches before ``index`` (resumption): those not produced yet are never
@@ -246,6 +254,7 @@ class EpochStream:
                                   f"({len(self.plan.shards)} shards in {self.plan.store}): {str(exc).splitlines()[0]}")
             self._offer(exc)
         finally:
+            self._producing = False
             natives.clear()  # frees the native iterators (their threads stop) in this thread
             with self._cond:
                 self._ended = True
@@ -288,6 +297,9 @@ class EpochStream:
                 turn += 1
                 if not reader[1]:
                     continue
+                if self._yield_to is not None:  # the next epoch's fill waits while this epoch runs short
+                    while self._yield_to(self) and not self._halt.is_set():
+                        time.sleep(YIELD_S)
                 label = next_label(reader[0])
                 if label is None:
                     raise LoaderError(f"MXNet's reader ended {reader[1]} records early (generation "

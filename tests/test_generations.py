@@ -338,6 +338,33 @@ def test_the_next_epoch_is_started_by_the_producer_thread_not_in_next(tmp_path, 
     assert [e for e, _ in started] == [0, 1, 2, 3]
 
 
+def test_the_next_epoch_fills_only_while_the_current_one_is_not_short(tmp_path, monkeypatch):
+    """The next epoch's stream naps before each native read while the current stream is short of
+    batches (``EpochStream.short``), and never once it is the current one itself."""
+    from loader.stream import EpochStream
+
+    short = [True]
+    monkeypatch.setattr(EpochStream, "short", lambda self: short[0])
+    store, cache = tmp_path / "s", tmp_path / "c"
+    make_store(store, {"2024-01-02": 400, "2024-01-03": 400})
+    with ShardIter(store, 8, cache_dir=cache) as it:
+        seen = [i for _, b in zip(range(it.batches_per_epoch // 2 + 2), it) for i in batch_ids(b)]
+        ahead = it._epochs.ahead
+        assert ahead is not None
+        time.sleep(0.3)
+        assert ahead._buffer is None or ahead._buffer.count == 0, "filled while the current stream was short"
+        short[0] = False
+        deadline = time.monotonic() + 10
+        while not ahead._ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ahead._ready, "did not fill once the current stream had batches"
+        assert sorted(seen + [i for b in it for i in batch_ids(b)]) == list(range(800))
+        short[0] = True  # the stream now current must not wait for itself
+        it.reset()
+        assert it._epochs.stream is ahead
+        assert sorted(i for b in it for i in batch_ids(b)) == list(range(800))
+
+
 def test_the_finalizer_run_by_a_thread_holding_the_epochs_lock_closes_later(tmp_path):
     """Garbage collection can run a dropped iterator's finalizer in any thread, also in a producer
     thread inside ``_half_way`` (holding the lock): it must not wait for that lock (a deadlock), and
