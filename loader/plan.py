@@ -56,6 +56,7 @@ class PlanFiles:
         self.fds: list[int] = []
         self.folder: Optional[Path] = None
         self.sources: dict = {}  # (first, stop) -> ReaderSource written in the folder
+        self.checked: dict = {}  # fd -> its file's identity (stat, verify) when recheck() last found it good
         self.lock = threading.Lock()
 
     def close(self) -> None:
@@ -143,14 +144,23 @@ def reader_source(plan: EpochPlan, first: int, stop: int) -> ReaderSource:
 
 
 def recheck(plan: EpochPlan, schema: Any, verify: str) -> None:
-    """Check the plan's open files again if they changed since (size or mtime): a file damaged in
-    place is caught before the next epoch reads it. Unchanged files hit the check's cache."""
-    store = os.path.join(str(plan.store), "")  # its paths by concatenation: this runs at every reset()
-    for s, fd in zip(plan.shards, plan.files.fds if plan.files else ()):
+    """Check the plan's open files again if they changed since (size, mtime or ctime): a file
+    damaged in place is caught before the next epoch reads it. This runs at every reset(): a file
+    as it was when last found good costs one fstat."""
+    files = plan.files
+    if files is None:
+        return
+    store = os.path.join(str(plan.store), "")
+    for s, fd in zip(plan.shards, files.fds):
+        st = os.fstat(fd)
+        seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, verify)
+        if files.checked.get(fd) == seen:
+            continue
         try:
             check_shard(fd, store + s.rec, store + s.idx, s, schema, verify=verify)
         except ShardError as exc:
             raise LoaderError(str(exc)) from None
+        files.checked[fd] = seen
 
 
 def _ensure_fd_room(needed: int) -> None:
