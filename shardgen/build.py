@@ -325,6 +325,8 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
         if bar is not None:
             bar.close()
     store = cfg.store.dir
+    for path in clean_temp_files(store):  # a killed run's worker still exiting when this run began
+        log.info("removed %s left by a dead process", path.name)
     if report.manifest is None and cfg.store.remote:
         report.manifest = s3store.load_manifest(cfg.store.objects())
     elif report.manifest is None and (store / MANIFEST_NAME).exists():

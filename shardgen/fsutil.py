@@ -93,15 +93,38 @@ def atomic_write(path: Path, chunks: Union[Buffer, Iterable[Buffer]], *, fsync: 
             fh.write(chunk)
 
 
+_SIGKILL_BIT = 1 << (9 - 1)  # SIGKILL in /proc/<pid>/status's pending-signal masks
+
+
+def _dying(pid: int) -> bool:
+    """Whether ``pid`` is a zombie, or is being killed (SIGKILL pending): it will never write again.
+    A process killed with its parent can stay a zombie, and one killed with a big heap takes tens of
+    ms to exit; ``kill(pid, 0)`` answers that both exist."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+    except (OSError, ValueError):
+        return False
+    state = fields.get("State", "").split()
+    if state and state[0] in ("Z", "X"):
+        return True
+    try:
+        pending = int(fields.get("ShdPnd", "0"), 16) | int(fields.get("SigPnd", "0"), 16)
+    except ValueError:
+        return False
+    return bool(pending & _SIGKILL_BIT)
+
+
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host."""
+    """Whether a process with this pid exists on this host and can still act (not a zombie, not
+    being killed)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return not _dying(pid)
 
 
 def clean_temp_files(folder: Path) -> list[Path]:

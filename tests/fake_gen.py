@@ -77,7 +77,7 @@ def main() -> int:
         arr = arr.reshape(a.rows, a.cols, 1)
     if mode == "int":
         arr = arr.astype(np.int32)
-    tmp = out.with_suffix(".part.npy")
+    tmp = out.with_suffix(f".part-{os.getpid()}.npy")  # two builds may generate one date at once
     np.save(tmp, arr)
     if mode == "truncated":
         data = tmp.read_bytes()

@@ -98,6 +98,22 @@ def test_dead_writers_temp_files_are_cleaned(cfg_dir):
     assert live.exists()
 
 
+def test_a_killed_writer_not_yet_reaped_counts_as_dead(cfg_dir):
+    """A worker killed with its build can stay a zombie (or take a while to exit) when the re-run
+    starts: kill(pid, 0) still answers for it, but its temp file is a dead writer's all the same."""
+    store = load_config(write_config(cfg_dir)).store.dir
+    store.mkdir(parents=True)
+    zombie = subprocess.Popen(["true"])
+    try:
+        wait_until(lambda: open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
+                   "the child to exit unreaped", timeout=10)
+        stale = store / f".2024-01-08.rec.tmp-{HOST_TOKEN}-{zombie.pid}-0123abcd"
+        stale.write_bytes(b"half")
+        assert clean_temp_files(store) == [stale]
+    finally:
+        zombie.wait()
+
+
 def test_temp_names_parse_whatever_the_host_name(tmp_path, monkeypatch):
     """A host like gpu-node-3.example.com must still get its dead writers' temp files cleaned."""
     import shardgen.fsutil as fsutil
