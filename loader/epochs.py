@@ -9,6 +9,7 @@ reference this object, never the iterator, and garbage collection can release it
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Optional
 
 from shardgen.lease import Lease
@@ -29,6 +30,7 @@ class Epochs:
         self.plan: Optional[EpochPlan] = None
         self.arena: Optional[Arena] = None
         self.lock = threading.Lock()
+        self.closed = False  # close() ran: no stream starts again (a reset() racing a close() in another thread)
 
     def start(self, plan: EpochPlan, epoch: int, params: StreamParams, skip: int = 0) -> EpochStream:
         """Make ``plan`` current and return the stream reading ``epoch`` of it: the one already
@@ -36,6 +38,10 @@ class Epochs:
         changes if the epoch cannot start (e.g. a part smaller than a batch): the error is raised
         and the plan's files are let go."""
         with self.lock:
+            if self.closed:
+                if plan.files is not None and (self.plan is None or self.plan.folder != plan.folder):
+                    plan.files.close()
+                raise LoaderError(f"{plan.store}: the iterator was closed (by another thread) during reset()")
             previous = self.plan
             ahead, self.ahead = self.ahead, None
             if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != epoch or skip):
@@ -65,7 +71,7 @@ class Epochs:
             self._open_ahead(epoch, params, behind=True)
 
     def _open_ahead(self, epoch: int, params: StreamParams, behind: bool) -> None:
-        if self.ahead is None and self.plan is not None:
+        if self.ahead is None and self.plan is not None and not self.closed:
             try:
                 self.ahead = EpochStream(self.plan, epoch, params, self.arena, behind=behind, on_half=self._half_way,
                                          yield_to=self._starving)
@@ -104,17 +110,19 @@ class Epochs:
                 stream.close()
 
     def close_when_free(self) -> None:
-        """``close()``, for the iterator's finalizer: garbage collection may run it in any thread,
-        also in a producer thread that holds the lock (``_half_way``); that one closes from a
-        thread of its own."""
-        if self.lock.acquire(blocking=False):
-            self.lock.release()
+        """``close()``, for the iterator's finalizer. Garbage collection may run it in any thread at
+        any allocation, with any of our locks held: this epochs' lock (``_half_way``), an arena's
+        (``hand_out``), ``_HELD_LOCK``, a stream's condition. Closing there joins threads that wait
+        for that very lock, so it closes from a thread of its own; only at interpreter exit
+        (``weakref.finalize`` running what is left, in the main thread, no lock held) in place."""
+        if getattr(weakref.finalize, "_shutdown", False):
             self.close()
         else:
             threading.Thread(target=self.close, name="shardgen-close", daemon=True).start()
 
     def close(self) -> None:
         with self.lock:
+            self.closed = True
             self.close_streams()
             if self.plan is not None:
                 drop(self.plan)

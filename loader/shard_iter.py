@@ -187,13 +187,16 @@ class ShardIter(mx.io.DataIter):
             raise LoaderError(f"{self.manifest_path}: the store's schema changed (fingerprint "
                               f"{self.schema.fingerprint} -> {manifest.schema.fingerprint}); make a new ShardIter")
         shards = select_shards(manifest, self.dates)
-        if shards != self.plan.shards:
+        current = self.plan
+        if current is None:  # close() from another thread while this reset() ran
+            raise LoaderError(f"{self.manifest_path}: this ShardIter was closed (by another thread) during reset()")
+        if shards != current.shards:
             plan = self._plan_for(manifest, shards)
-        elif manifest.generation != self.plan.generation:  # same files: only the generation moves on
-            plan = dataclasses.replace(self.plan, generation=manifest.generation)
+        elif manifest.generation != current.generation:  # same files: only the generation moves on
+            plan = dataclasses.replace(current, generation=manifest.generation)
         else:
-            plan = self.plan
-        if plan.folder == self.plan.folder:
+            plan = current
+        if plan.folder == current.folder:
             recheck(plan, self.schema, self.verify)
         self._start_epoch(plan, epoch=self.epoch + 1)
 

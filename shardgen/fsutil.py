@@ -107,7 +107,9 @@ def _dying(pid: int) -> bool:
         return False
     state = fields.get("State", "").split()
     if state and state[0] in ("Z", "X"):
-        return True
+        # A zombie main thread whose other threads still run (it called pthread_exit) is alive.
+        threads = fields.get("Threads", "1").strip()
+        return not threads.isdigit() or int(threads) <= 1
     try:
         pending = int(fields.get("ShdPnd", "0"), 16) | int(fields.get("SigPnd", "0"), 16)
     except ValueError:

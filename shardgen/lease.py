@@ -52,6 +52,10 @@ class _Heartbeat:
         self.warned = False
         self.written: Optional[int] = None  # the generation the lease last said
 
+    def present(self) -> bool:
+        """Whether the lease file is still there (one ``stat``): someone may have deleted it."""
+        return self.path.exists()
+
     def write(self) -> bool:
         """Write the lease file (again); False, with one warning, if it cannot be written."""
         try:
@@ -115,6 +119,9 @@ class _RemoteHeartbeat(_Heartbeat):
             return False
         return True
 
+    def present(self) -> bool:
+        return True  # a HEAD request per reset() is not worth it: the heartbeat writes the object again
+
     def beat(self) -> None:
         with self.lock:
             if not self.stop.is_set() and self.generation is not None:
@@ -166,8 +173,8 @@ class Lease:
         state = self._state
         with state.lock:
             if (generation == state.generation == state.written and self._thread is not None
-                    and self._thread.is_alive() and not state.stop.is_set()):
-                return  # said already, and kept fresh (written again if deleted) by the heartbeat: no write
+                    and self._thread.is_alive() and not state.stop.is_set() and state.present()):
+                return  # said already and still there, kept fresh by the heartbeat: one stat, no write,
                 # on the trainer's reset() each epoch
             state.generation = generation
             if not state.write():

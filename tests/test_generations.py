@@ -383,6 +383,78 @@ def test_the_finalizer_run_by_a_thread_holding_the_epochs_lock_closes_later(tmp_
     it.close()
 
 
+def test_the_finalizer_run_by_gc_in_a_producer_holding_the_arena_lock_does_not_deadlock(tmp_path, monkeypatch):
+    """Found in review: a dropped iterator in a reference cycle is collected at any allocation, e.g.
+    in a producer thread inside ``Arena.hand_out`` (its non-reentrant lock held). Closing there
+    joined the other stream's thread, which waited for that lock: both hung, files and buffers
+    held for good. Simulated deterministically: gc.collect() inside hand_out, under the lock."""
+    import gc
+
+    import loader.memory as memory
+
+    make_store(tmp_path / "s", {"2024-01-02": 400, "2024-01-03": 400})
+    armed, collected = threading.Event(), threading.Event()
+    real = memory.Arena.hand_out
+
+    def hand_out(self, flat, views):
+        with self._lock:
+            if armed.is_set() and threading.current_thread().name.startswith("shardgen"):
+                armed.clear()
+                gc.collect()
+                collected.set()
+        return real(self, flat, views)
+
+    monkeypatch.setattr(memory.Arena, "hand_out", hand_out)
+    it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", prefetch_buffer=2)
+    for _ in range(it.batches_per_epoch // 2 + 10):  # past half way: the next epoch's stream runs too
+        next(it)
+    epochs = it._epochs
+    assert epochs.ahead is not None
+    it.cycle = it  # only the cyclic collector can free it
+    del it
+    gc.disable()
+    try:
+        armed.set()
+        assert collected.wait(10), "no producer thread assembled a batch"
+        deadline = time.monotonic() + 10
+        while (epochs.plan is not None or epochs.stream is not None) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        gc.enable()
+    assert epochs.plan is None and epochs.stream is None and epochs.ahead is None, "deadlocked"
+    assert not [t for t in threading.enumerate() if t.name == "shardgen-batches"]
+
+
+def test_close_from_another_thread_racing_reset_leaves_nothing_running(tmp_path):
+    """Found in review: close() from another thread while the caller's reset() was under way
+    brought an epoch back (a stream, the plan's files, the lease) after close() had returned."""
+    import random
+
+    store, cache = tmp_path / "s", tmp_path / "c"
+    make_store(store, {"2024-01-02": 200, "2024-01-03": 200})
+    rng = random.Random(0)
+    for _ in range(30):
+        it = ShardIter(store, 8, cache_dir=cache)
+        timer = threading.Timer(rng.uniform(0, 0.03), it.close)
+        timer.start()
+        try:
+            for _ in range(20):
+                for _, _b in zip(range(rng.randint(0, 3)), it):
+                    pass
+                it.reset()
+        except LoaderError as exc:
+            assert "closed" in str(exc)
+        timer.join()
+        it.close()
+        epochs = it._epochs
+        assert epochs.plan is None and epochs.stream is None and epochs.ahead is None
+        assert not list(store.glob("leases/*")), "a lease outlived close()"
+    deadline = time.monotonic() + 10
+    while [t for t in threading.enumerate() if t.name == "shardgen-batches"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t for t in threading.enumerate() if t.name == "shardgen-batches"]
+
+
 def test_a_reset_that_fails_after_the_next_epoch_was_halted_keeps_its_files_until_it_ends(tmp_path):
     """Found in review of a change since reverted: a reset() whose new epoch cannot start (a part
     smaller than a batch) after the next-epoch stream was halted without waiting left that stream

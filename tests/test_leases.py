@@ -240,6 +240,38 @@ def test_renewing_the_same_generation_writes_nothing_and_a_failed_write_is_retri
     lease_.release()
 
 
+def test_a_deleted_lease_is_written_again_at_the_next_renew(tmp_path):
+    """Found in review: renew() skipped the write for the same generation even when the file was
+    gone, so a reader's reset() no longer put back a deleted lease (gc had up to a refresh period)."""
+    lease_ = Lease(tmp_path, refresh_s=60)
+    lease_.renew(4)
+    lease_.path.unlink()
+    lease_.renew(4)  # the heartbeat is 60 s away: renew itself writes it again
+    assert json.loads(lease_.path.read_text())["generation"] == 4
+    lease_.release()
+
+
+def test_a_process_whose_main_thread_exited_is_alive_while_its_threads_run(tmp_path):
+    """Found in review: a process whose main thread called pthread_exit shows ``State: Z`` while its
+    other threads run; pid_alive called it dead and its live temp file was deleted."""
+    script = ("import ctypes, threading, time\n"
+              "threading.Thread(target=time.sleep, args=(30,)).start()\n"
+              "ctypes.CDLL(None).pthread_exit(None)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 10
+        while "Z" not in Path(f"/proc/{proc.pid}/status").read_text().split("State:")[1].split()[0]:
+            assert time.monotonic() < deadline, "the main thread did not exit"
+            time.sleep(0.01)
+        assert pid_alive(proc.pid)
+        live = tmp_path / f".2024-01-08.rec.tmp-{HOST_TOKEN}-{proc.pid}-0123abcd"
+        live.write_bytes(b"in progress")
+        assert clean_temp_files(tmp_path) == [] and live.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # -- temp files and loader folders --------------------------------------------------------------
 
 
