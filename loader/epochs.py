@@ -18,6 +18,7 @@ from .errors import LoaderError
 from .memory import Arena
 from .plan import EpochPlan, drop, hold
 from .stream import EpochStream, StreamParams
+from .zerocopy import free_pending
 
 __all__ = ["Epochs"]
 
@@ -124,6 +125,7 @@ class Epochs:
         with self.lock:
             self.closed = True
             self.close_streams()
+            free_pending()  # arrays the caller dropped since the producer's last lend
             if self.plan is not None:
                 drop(self.plan)
                 self.plan = None

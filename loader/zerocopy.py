@@ -18,15 +18,19 @@ protocol).
 The descriptors live as long as a loan is out: loans not yet given back are kept in a module
 registry, so a loan survives its iterator while the caller still holds the batch.
 
-The arrays lent are ``LentNDArray``s: MXNet's arrays whose handle is freed without letting go of the
-GIL. MXNet frees through a ctypes call that releases it, so every array the trainer drops (4 a
-batch) was a chance for the producer thread to take the GIL and keep it until its next release or
-a switch interval later, in the middle of the trainer's ``next()``. Freeing a handle only drops
-references (the chunk's last one pushes its deletion to the engine): it never waits.
+The arrays lent are ``LentNDArray``s: MXNet's arrays whose handle the trainer never frees itself.
+Dropping one only queues its handle (a ``deque.append``); the next ``lend()`` (the producer's,
+once a batch) or a look at whether a loan is out frees the queued handles. MXNet's own free is a
+ctypes call that releases the GIL (4 a batch: each a chance for the producer thread to take it
+until its next release, in the middle of the trainer's ``next()``), and freeing a chunk's last
+handle pushes its deletion to the engine: ~13 us a batch on the trainer's thread, 2-3 times that
+just after it woke from a GPU step. A trainer that drops arrays with no producer lending (its
+iterator closed) frees them itself every ``_PENDING_MAX`` handles. Freeing never waits.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import threading
 from typing import Optional
@@ -36,7 +40,7 @@ import numpy as np
 from mxnet.base import _LIB, check_call
 from mxnet.ndarray.ndarray import DeleterFunc, DLContext, DLDataType, DLManagedTensor
 
-__all__ = ["Loan", "LentNDArray", "lend", "give_back_available", "outstanding"]
+__all__ = ["Loan", "LentNDArray", "lend", "give_back_available", "outstanding", "free_pending"]
 
 _LOW = 0xFFFFFFFF
 _FLOAT32 = DLDataType(*DLDataType.TYPE_MAP["float32"])
@@ -62,16 +66,36 @@ _DELETER, _NATIVE = _c_deleter()
 # MXNDArrayFree called with the GIL held (PyDLL: the same library, loaded already).
 _FREE_HOLDING_GIL = ctypes.PyDLL(_LIB._name).MXNDArrayFree
 _FREE_HOLDING_GIL.argtypes = [ctypes.c_void_p]
+_PENDING: collections.deque = collections.deque()  # handles of dropped LentNDArrays, not freed yet
+_PENDING_MAX = 64  # past this many, the thread that drops one frees them all (16 batches' arrays)
+
+
+def free_pending(_pending=_PENDING, _free=_LIB.MXNDArrayFree, _check=check_call) -> None:  # noqa: B008
+    """Free the handles of dropped arrays (any thread; each free lets go of the GIL)."""
+    while _pending:
+        try:
+            handle = _pending.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        _check(_free(handle))
 
 
 class LentNDArray(mx.nd.NDArray):
     """An MXNet array over a lent buffer (or a view of one: MXNet makes views of ``self.__class__``);
-    dropping it frees its handle without releasing the GIL (see the module docstring)."""
+    dropping it queues its handle, freed by the next ``lend()`` (see the module docstring)."""
 
     __slots__: list = []
 
-    def __del__(self, _free=_FREE_HOLDING_GIL, _check=check_call) -> None:  # noqa: B008 (bound at exit too)
-        _check(_free(self.handle))
+    def __del__(self, _pending=_PENDING, _max=_PENDING_MAX, _free=_FREE_HOLDING_GIL,  # noqa: B008 (bound at exit too)
+                _check=check_call) -> None:
+        _pending.append(self.handle)  # atomic, safe in any thread and under any lock
+        if len(_pending) > _max:  # nobody lends: free them here (keeping the GIL, as before)
+            while _pending:
+                try:
+                    handle = _pending.popleft()
+                except IndexError:
+                    return
+                _check(_free(handle))
 _OUT: set = set()  # loans MXNet holds: their descriptors must outlive its deleter call
 _OUT_LOCK = threading.Lock()
 _LENDS = [0]  # lends since the last sweep of _OUT (a sweep every max(64, len(_OUT)) lends: O(1) each)
@@ -135,6 +159,7 @@ class Loan:
         return all(t.dl_tensor.data != a for t, a in zip(self._tensors, self._addresses))
 
     def _refresh(self) -> bool:
+        free_pending()  # arrays dropped since the last lend: their chunks may be this loan's
         with self._lock:  # atomic with lend(): a judgement of the last lending never ends a new one
             if self._out and self._given_back():
                 self._out = False
@@ -144,6 +169,7 @@ class Loan:
 
     def lend(self) -> list:
         """The arrays, as new MXNet arrays over the buffer (the loan must not be out)."""
+        free_pending()
         with self._lock:
             if self._out and not self._given_back():
                 raise RuntimeError("this buffer is still lent to MXNet")

@@ -20,9 +20,10 @@ def test_libc_gives_buffers_back_without_python():
 
 
 def test_dropping_a_batch_frees_its_arrays_without_releasing_the_gil(tmp_path):
-    """Every array a batch holds, in both modes, and every view MXNet makes of one, frees its handle
-    through a call that keeps the GIL (a dropped batch is no chance for the producer thread to take
-    it in the middle of the trainer's next())."""
+    """Every array a batch holds, in both modes, and every view MXNet makes of one, is a LentNDArray:
+    dropped, it queues its handle, and frees the queue itself (past _PENDING_MAX) through a call that
+    keeps the GIL (a dropped batch is no chance for the producer thread to take it in the middle of
+    the trainer's next())."""
     import ctypes
 
     assert zerocopy._FREE_HOLDING_GIL._flags_ & ctypes._FUNCFLAG_PYTHONAPI, "a free that releases the GIL"
@@ -35,6 +36,31 @@ def test_dropping_a_batch_frees_its_arrays_without_releasing_the_gil(tmp_path):
             assert type(arrays[0][1:3].reshape((-1,))) is zerocopy.LentNDArray, producer
             del b, arrays
             assert sum(batch_ids(b) != [] for b in it) == 4, producer  # the rest reads on as before
+
+
+def test_dropping_arrays_makes_no_mxnet_call_the_next_lend_frees_them():
+    """The trainer's thread only queues a dropped array's handle (freeing it there was ~13 us a
+    batch, a ctypes call that lets go of the GIL each time); the next lend, or a look at a loan,
+    frees the queue. Nobody lending: every _PENDING_MAX handles, the dropping thread frees them."""
+    zerocopy.free_pending()
+    flat = np.arange(14, dtype=np.float32)
+    loan = zerocopy.Loan(flat, VIEWS)
+    x, y = loan.lend()
+    view = x[1:2]
+    del x, y, view
+    assert len(zerocopy._PENDING) == 3, "a dropped array's handle was freed on the trainer's thread"
+    other = zerocopy.Loan(np.arange(14, dtype=np.float32), VIEWS)
+    kept = other.lend()  # the producer's next lend frees what was dropped
+    assert len(zerocopy._PENDING) == 0
+    mx.nd.waitall()
+    _until(lambda: not loan.out, "not given back once its freed handles' chunk was deleted")
+    loans = [zerocopy.Loan(np.full(14, i + 1, np.float32), VIEWS) for i in range(zerocopy._PENDING_MAX)]
+    arrays = [a for one in loans for a in one.lend()]
+    del arrays  # 2 x _PENDING_MAX handles dropped with nobody lending
+    assert len(zerocopy._PENDING) <= zerocopy._PENDING_MAX
+    mx.nd.waitall()
+    _until(lambda: not any(one.out for one in loans), "dropped arrays never freed")
+    del kept
 
 
 def test_a_loan_is_out_until_mxnet_drops_every_array_and_view():
@@ -171,6 +197,7 @@ def test_a_sweep_judging_an_old_lending_never_ends_a_new_one():
     loan = zerocopy.Loan(np.full(14, 1, np.float32), VIEWS)
     first = loan.lend()
     del first
+    zerocopy.free_pending()  # what the producer's next lend does
     mx.nd.waitall()
     _until(lambda: all(t.dl_tensor.data != a for t, a in zip(loan._tensors, loan._addresses)), "not given back")
     paused = threading.Event()
