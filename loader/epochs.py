@@ -18,9 +18,18 @@ from .errors import LoaderError
 from .memory import Arena
 from .plan import EpochPlan, drop, hold
 from .stream import EpochStream, StreamParams
-from .zerocopy import free_pending
+from .zerocopy import lenders, sweep
 
-__all__ = ["Epochs"]
+__all__ = ["Epochs", "join_closing"]
+
+_CLOSING: set = set()  # close threads of dropped iterators still running (set.add: no lock taken in GC)
+
+
+def join_closing(timeout: float) -> None:
+    """Wait for the close threads of dropped iterators (the exit hook: their native threads must be
+    gone before MXNet's shutdown)."""
+    for thread in list(_CLOSING):
+        thread.join(timeout)
 
 
 class Epochs:
@@ -32,6 +41,7 @@ class Epochs:
         self.arena: Optional[Arena] = None
         self.lock = threading.Lock()
         self.closed = False  # close() ran: no stream starts again (a reset() racing a close() in another thread)
+        lenders(+1)
 
     def start(self, plan: EpochPlan, epoch: int, params: StreamParams, skip: int = 0) -> EpochStream:
         """Make ``plan`` current and return the stream reading ``epoch`` of it: the one already
@@ -118,14 +128,24 @@ class Epochs:
         (``weakref.finalize`` running what is left, in the main thread, no lock held) in place."""
         if getattr(weakref.finalize, "_shutdown", False):
             self.close()
-        else:
-            threading.Thread(target=self.close, name="shardgen-close", daemon=True).start()
+            return
+        thread = threading.Thread(target=self._close_then_forget, name="shardgen-close", daemon=True)
+        _CLOSING.add(thread)
+        thread.start()
+
+    def _close_then_forget(self) -> None:
+        try:
+            self.close()
+        finally:
+            _CLOSING.discard(threading.current_thread())
 
     def close(self) -> None:
         with self.lock:
+            if not self.closed:
+                lenders(-1)
             self.closed = True
             self.close_streams()
-            free_pending()  # arrays the caller dropped since the producer's last lend
+            sweep()  # arrays the caller dropped since the producer's last lend: freed, loans given back let go
             if self.plan is not None:
                 drop(self.plan)
                 self.plan = None

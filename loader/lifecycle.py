@@ -58,6 +58,9 @@ def close_all() -> None:
     """Stop every live iterator's threads before the interpreter (and MXNet's engine) shuts down."""
     for it in list(_LIVE):
         it.close()
+    from .epochs import join_closing  # dropped iterators' close threads (their finalizer ran already)
+
+    join_closing(EXIT_WAIT_S)
 
 
 def exit_steps(failure: Optional[int]) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from typing import Any, Optional
 from .errors import LoaderError
 from .producer import BATCH_ERROR, receive
 from .slots import SlotMaps
+from .zerocopy import lenders
 
 __all__ = ["Producer", "Session", "EPOCH_COMMANDS"]
 
@@ -87,6 +88,7 @@ class Session:
         self.slots: Optional[SlotMaps] = None
         self.gone: Optional[str] = None
         self.closed = False
+        lenders(+1)
         self.untold = 0  # batches taken and not yet told to the producer
         self.thread = threading.Thread(target=self._read, name="shardgen-session", daemon=True)
         self.thread.start()
@@ -218,6 +220,7 @@ class Session:
                 return
             self.closed = True
             self.cond.notify_all()
+        lenders(-1)
         if self.gone is None and self.calling.acquire(timeout=0.1):
             try:
                 self.call("close", timeout=timeout)

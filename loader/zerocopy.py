@@ -25,7 +25,7 @@ ctypes call that releases the GIL (4 a batch: each a chance for the producer thr
 until its next release, in the middle of the trainer's ``next()``), and freeing a chunk's last
 handle pushes its deletion to the engine: ~13 us a batch on the trainer's thread, 2-3 times that
 just after it woke from a GPU step. A trainer that drops arrays with no producer lending (its
-iterator closed) frees them itself every ``_PENDING_MAX`` handles. Freeing never waits.
+iterator closed) frees them at once, and any thread past ``_PENDING_MAX`` handles. Freeing never waits.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import numpy as np
 from mxnet.base import _LIB, check_call
 from mxnet.ndarray.ndarray import DeleterFunc, DLContext, DLDataType, DLManagedTensor
 
-__all__ = ["Loan", "LentNDArray", "lend", "give_back_available", "outstanding", "free_pending"]
+__all__ = ["Loan", "LentNDArray", "lend", "give_back_available", "outstanding", "free_pending", "lenders", "sweep"]
 
 _LOW = 0xFFFFFFFF
 _FLOAT32 = DLDataType(*DLDataType.TYPE_MAP["float32"])
@@ -66,12 +66,21 @@ _DELETER, _NATIVE = _c_deleter()
 # MXNDArrayFree called with the GIL held (PyDLL: the same library, loaded already).
 _FREE_HOLDING_GIL = ctypes.PyDLL(_LIB._name).MXNDArrayFree
 _FREE_HOLDING_GIL.argtypes = [ctypes.c_void_p]
+_OUT: set = set()  # loans MXNet holds: their descriptors must outlive its deleter call
+_OUT_LOCK = threading.Lock()
 _PENDING: collections.deque = collections.deque()  # handles of dropped LentNDArrays, not freed yet
 _PENDING_MAX = 64  # past this many, the thread that drops one frees them all (16 batches' arrays)
+_LENDERS = [0]  # open lenders (iterators whose producer lends); with none, a dropped array is freed at once
+
+
+def lenders(delta: int) -> None:
+    """A lender (an iterator's producer side) opens (+1) or closes (-1)."""
+    with _OUT_LOCK:
+        _LENDERS[0] += delta
 
 
 def free_pending(_pending=_PENDING, _free=_LIB.MXNDArrayFree, _check=check_call) -> None:  # noqa: B008
-    """Free the handles of dropped arrays (any thread; each free lets go of the GIL)."""
+    """Free the handles of dropped arrays (any thread; the default free lets go of the GIL)."""
     while _pending:
         try:
             handle = _pending.popleft()
@@ -86,29 +95,26 @@ class LentNDArray(mx.nd.NDArray):
 
     __slots__: list = []
 
-    def __del__(self, _pending=_PENDING, _max=_PENDING_MAX, _free=_FREE_HOLDING_GIL,  # noqa: B008 (bound at exit too)
-                _check=check_call) -> None:
+    def __del__(self, _pending=_PENDING, _max=_PENDING_MAX, _lenders=_LENDERS,  # noqa: B008 (bound at exit too)
+                _drain=free_pending, _free=_FREE_HOLDING_GIL) -> None:
         _pending.append(self.handle)  # atomic, safe in any thread and under any lock
-        if len(_pending) > _max:  # nobody lends: free them here (keeping the GIL, as before)
-            while _pending:
-                try:
-                    handle = _pending.popleft()
-                except IndexError:
-                    return
-                _check(_free(handle))
-_OUT: set = set()  # loans MXNet holds: their descriptors must outlive its deleter call
-_OUT_LOCK = threading.Lock()
+        if len(_pending) > _max or _lenders[0] <= 0:  # nobody lends (soon): free here, keeping the GIL
+            _drain(_pending, _free)
+
+
 _LENDS = [0]  # lends since the last sweep of _OUT (a sweep every max(64, len(_OUT)) lends: O(1) each)
 
 
 def outstanding() -> int:
     """Loans MXNet still holds (the registry swept first)."""
-    _sweep()
+    sweep()
     return len(_OUT)
 
 
-def _sweep() -> None:
-    """Drop the loans MXNet gave back from the registry (their buffers may go)."""
+def sweep() -> None:
+    """Free dropped arrays' handles, and drop the loans MXNet gave back from the registry (their
+    buffers may go)."""
+    free_pending()
     with _OUT_LOCK:
         loans, _LENDS[0] = list(_OUT), 0
     for loan in loans:
@@ -190,9 +196,9 @@ class Loan:
             with _OUT_LOCK:
                 _OUT.add(self)
                 _LENDS[0] += 1
-                sweep = _LENDS[0] >= max(64, len(_OUT))
-        if sweep:  # outside this loan's lock: a sweep takes every loan's in turn
-            _sweep()
+                due = _LENDS[0] >= max(64, len(_OUT))
+        if due:  # outside this loan's lock: a sweep takes every loan's in turn
+            sweep()
         return arrays
 
 

@@ -405,6 +405,7 @@ def test_the_finalizer_run_by_gc_in_a_producer_holding_the_arena_lock_does_not_d
         return real(self, flat, views)
 
     monkeypatch.setattr(memory.Arena, "hand_out", hand_out)
+    before = set(threading.enumerate())  # an earlier test's iterator may still be alive
     it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", prefetch_buffer=2)
     for _ in range(it.batches_per_epoch // 2 + 10):  # past half way: the next epoch's stream runs too
         next(it)
@@ -422,7 +423,37 @@ def test_the_finalizer_run_by_gc_in_a_producer_holding_the_arena_lock_does_not_d
     finally:
         gc.enable()
     assert epochs.plan is None and epochs.stream is None and epochs.ahead is None, "deadlocked"
-    assert not [t for t in threading.enumerate() if t.name == "shardgen-batches"]
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "shardgen-batches"]
+
+
+def test_the_exit_hook_waits_for_a_dropped_iterators_close_thread(tmp_path):
+    """Found in review: an iterator dropped without close() is closed by a thread of its own; the
+    exit hook's close_all() no longer sees it (collected), so MXNet's shutdown ran while its native
+    threads still read: a segfault at exit, 1 run in 3-6. close_all() joins those threads."""
+    from loader import lifecycle
+
+    make_store(tmp_path / "s", {f"2024-01-{d:02d}": 500 for d in range(2, 10)})
+    before = set(threading.enumerate())
+    it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", readers=4)
+    next(it)
+    epochs = it._epochs
+    del it  # no cycle: the finalizer runs here and starts the close thread
+    lifecycle.close_all()
+    assert epochs.plan is None and epochs.stream is None, "close_all() returned before the close thread ended"
+    assert not [t for t in set(threading.enumerate()) - before if t.name in ("shardgen-batches", "shardgen-close")]
+
+
+def test_a_process_that_drops_an_iterator_and_exits_ends_cleanly(tmp_path):
+    store = tmp_path / "s"
+    make_store(store, {f"2024-01-{d:02d}": 500 for d in range(2, 10)})
+    script = ("import sys\nfrom loader import ShardIter\n"
+              f"it = ShardIter({str(store)!r}, 8, cache_dir={str(tmp_path / 'c')!r}, readers=4)\n"
+              "b = it.next()\ndel it\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for _ in range(4):
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert not list(store.glob("leases/*"))
 
 
 def test_close_from_another_thread_racing_reset_leaves_nothing_running(tmp_path):
@@ -432,6 +463,7 @@ def test_close_from_another_thread_racing_reset_leaves_nothing_running(tmp_path)
 
     store, cache = tmp_path / "s", tmp_path / "c"
     make_store(store, {"2024-01-02": 200, "2024-01-03": 200})
+    before = set(threading.enumerate())
     rng = random.Random(0)
     for _ in range(30):
         it = ShardIter(store, 8, cache_dir=cache)
@@ -449,10 +481,13 @@ def test_close_from_another_thread_racing_reset_leaves_nothing_running(tmp_path)
         epochs = it._epochs
         assert epochs.plan is None and epochs.stream is None and epochs.ahead is None
         assert not list(store.glob("leases/*")), "a lease outlived close()"
+    def mine():
+        return [t for t in set(threading.enumerate()) - before if t.name == "shardgen-batches"]
+
     deadline = time.monotonic() + 10
-    while [t for t in threading.enumerate() if t.name == "shardgen-batches"] and time.monotonic() < deadline:
+    while mine() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not [t for t in threading.enumerate() if t.name == "shardgen-batches"]
+    assert not mine()
 
 
 def test_a_reset_that_fails_after_the_next_epoch_was_halted_keeps_its_files_until_it_ends(tmp_path):

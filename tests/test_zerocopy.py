@@ -41,8 +41,24 @@ def test_dropping_a_batch_frees_its_arrays_without_releasing_the_gil(tmp_path):
 def test_dropping_arrays_makes_no_mxnet_call_the_next_lend_frees_them():
     """The trainer's thread only queues a dropped array's handle (freeing it there was ~13 us a
     batch, a ctypes call that lets go of the GIL each time); the next lend, or a look at a loan,
-    frees the queue. Nobody lending: every _PENDING_MAX handles, the dropping thread frees them."""
+    frees the queue; past _PENDING_MAX handles, the dropping thread frees them. With no lender
+    open (every iterator closed), a dropped array is freed at once."""
     zerocopy.free_pending()
+    lone = zerocopy.Loan(np.arange(14, dtype=np.float32), VIEWS)
+    dropped = lone.lend()
+    assert zerocopy._LENDERS[0] == 0
+    del dropped
+    assert len(zerocopy._PENDING) == 0, "queued with nobody lending"
+    mx.nd.waitall()
+    _until(lambda: not lone.out, "not given back")
+    zerocopy.lenders(+1)  # as an open iterator does
+    try:
+        _queued_until_the_next_lend()
+    finally:
+        zerocopy.lenders(-1)
+
+
+def _queued_until_the_next_lend():
     flat = np.arange(14, dtype=np.float32)
     loan = zerocopy.Loan(flat, VIEWS)
     x, y = loan.lend()
@@ -215,7 +231,7 @@ def test_a_sweep_judging_an_old_lending_never_ends_a_new_one():
     def sweep():
         sys.settrace(slow_lines)
         try:
-            zerocopy._sweep()
+            zerocopy.sweep()
         finally:
             sys.settrace(None)
 
