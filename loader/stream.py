@@ -87,6 +87,7 @@ class EpochStream:
         self.plan, self.epoch, self.params, self._arena = plan, epoch, params, arena
         self._behind, self._on_half, self._yield_to = behind, on_half, yield_to
         self._producing = True  # the producer thread has batches left to assemble
+        self.past_half = False  # the producer thread has been half way (and called on_half)
         self.split = plan_part(plan, params)
         self.part_samples = list(self.split.part_samples)
         self.readers = len(self.split.readers)
@@ -255,6 +256,7 @@ class EpochStream:
             self._offer(exc)
         finally:
             self._producing = False
+            self.past_half = True  # ended (or failed) before it: nobody else will ask
             natives.clear()  # frees the native iterators (their threads stop) in this thread
             with self._cond:
                 self._ended = True
@@ -281,8 +283,10 @@ class EpochStream:
         for index in range(self.batches):
             if self._halt.is_set():
                 return
-            if index == self.batches // 2 and self._on_half is not None:
-                self._on_half(self)
+            if index == self.batches // 2:
+                if self._on_half is not None:
+                    self._on_half(self)
+                self.past_half = True
             valid = min(bs, self.samples - index * bs)
             if valid <= 0:
                 # Parts differ by one sample, so a shorter part can run out a batch early (README,

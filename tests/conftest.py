@@ -179,10 +179,18 @@ def consume_in_thread(it):
 def s3(tmp_path, monkeypatch):
     """A real S3-compatible server (rclone serve s3) on loopback, with this process's AWS environment
     pointing at it; bucket ``data``. Stopped at the end of the test."""
+    import gc
+
     from s3server import S3Server
 
+    from loader.epochs import join_closing
     from shardgen import objstore
 
+    def settle():  # dropped iterators close in threads of their own (leases in the bucket): let them end first
+        gc.collect()
+        join_closing(30)
+
+    settle()
     server = S3Server(tmp_path / "s3root").start()
     for key, value in server.env().items():
         monkeypatch.setenv(key, value)
@@ -190,5 +198,6 @@ def s3(tmp_path, monkeypatch):
     try:
         yield server
     finally:
+        settle()
         server.stop()
         objstore._clients.clear()
