@@ -230,12 +230,16 @@ class _Pending:
         self.last = time.monotonic()
 
 
+def _clean_temp_files(store) -> None:
+    for path in clean_temp_files(store):
+        log.info("removed %s left by a dead process", path.name)
+
+
 def _open_store(cfg: Config) -> Manifest:
     """Create the store folder, remove dead processes' temp files; the manifest, with the config's window."""
     store = cfg.store.dir
     store.mkdir(parents=True, exist_ok=True)
-    for path in clean_temp_files(store):
-        log.info("removed %s left by a dead process", path.name)
+    _clean_temp_files(store)
     if cfg.store.remote:
         manifest = s3store.open_manifest(cfg.store.objects(), cfg.schema, cfg.store.window)
     else:
@@ -325,8 +329,7 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
         if bar is not None:
             bar.close()
     store = cfg.store.dir
-    for path in clean_temp_files(store):  # a killed run's worker still exiting when this run began
-        log.info("removed %s left by a dead process", path.name)
+    _clean_temp_files(store)  # again: a killed run's worker may still have been exiting when this run began
     if report.manifest is None and cfg.store.remote:
         report.manifest = s3store.load_manifest(cfg.store.objects())
     elif report.manifest is None and (store / MANIFEST_NAME).exists():
