@@ -1,10 +1,12 @@
 """Real processes: kill -9 mid-build then re-run, and concurrent builds on one store."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, runs, write_config
@@ -143,3 +145,65 @@ def test_concurrent_builds_serialise_on_the_lock(cfg_dir):
     m = Manifest.load(store / "manifest.json")
     assert [s.date for s in m.shards] == DATES_8
     assert verify_store(store)[1] == [] and temp_files(store) == []
+
+
+def _generator_pids(cfg_dir):
+    """Pids of fake generators running with this test's modes file (``hang`` mode: they sleep)."""
+    marker = str(cfg_dir / "modes.json").encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker in argv and any(a.endswith(b"fake_gen.py") for a in argv):
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.parametrize("launch", ["setpriv", "preexec_fn"])
+def test_a_generator_dies_with_a_build_killed_by_sigkill(cfg_dir, launch):
+    """kill -9 of the build process alone (jobs=1: the generator is its child, in a session of its
+    own, so no group kill reaches it): the generator gets SIGKILL from the kernel (parent-death
+    signal), whether it was started through ``setpriv --pdeathsig`` or a ``preexec_fn``."""
+    cfg_path = write_config(cfg_dir, modes={"*": "hang"}, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if launch == "preexec_fn":
+        env["PATH"] = str(cfg_dir / "nobin")  # no setpriv on PATH: the fallback (argv[0] is absolute)
+    proc = subprocess.Popen([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg_path), "--jobs", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    children = cfg_dir / "modes.json.children"
+    try:
+        wait_until(lambda: children.exists() and _generator_pids(cfg_dir), "the generator running")
+        gen = _generator_pids(cfg_dir)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        wait_until(lambda: not any(Path(f"/proc/{p}").exists() and b"Z" not in _state(p) for p in gen),
+                   "the generator killed with its parent", timeout=10)
+    finally:
+        kill_group(proc)
+        for pid in _generator_pids(cfg_dir) + [int(p) for p in (children.read_text().split()
+                                                              if children.exists() else [])]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _state(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return b"Z"
+
+
+@pytest.mark.parametrize("command", ["no-such-generator-xyz", "./missing/gen.sh"])
+def test_a_generator_that_cannot_start_is_one_clear_error(cfg_dir, command):
+    cfg_path = write_config(cfg_dir, end="2024-01-02")
+    text = cfg_path.read_text()
+    cfg_path.write_text(text.replace(f'command = ["{sys.executable}"', f'command = ["{command}"'))
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg_path)], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "2024-01-02: cannot start generator '" in r.stderr, r.stderr  # a relative path is named resolved
+    assert f"{command.lstrip('.')}' (No such file or directory)" in r.stderr, r.stderr
