@@ -135,3 +135,44 @@ def test_demo_config_is_valid():
     assert cfg.schema.layout.kind == "runs" and cfg.schema.pack == 64 and cfg.schema.layout.run_rows == 60 + 63
     assert cfg.schema.record_floats == 4 + 64 * (1 + 1 + 4) + 123 * 32 == 4324
     assert cfg.argv(cfg.dates.start)[:3] == [str(ROOT / "build/seqgen"), "--date", "2024-01-02"]
+
+
+def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(cfg_dir):
+    """On a terminal (a pty as stderr) build shows tqdm's bar; piped, none (and tqdm is never imported)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    cfg = write_config(cfg_dir)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a sized terminal: tqdm draws
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg)], stdout=subprocess.PIPE,
+                                stderr=slave, env=env)
+        os.close(slave)
+        out, chunks = proc.communicate(timeout=120)[0], []
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child side is closed
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, shown
+    assert re.search(r"build: 100%.*4/4", shown), shown
+    piped = shardgen_cli("build", "-c", cfg, "--force")
+    assert piped.returncode == 0 and "build:" not in piped.stderr and "%|" not in piped.stderr
+    probe = ("import sys, runpy; sys.argv = ['shardgen', 'build', '-c', sys.argv[1], '--force']\n"
+             "try:\n    runpy.run_module('shardgen.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('tqdm' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe, str(cfg)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.stdout.strip().splitlines()[-1] == "False", r.stdout + r.stderr
