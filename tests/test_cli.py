@@ -155,8 +155,8 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(cfg_dir):
         proc = subprocess.Popen([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg)], stdout=subprocess.PIPE,
                                 stderr=slave, env=env)
         os.close(slave)
-        out, chunks = proc.communicate(timeout=120)[0], []
-        while True:
+        chunks = []
+        while True:  # read while it runs: a full pty buffer would block the build
             try:
                 data = os.read(master, 65536)
             except OSError:  # EIO: the child side is closed
@@ -164,6 +164,7 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(cfg_dir):
             if not data:
                 break
             chunks.append(data)
+        proc.communicate(timeout=120)
     finally:
         os.close(master)
     shown = b"".join(chunks).decode(errors="replace")
