@@ -104,51 +104,81 @@ class _StopCheck:
 
 
 def _setpriv() -> Optional[str]:
-    """util-linux ``setpriv`` if it can set the parent-death signal (``--pdeathsig``), else None."""
+    """util-linux ``setpriv`` (looked up on the system path only, never the user's PATH) if it can
+    set the parent-death signal (``--pdeathsig``) and there is a ``/bin/sh``, else None."""
     global _SETPRIV
     if _SETPRIV is None:
-        found = shutil.which("setpriv") if sys.platform.startswith("linux") else None
-        if found:
+        found = shutil.which("setpriv", path=os.confstr("CS_PATH")) if sys.platform.startswith("linux") else None
+        if found and os.access(_SH, os.X_OK):
             try:
                 out = subprocess.run([found, "--help"], capture_output=True, timeout=10).stdout
             except (OSError, subprocess.SubprocessError):
                 out = b""
             found = found if b"--pdeathsig" in out else None
+        else:
+            found = None
         _SETPRIV = found or ""
     return _SETPRIV or None
 
 
 _SETPRIV: Optional[str] = None  # "" once looked for and not usable
+_SH = "/bin/sh"
+# What the shell that setpriv starts runs, once the parent-death signal is set: if the process that
+# started it died before that (its parent is no longer "$1"), nothing would kill it, so it stops.
+_GUARD = '[ "$PPID" = "$1" ] || exit 255; shift; exec "$@"'
+
+
+def _executable(exe: str, cwd: Path) -> tuple[Optional[str], str]:
+    """``(absolute path, "")`` of what exec would run for ``exe`` started in ``cwd``, or ``(None,
+    why)``: the strerror Popen would have raised."""
+    if os.sep in exe:
+        candidates = [Path(cwd) / exe]
+    else:  # relative PATH entries are relative to cwd, as for exec in the child
+        candidates = [Path(cwd) / d / exe for d in os.get_exec_path()]
+    why = "No such file or directory"
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c.absolute()), ""
+        if c.exists():
+            why = "Permission denied"
+    return None, why
+
+
+def _starts_like_a_program(path: str) -> bool:
+    """An ELF binary, or a script whose ``#!`` interpreter exists. Anything else (no ``#!``, a
+    missing interpreter, another binary format) starts through Popen, whose error is the kernel's
+    own: a shell would run a file without ``#!`` as a shell script."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(256)
+    except OSError:
+        return False
+    if head.startswith(b"\x7fELF"):
+        return True
+    if not head.startswith(b"#!"):
+        return False
+    words = head[2:].split(b"\n", 1)[0].split()
+    return bool(words) and os.access(os.fsdecode(words[0]), os.X_OK)
 
 
 def _spawn(argv: list[str], cwd: Path, stderr, date: dt.date) -> subprocess.Popen:
     """Start the generator in a session of its own that gets SIGKILL if this thread's process
-    dies. Through ``setpriv --pdeathsig KILL`` where there is one: Python then starts the child
-    with vfork (0.3 ms). A ``preexec_fn`` forces a full fork and Python code in the child, 5-7 ms
-    of every date of a ``jobs=1`` build (the generator's own run being ~100 ms)."""
+    dies. Through ``setpriv --pdeathsig KILL`` and a one-line ``/bin/sh`` guard where there are
+    both: Python then starts the child with vfork (0.3 ms). A ``preexec_fn`` forces a full fork
+    and Python code in the child: 5-7 ms of every date of a ``jobs=1`` build, whose generator
+    runs ~100 ms."""
     setpriv = _setpriv()
     if setpriv is not None:
-        exe = argv[0]
-        found = shutil.which(exe, path=os.environ.get("PATH")) if os.sep not in exe else (
-            exe if os.access(Path(cwd) / exe, os.X_OK) and (Path(cwd) / exe).is_file() else None)
-        if found is None:  # setpriv would start and fail: say it as Popen would have
-            why = "No such file or directory" if not (Path(cwd) / exe).exists() or os.sep not in exe \
-                else "Permission denied"
-            raise GeneratorError(f"{date}: cannot start generator {exe!r} ({why})")
-        return subprocess.Popen([setpriv, "--pdeathsig", "KILL", "--", *argv], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=stderr, cwd=cwd, start_new_session=True)
+        path, why = _executable(argv[0], cwd)
+        if path is None:  # say it as Popen would have
+            raise GeneratorError(f"{date}: cannot start generator {argv[0]!r} ({why})")
+        if _starts_like_a_program(path):
+            return subprocess.Popen([setpriv, "--pdeathsig", "KILL", "--", _SH, "-c", _GUARD, "sh", str(os.getpid()),
+                                     path, *argv[1:]], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=stderr, cwd=cwd, start_new_session=True)
     parent = os.getpid()
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, cwd=cwd,
                             preexec_fn=lambda: _new_session_dying_with_parent(parent))
-
-
-def _stderr_file():
-    """Where a generator's stderr goes (its tail goes in errors): a memfd where Linux has them; a
-    temp file on disk is opened and closed beside the build's fsyncs (~3 ms a date on ext4)."""
-    try:
-        return os.fdopen(os.memfd_create("shardgen-generator-stderr", os.MFD_CLOEXEC), "w+b")
-    except (AttributeError, OSError):
-        return tempfile.TemporaryFile()
 
 
 def _new_session_dying_with_parent(parent: int) -> None:
@@ -184,6 +214,17 @@ def load_raw(path: Path, date: dt.date, min_cols: int) -> np.ndarray:
 def _tail(text: str) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return " | ".join(lines[-_STDERR_TAIL:]) or "(no stderr)"
+
+
+def _stderr_tail(err) -> str:
+    """The last lines of a generator's stderr file, reading only its last 64 KiB (a generator
+    may have written gigabytes there)."""
+    size = err.seek(0, os.SEEK_END)
+    err.seek(max(0, size - _STDERR_READ))
+    return _tail(err.read().decode(errors="replace"))
+
+
+_STDERR_READ = 64 << 10
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -229,10 +270,9 @@ def _wait_or_stop(proc: subprocess.Popen, exited: Callable[[float], int], deadli
                 raise Interrupted(f"{date}: generator abandoned (stopping)") from None
             if time.monotonic() >= deadline:
                 _kill_group(proc)
-                err.seek(0)
                 raise GeneratorError(
                     f"{date}: generator timed out after {timeout:g}s and was killed; "
-                    f"stderr: {_tail(err.read().decode(errors='replace'))}") from None
+                    f"stderr: {_stderr_tail(err)}") from None
 
 
 def run_generator(cfg: Config, date: dt.date) -> None:
@@ -243,7 +283,7 @@ def run_generator(cfg: Config, date: dt.date) -> None:
     stopping = _StopCheck()
     if stopping():
         raise Interrupted(f"{date}: generator not started (stopping)")
-    with _stderr_file() as err:
+    with tempfile.TemporaryFile() as err:
         try:
             proc = _spawn(argv, cfg.config_dir, err, date)
         except OSError as exc:
@@ -260,9 +300,7 @@ def run_generator(cfg: Config, date: dt.date) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         if code != 0:
-            err.seek(0)
-            raise GeneratorError(f"{date}: generator exited with code {code}; "
-                                 f"stderr: {_tail(err.read().decode(errors='replace'))}")
+            raise GeneratorError(f"{date}: generator exited with code {code}; stderr: {_stderr_tail(err)}")
 
 
 def obtain_raw(cfg: Config, date: dt.date, *, force: bool = False, generate: bool = True) -> np.ndarray:
