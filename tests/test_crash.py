@@ -1,6 +1,7 @@
 """Real processes: kill -9 mid-build then re-run, and concurrent builds on one store."""
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -253,6 +254,13 @@ def test_a_process_killed_right_after_starting_a_generator_leaves_none_running(t
     assert left == [], f"{len(left)} generators outlived the process that started them"
 
 
+def _set_command(cfg_path, argv):
+    """The config's generator command replaced by ``argv`` (no arguments of the fake generator)."""
+    text = cfg_path.read_text()
+    start = text.index("command = [")
+    cfg_path.write_text(text[:start] + f"command = {json.dumps(argv)}\n" + text[text.index("output ="):])
+
+
 @pytest.mark.parametrize(("name", "body", "mode", "path_entry", "expected"), [
     ("noshebang", "echo ran; exit 5\n", 0o755, None, r"cannot start generator '.*noshebang' \(Exec format error\)"),
     ("badshebang", "#!/no/such/interpreter\necho ran\n", 0o755, None,
@@ -272,9 +280,7 @@ def test_how_a_generator_starts_or_why_not(cfg_dir, name, body, mode, path_entry
     gen.chmod(mode)
     cfg_path = write_config(cfg_dir, end="2024-01-02")
     command = name if path_entry else f"./{name}"
-    text = cfg_path.read_text()
-    start = text.index("command = [")
-    cfg_path.write_text(text[:start] + f'command = ["{command}"]\n' + text[text.index("output ="):])
+    _set_command(cfg_path, [command])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if path_entry:
         env["PATH"] = f"{path_entry}:{env.get('PATH', '/usr/bin:/bin')}"
@@ -292,9 +298,7 @@ def test_the_stderr_tail_of_a_loud_generator(cfg_dir):
                    "echo >&2\necho the last line >&2\nexit 3\n")
     gen.chmod(0o755)
     cfg_path = write_config(cfg_dir, end="2024-01-02")
-    text = cfg_path.read_text()
-    start = text.index("command = [")
-    cfg_path.write_text(text[:start] + 'command = ["./loud.sh"]\n' + text[text.index("output ="):])
+    _set_command(cfg_path, ["./loud.sh"])
     r = subprocess.run([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg_path)], capture_output=True,
                        text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode != 0 and "exited with code 3" in r.stderr and r.stderr.rstrip().endswith("the last line")
