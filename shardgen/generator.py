@@ -16,6 +16,7 @@ import ctypes
 import datetime as dt
 import logging
 import os
+import re
 import select
 import shutil
 import signal
@@ -144,35 +145,73 @@ def _executable(exe: str, cwd: Path) -> tuple[Optional[str], str]:
     return None, why
 
 
-def _starts_like_a_program(path: str) -> bool:
-    """An ELF binary, or a script whose ``#!`` interpreter exists. Anything else (no ``#!``, a
-    missing interpreter, another binary format) starts through Popen, whose error is the kernel's
-    own: a shell would run a file without ``#!`` as a shell script."""
+def _host_elf() -> bytes:
+    """This Python's ELF class, byte order and machine (a generator built for another is refused
+    by the kernel, and said so through Popen)."""
+    global _HOST_ELF
+    if _HOST_ELF is None:
+        try:
+            with open(sys.executable, "rb") as fh:
+                head = fh.read(20)
+            _HOST_ELF = head[4:6] + head[18:20] if head.startswith(b"\x7fELF") else b""
+        except OSError:
+            _HOST_ELF = b""
+    return _HOST_ELF
+
+
+_HOST_ELF: Optional[bytes] = None
+
+
+def _starts_like_a_program(path: str, cwd: Path) -> bool:
+    """An ELF executable for this machine, or a script whose ``#!`` interpreter (read as the
+    kernel reads it: up to a space or tab, a ``\\r`` kept; relative to ``cwd``) is an executable
+    file. Anything else (no ``#!``, a missing interpreter, another machine's binary) starts
+    through Popen, whose error is the kernel's own: a shell would run a file it cannot exec as
+    a shell script, or name it "not found"."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(256)
     except OSError:
         return False
     if head.startswith(b"\x7fELF"):
-        return True
-    if not head.startswith(b"#!"):
+        return len(head) >= 20 and head[16:18] in (b"\x02\x00", b"\x03\x00") and \
+            head[4:6] + head[18:20] == _host_elf()
+    if not head.startswith(b"#!") or b"\n" not in head:
         return False
-    words = head[2:].split(b"\n", 1)[0].split()
-    return bool(words) and os.access(os.fsdecode(words[0]), os.X_OK)
+    line = head[2:].split(b"\n", 1)[0].lstrip(b" \t")
+    interpreter = line.replace(b"\t", b" ").split(b" ", 1)[0]
+    if not interpreter:
+        return False
+    target = Path(cwd) / os.fsdecode(interpreter)
+    return target.is_file() and os.access(target, os.X_OK)
+
+
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_SHELL_SETS = frozenset({"PPID", "IFS", "OPTIND"})  # the shell sets or resets these
+
+
+def _environment_passes_a_shell() -> bool:
+    """Whether ``/bin/sh`` hands this environment on unchanged: it drops variables whose names
+    are not shell names (``BASH_FUNC_module%%``, ``app.mode``) and sets a few itself. (``PWD``
+    it sets to the generator's folder, which Popen with ``cwd=`` leaves naming this process's.)"""
+    return all(_SHELL_NAME.match(name) and name not in _SHELL_SETS for name in os.environ)
 
 
 def _spawn(argv: list[str], cwd: Path, stderr, date: dt.date) -> subprocess.Popen:
     """Start the generator in a session of its own that gets SIGKILL if this thread's process
     dies. Through ``setpriv --pdeathsig KILL`` and a one-line ``/bin/sh`` guard where there are
-    both: Python then starts the child with vfork (0.3 ms). A ``preexec_fn`` forces a full fork
-    and Python code in the child: 5-7 ms of every date of a ``jobs=1`` build, whose generator
-    runs ~100 ms."""
+    both, the generator is a program this machine runs and the environment passes a shell
+    unchanged: Python then starts the child with vfork (0.3 ms). Else through a ``preexec_fn``,
+    which forces a full fork and Python code in the child: 5-7 ms of every date of a ``jobs=1``
+    build, whose generator runs ~100 ms. Through the guard the generator's ``argv[0]`` is its
+    absolute path and ``$PWD`` its folder; a file replaced between the check and the exec (a
+    window of microseconds) is exec'd as it then is."""
     setpriv = _setpriv()
     if setpriv is not None:
         path, why = _executable(argv[0], cwd)
         if path is None:  # say it as Popen would have
             raise GeneratorError(f"{date}: cannot start generator {argv[0]!r} ({why})")
-        if _starts_like_a_program(path):
+        if _starts_like_a_program(path, cwd) and _environment_passes_a_shell():
             return subprocess.Popen([setpriv, "--pdeathsig", "KILL", "--", _SH, "-c", _GUARD, "sh", str(os.getpid()),
                                      path, *argv[1:]], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=stderr, cwd=cwd, start_new_session=True)

@@ -173,6 +173,9 @@ def test_a_generator_dies_with_a_build_killed_by_sigkill(cfg_dir, launch):
     """kill -9 of the build process alone (jobs=1: the generator is its child, in a session of its
     own, so no group kill reaches it): the generator gets SIGKILL from the kernel (parent-death
     signal), whether it was started through ``setpriv --pdeathsig`` or a ``preexec_fn``."""
+    from shardgen.generator import _setpriv
+
+    assert launch == "preexec_fn" or _setpriv(), "no setpriv with --pdeathsig here: the path under test is not taken"
     cfg_path = write_config(cfg_dir, modes={"*": "hang"}, timeout=120)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", _CLI_WITHOUT_SETPRIV if launch == "preexec_fn" else _CLI,
@@ -230,6 +233,9 @@ os.kill(os.getpid(), signal.SIGKILL)  # at once: before setpriv has set the pare
 def test_a_process_killed_right_after_starting_a_generator_leaves_none_running(tmp_path, launch):
     """The parent dies within a millisecond of Popen returning, before ``setpriv`` has set the
     parent-death signal in most runs (review: 2-4 survivors in 20 without the shell guard)."""
+    from shardgen.generator import _setpriv
+
+    assert launch == "preexec_fn" or _setpriv(), "no setpriv with --pdeathsig here: the path under test is not taken"
     gen = tmp_path / "gen.sh"
     gen.write_text("#!/bin/sh\nsleep 5; sleep 5; sleep 5\n")
     gen.chmod(0o755)
@@ -266,6 +272,8 @@ def _set_command(cfg_path, argv):
     ("badshebang", "#!/no/such/interpreter\necho ran\n", 0o755, None,
      r"cannot start generator '.*badshebang' \(No such file or directory\)"),
     ("plainfile", "#!/bin/sh\necho ran\n", 0o644, "pbin", r"cannot start generator 'plainfile' \(Permission denied\)"),
+    ("crlf.sh", "#!/bin/sh\r\necho ran\r\n", 0o755, None,
+     r"cannot start generator '.*crlf.sh' \(No such file or directory\)"),
     ("relgen", "#!/bin/sh\necho relgen ran >&2; exit 7\n", 0o755, "bin",
      r"generator exited with code 7; stderr: relgen ran"),
 ])
@@ -302,3 +310,36 @@ def test_the_stderr_tail_of_a_loud_generator(cfg_dir):
     r = subprocess.run([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg_path)], capture_output=True,
                        text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode != 0 and "exited with code 3" in r.stderr and r.stderr.rstrip().endswith("the last line")
+
+
+def test_a_binary_for_another_machine_is_named_as_the_kernel_says(cfg_dir):
+    elf = bytearray(Path("/bin/true").read_bytes())
+    elf[18:20] = b"\x02\x00" if elf[18:20] != b"\x02\x00" else b"\x03\x00"  # e_machine: SPARC (or x86)
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    gen = cfg_dir / "other-arch"
+    gen.write_bytes(bytes(elf))
+    gen.chmod(0o755)
+    cfg_path = write_config(cfg_dir, end="2024-01-02")
+    _set_command(cfg_path, ["./other-arch"])
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg_path)], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "cannot start generator '" in r.stderr and "other-arch' (Exec format error)" in r.stderr, r.stderr
+
+
+def test_the_environment_reaches_the_generator_unchanged(cfg_dir):
+    """Variables a shell would drop (a dotted name, an exported bash function) reach the generator:
+    the environment passes through no shell then (review: Lmod's ``module`` function was lost)."""
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    gen = cfg_dir / "envgen"
+    gen.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                   "print('seen', os.environ.get('app.mode'), os.environ.get('BASH_FUNC_module%%'), "
+                   "os.environ.get('PLAIN'), file=sys.stderr)\nsys.exit(3)\n")
+    gen.chmod(0o755)
+    cfg_path = write_config(cfg_dir, end="2024-01-02")
+    _set_command(cfg_path, ["./envgen"])
+    base = {**os.environ, "PYTHONPATH": str(ROOT), "PLAIN": "p1"}
+    for extra, expected in (({}, "seen None None p1"),
+                            ({"app.mode": "prod", "BASH_FUNC_module%%": "() {  :\n}"}, "seen prod () {  : | } p1")):
+        r = subprocess.run([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg_path), "--force"],
+                           capture_output=True, text=True, timeout=60, env={**base, **extra})
+        assert "exited with code 3" in r.stderr and expected in r.stderr, r.stderr
