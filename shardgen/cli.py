@@ -118,10 +118,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during a build: stopped as Ctrl-C stops it (generators killed, finished shards
+    published), exit 143."""
+
+
+def _on_sigterm(_signum, _frame) -> None:
+    raise _Terminated()
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.jobs is not None and args.jobs < 1:
         raise ConfigError("--jobs must be >= 1")
+    # Python's default SIGTERM ends this process at once: its joblib workers (jobs > 1) and their
+    # generators went on running (review). Now stopped as Ctrl-C stops them.
+    signal.signal(signal.SIGTERM, _on_sigterm)
     report = build(cfg, start=args.start, end=args.end, jobs=args.jobs, force=args.force, progress=_bar)
     print(report.summary())
     return 1 if report.failed else 0
@@ -237,9 +249,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ShardgenError as exc:
         print(f"shardgen: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("shardgen: interrupted; finished shards were published", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        how = "terminated (SIGTERM)" if isinstance(exc, _Terminated) else "interrupted"
+        print(f"shardgen: {how}; finished shards were published", file=sys.stderr)
+        return 143 if isinstance(exc, _Terminated) else 130
     except OSError as exc:  # disk full, permissions, a file where a folder should be: one line, no traceback
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
         print(f"shardgen: error: {where}{exc.strerror or exc} (what was published before stays intact)",

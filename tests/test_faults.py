@@ -172,11 +172,14 @@ def test_cli_os_errors_are_one_line(tmp_path):
     assert [ln for ln in r.stderr.splitlines() if "error" in ln][-1].startswith("shardgen: error: ")
 
 
-@pytest.mark.parametrize("mode", ["slow:30", "hang"])
-def test_ctrl_c_on_build_stops_its_generators_at_once(tmp_path, mode):
+@pytest.mark.parametrize(("mode", "sig", "jobs"), [("slow:30", signal.SIGINT, 1), ("hang", signal.SIGINT, 1),
+                                                   ("hang", signal.SIGTERM, 1), ("hang", signal.SIGTERM, 2)])
+def test_ctrl_c_on_build_stops_its_generators_at_once(tmp_path, mode, sig, jobs):
     """jobs=1 runs the next date's generator in a thread: Ctrl-C still kills it (and what it
-    started) at once, not after it finished or timed out (found by review: 19 s, then orphans)."""
-    cfg = write_config(tmp_path / "p", end="2024-01-05", jobs=1, timeout=60, modes={"*": mode})
+    started) at once, not after it finished or timed out (found by review: 19 s, then orphans).
+    SIGTERM to the build alone stops it the same way (was: the process ended at once, and with
+    jobs=2 its workers and their generators went on running)."""
+    cfg = write_config(tmp_path / "p", end="2024-01-05", jobs=jobs, timeout=60, modes={"*": mode})
     b = subprocess.Popen([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                          start_new_session=True)
@@ -184,13 +187,14 @@ def test_ctrl_c_on_build_stops_its_generators_at_once(tmp_path, mode):
         wait_for(lambda: (tmp_path / "p" / "modes.json.runs").exists(), timeout=60, what="a generator running")
         time.sleep(0.5)
         t0 = time.monotonic()
-        b.send_signal(signal.SIGINT)
+        b.send_signal(sig)
         out, err = b.communicate(timeout=30)
         took = time.monotonic() - t0
     finally:
         if b.poll() is None:
             os.killpg(b.pid, signal.SIGKILL)
-    assert b.returncode == 130 and "Traceback" not in err, err[-2000:]
-    assert took < 10, f"exited {took:.1f}s after Ctrl-C"
+    assert b.returncode == (130 if sig == signal.SIGINT else 143) and "Traceback" not in err, err[-2000:]
+    assert took < 10, f"exited {took:.1f}s after {sig.name}"
+    time.sleep(0.5)  # workers (jobs=2) end as their pipe to the build closes
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "p" / "modes.json")], capture_output=True, text=True).stdout
     assert not left.split(), f"generator processes still running: {left}"
