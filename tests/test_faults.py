@@ -198,3 +198,25 @@ def test_ctrl_c_on_build_stops_its_generators_at_once(tmp_path, mode, sig, jobs)
     time.sleep(0.5)  # workers (jobs=2) end as their pipe to the build closes
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "p" / "modes.json")], capture_output=True, text=True).stdout
     assert not left.split(), f"generator processes still running: {left}"
+
+
+def test_an_mxnet_error_in_the_reader_is_named_by_its_reason(tmp_path, monkeypatch):
+    """MXNet 1.9.1's errors start with "Traceback (most recent call last):" and their C++ frames:
+    the LoaderError says the reason (the last line), not that first line."""
+    import mxnet as mx
+
+    import loader.stream as module
+
+    def failing(*_a, **_k):
+        raise mx.base.MXNetError('Traceback (most recent call last):\n  File "../src/io/iter_image_recordio_2.cc", '
+                                 'line 123\nMXNetError: Check failed: record size mismatch')
+
+    make_store(tmp_path / "s", {"2024-01-02": 40})
+    monkeypatch.setattr(module, "open_record_iter", failing)
+    it = ShardIter(tmp_path / "s", 16, cache_dir=tmp_path / "c")
+    with pytest.raises(LoaderError) as info:
+        it.next()
+    it.close()
+    text = str(info.value)
+    assert "MXNet's reader failed on generation 1" in text and text.endswith(": Check failed: record size mismatch")
+    assert "Traceback" not in text
