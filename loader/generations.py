@@ -28,7 +28,7 @@ import mxnet as mx
 from shardgen.errors import ManifestError
 from shardgen.manifest import Manifest
 
-from .errors import LoaderError
+from .errors import LoaderError, mxnet_reason
 from .objcache import lease_for, mirror_of
 from .selection import load_manifest, manifest_path_of
 
@@ -75,7 +75,7 @@ def agree(kv: Any, proposal: int) -> int:
     except mx.base.MXNetError as exc:
         if "Mixed key types" not in str(exc) or isinstance(key, str):
             raise LoaderError(f"workers could not agree on a generation through the kvstore: "
-                              f"{str(exc).strip().splitlines()[-1]}") from None
+                              f"{mxnet_reason(exc)}") from None
         _STR_KEYS.add(kv)  # the model's keys are strings (Module): use string keys too
         kv.broadcast(f"__shardgen_generation_{n}", value, out=out)
     hi, lo = (int(v) for v in out.asnumpy())

@@ -23,7 +23,7 @@ import numpy as np
 
 from shardgen.format.schema import Schema
 
-from .errors import LoaderError
+from .errors import LoaderError, mxnet_reason
 from .memory import Arena
 from .native import copy_into, next_label, open_record_iter
 from .parts import PartSplit, SharedRecords, split_part
@@ -73,14 +73,6 @@ def plan_part(plan: EpochPlan, p: StreamParams) -> PartSplit:
     """This part's records, trims and readers (in order, one reader: the order must not depend on
     how reads interleave)."""
     return split_part(plan.counts, p.num_parts, p.part_index, p.readers if p.shuffle else 1, plan.can_split)
-
-
-def _mxnet_reason(exc: BaseException) -> str:
-    """What an ``MXNetError`` says: its last line (1.9.1's text starts with the C++ frames,
-    "Traceback (most recent call last):"), without the class name it repeats."""
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    last = lines[-1] if lines else type(exc).__name__
-    return last.removeprefix("MXNetError:").strip() or last
 
 
 class EpochStream:
@@ -260,7 +252,7 @@ class EpochStream:
                 exc = LoaderError(f"MXNet's reader found no records (generation {self.plan.generation})")
             if isinstance(exc, mx.base.MXNetError):
                 exc = LoaderError(f"MXNet's reader failed on generation {self.plan.generation} "
-                                  f"({len(self.plan.shards)} shards in {self.plan.store}): {_mxnet_reason(exc)}")
+                                  f"({len(self.plan.shards)} shards in {self.plan.store}): {mxnet_reason(exc)}")
             self._offer(exc)
         finally:
             self._producing = False
