@@ -250,9 +250,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"shardgen: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
-        how = "terminated (SIGTERM)" if isinstance(exc, _Terminated) else "interrupted"
-        print(f"shardgen: {how}; finished shards were published", file=sys.stderr)
-        return 143 if isinstance(exc, _Terminated) else 130
+        terminated = isinstance(exc, _Terminated)
+        print(f"shardgen: {'terminated (SIGTERM)' if terminated else 'interrupted'}; finished shards were published",
+              file=sys.stderr)
+        return 143 if terminated else 130
     except OSError as exc:  # disk full, permissions, a file where a folder should be: one line, no traceback
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
         print(f"shardgen: error: {where}{exc.strerror or exc} (what was published before stays intact)",

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime as dt
+import errno
+import functools
 import logging
 import os
 import re
@@ -104,62 +106,52 @@ class _StopCheck:
         return True
 
 
+@functools.cache
 def _setpriv() -> Optional[str]:
     """util-linux ``setpriv`` (looked up on the system path only, never the user's PATH) if it can
     set the parent-death signal (``--pdeathsig``) and there is a ``/bin/sh``, else None."""
-    global _SETPRIV
-    if _SETPRIV is None:
-        found = shutil.which("setpriv", path=os.confstr("CS_PATH")) if sys.platform.startswith("linux") else None
-        if found and os.access(_SH, os.X_OK):
-            try:
-                out = subprocess.run([found, "--help"], capture_output=True, timeout=10).stdout
-            except (OSError, subprocess.SubprocessError):
-                out = b""
-            found = found if b"--pdeathsig" in out else None
-        else:
-            found = None
-        _SETPRIV = found or ""
-    return _SETPRIV or None
+    found = shutil.which("setpriv", path=os.confstr("CS_PATH")) if sys.platform.startswith("linux") else None
+    if not found or not os.access(_SH, os.X_OK):
+        return None
+    try:
+        out = subprocess.run([found, "--help"], capture_output=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found if b"--pdeathsig" in out else None
 
 
-_SETPRIV: Optional[str] = None  # "" once looked for and not usable
 _SH = "/bin/sh"
 # What the shell that setpriv starts runs, once the parent-death signal is set: if the process that
 # started it died before that (its parent is no longer "$1"), nothing would kill it, so it stops.
 _GUARD = '[ "$PPID" = "$1" ] || exit 255; shift; exec "$@"'
 
 
-def _executable(exe: str, cwd: Path) -> tuple[Optional[str], str]:
-    """``(absolute path, "")`` of what exec would run for ``exe`` started in ``cwd``, or ``(None,
-    why)``: the strerror Popen would have raised."""
+def _executable(exe: str, cwd: Path) -> str:
+    """The absolute path of what exec would run for ``exe`` started in ``cwd``; else the OSError
+    Popen would have raised."""
     if os.sep in exe:
         candidates = [Path(cwd) / exe]
     else:  # relative PATH entries are relative to cwd, as for exec in the child
         candidates = [Path(cwd) / d / exe for d in os.get_exec_path()]
-    why = "No such file or directory"
+    code = errno.ENOENT
     for c in candidates:
         if c.is_file() and os.access(c, os.X_OK):
-            return str(c.absolute()), ""
+            return str(c.absolute())
         if c.exists():
-            why = "Permission denied"
-    return None, why
+            code = errno.EACCES
+    raise OSError(code, os.strerror(code), exe)
 
 
+@functools.cache
 def _host_elf() -> bytes:
     """This Python's ELF class, byte order and machine (a generator built for another is refused
     by the kernel, and said so through Popen)."""
-    global _HOST_ELF
-    if _HOST_ELF is None:
-        try:
-            with open(sys.executable, "rb") as fh:
-                head = fh.read(20)
-            _HOST_ELF = head[4:6] + head[18:20] if head.startswith(b"\x7fELF") else b""
-        except OSError:
-            _HOST_ELF = b""
-    return _HOST_ELF
-
-
-_HOST_ELF: Optional[bytes] = None
+    try:
+        with open(sys.executable, "rb") as fh:
+            head = fh.read(20)
+    except OSError:
+        return b""
+    return head[4:6] + head[18:20] if head.startswith(b"\x7fELF") else b""
 
 
 def _starts_like_a_program(path: str, cwd: Path) -> bool:
@@ -197,7 +189,7 @@ def _environment_passes_a_shell() -> bool:
     return all(_SHELL_NAME.match(name) and name not in _SHELL_SETS for name in os.environ)
 
 
-def _spawn(argv: list[str], cwd: Path, stderr, date: dt.date) -> subprocess.Popen:
+def _spawn(argv: list[str], cwd: Path, stderr) -> subprocess.Popen:
     """Start the generator in a session of its own that gets SIGKILL if this thread's process
     dies. Through ``setpriv --pdeathsig KILL`` and a one-line ``/bin/sh`` guard where there are
     both, the generator is a program this machine runs and the environment passes a shell
@@ -208,9 +200,7 @@ def _spawn(argv: list[str], cwd: Path, stderr, date: dt.date) -> subprocess.Pope
     window of microseconds) is exec'd as it then is."""
     setpriv = _setpriv()
     if setpriv is not None:
-        path, why = _executable(argv[0], cwd)
-        if path is None:  # say it as Popen would have
-            raise GeneratorError(f"{date}: cannot start generator {argv[0]!r} ({why})")
+        path = _executable(argv[0], cwd)
         if _starts_like_a_program(path, cwd) and _environment_passes_a_shell():
             return subprocess.Popen([setpriv, "--pdeathsig", "KILL", "--", _SH, "-c", _GUARD, "sh", str(os.getpid()),
                                      path, *argv[1:]], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -324,7 +314,7 @@ def run_generator(cfg: Config, date: dt.date) -> None:
         raise Interrupted(f"{date}: generator not started (stopping)")
     with tempfile.TemporaryFile() as err:
         try:
-            proc = _spawn(argv, cfg.config_dir, err, date)
+            proc = _spawn(argv, cfg.config_dir, err)
         except OSError as exc:
             raise GeneratorError(f"{date}: cannot start generator {argv[0]!r} ({exc.strerror})") from None
         deadline = time.monotonic() + timeout

@@ -165,7 +165,7 @@ def _generator_pids(cfg_dir):
 
 
 _CLI = "import runpy, sys; sys.argv[0] = 'shardgen'; runpy.run_module('shardgen.cli', run_name='__main__')"
-_CLI_WITHOUT_SETPRIV = "import shardgen.generator as g; g._SETPRIV = ''; " + _CLI  # the preexec_fn fallback
+_CLI_WITHOUT_SETPRIV = "import shardgen.generator as g; g._setpriv = lambda: None; " + _CLI  # the preexec_fn fallback
 
 
 @pytest.mark.parametrize("launch", ["setpriv", "preexec_fn"])
@@ -218,13 +218,13 @@ def test_a_generator_that_cannot_start_is_one_clear_error(cfg_dir, command):
 
 
 _RACE = """
-import datetime as dt, os, signal, sys
+import os, signal, sys
 from pathlib import Path
 import shardgen.generator as g
 if sys.argv[1] == "preexec_fn":
-    g._SETPRIV = ""
+    g._setpriv = lambda: None
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one CPU: the child runs only once this process is gone
-g._spawn([sys.argv[2], sys.argv[3]], Path(sys.argv[3]), open(os.devnull, "wb"), dt.date(2024, 1, 2))
+g._spawn([sys.argv[2], sys.argv[3]], Path(sys.argv[3]), open(os.devnull, "wb"))
 os.kill(os.getpid(), signal.SIGKILL)  # at once: before setpriv has set the parent-death signal, often
 """
 
