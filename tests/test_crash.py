@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, runs, write_config
+from test_watch import processes_with
 
 from shardgen.config import load_config
 from shardgen.fsutil import HOST_TOKEN, clean_temp_files, host_token, temp_name
@@ -150,18 +151,9 @@ def test_concurrent_builds_serialise_on_the_lock(cfg_dir):
 
 
 def _generator_pids(cfg_dir):
-    """Pids of fake generators running with this test's modes file (``hang`` mode: they sleep)."""
-    marker = str(cfg_dir / "modes.json").encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if marker in argv and any(a.endswith(b"fake_gen.py") for a in argv):
-                pids.append(int(entry.name))
-    return pids
+    """Pids of fake generators running with this test's modes file (``hang`` mode: they sleep; a
+    zombie has no command line, so it is not one)."""
+    return list(processes_with(str(cfg_dir / "modes.json"), "fake_gen.py"))
 
 
 _CLI = "import runpy, sys; sys.argv[0] = 'shardgen'; runpy.run_module('shardgen.cli', run_name='__main__')"
@@ -188,8 +180,8 @@ def test_a_generator_dies_with_a_build_killed_by_sigkill(cfg_dir, launch):
         gen = _generator_pids(cfg_dir)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-        wait_until(lambda: not any(Path(f"/proc/{p}").exists() and b"Z" not in _state(p) for p in gen),
-                   "the generator killed with its parent", timeout=10)
+        wait_until(lambda: not set(gen) & set(_generator_pids(cfg_dir)), "the generator killed with its parent",
+                   timeout=10)
     finally:
         kill_group(proc)
         for pid in _generator_pids(cfg_dir) + [int(p) for p in (children.read_text().split()
@@ -198,18 +190,10 @@ def test_a_generator_dies_with_a_build_killed_by_sigkill(cfg_dir, launch):
                 os.kill(pid, signal.SIGKILL)
 
 
-def _state(pid):
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
-    except OSError:
-        return b"Z"
-
-
 @pytest.mark.parametrize("command", ["no-such-generator-xyz", "./missing/gen.sh"])
 def test_a_generator_that_cannot_start_is_one_clear_error(cfg_dir, command):
     cfg_path = write_config(cfg_dir, end="2024-01-02")
-    text = cfg_path.read_text()
-    cfg_path.write_text(text.replace(f'command = ["{sys.executable}"', f'command = ["{command}"'))
+    _set_command(cfg_path, [command])
     r = subprocess.run([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg_path)], capture_output=True,
                        text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode != 0 and "Traceback" not in r.stderr
@@ -244,16 +228,7 @@ def test_a_process_killed_right_after_starting_a_generator_leaves_none_running(t
         subprocess.run([sys.executable, "-c", _RACE, launch, str(gen), str(tmp_path)], env=env, timeout=60)
     time.sleep(0.5)
 
-    def running():
-        found = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError):
-                    if str(gen).encode() in (entry / "cmdline").read_bytes() and b"Z" not in _state(entry.name):
-                        found.append(int(entry.name))
-        return found
-
-    left = running()
+    left = list(processes_with(str(gen)))  # zombies (no command line) are not counted
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
