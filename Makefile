@@ -28,7 +28,7 @@ test: install
 	$(PY) -m pytest -q -ra
 
 train: install
-	$(PY) -m loader.train --manifest shards/manifest.json --epochs 2 --val-from 2024-01-29
+	$(PY) -m loader.tools.train --manifest shards/manifest.json --epochs 2 --val-from 2024-01-29
 
 bench: install
 	$(PY) -m pip install --quiet -e '.[bench]'

@@ -2,6 +2,6 @@
 
 import sys
 
-from .bench import main
+from benchmarks.bench import main
 
 sys.exit(main())

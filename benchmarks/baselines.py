@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import mxnet as mx
 import numpy as np
 
-from shardgen.layout import Schema, day_number
+from shardgen.format import Schema, day_number
 
 __all__ = ["ListBatchIter", "PoppedBatches", "samples_from_arrays", "question_design_epoch"]
 

@@ -25,20 +25,19 @@ from typing import Callable, Iterator, Optional, Sequence
 import mxnet as mx
 import numpy as np
 
-from loader.plan import default_cache_dir
+from benchmarks.baselines import ListBatchIter, PoppedBatches, samples_from_arrays
+from benchmarks.e2e import end_to_end
+from benchmarks.objects import object_store_epoch
+from benchmarks.report import chart, machine_info, table, targets
+from benchmarks.scale import scale_suite
+from benchmarks.soak import soak_in_subprocess
+from benchmarks.stores import LAYOUTS, PER_DATE, build, evict, schema_for, touch
+from benchmarks.training import loop_cost
+from benchmarks.writer import build_cost, writer_bandwidth
 from loader.shard_iter import ShardIter
+from loader.source.plan import default_cache_dir
 from shardgen.format import day_number
 from shardgen.process import sliding_windows
-
-from .baselines import ListBatchIter, PoppedBatches, samples_from_arrays
-from .e2e import end_to_end
-from .objects import object_store_epoch
-from .report import chart, machine_info, table, targets
-from .scale import scale_suite
-from .soak import soak_in_subprocess
-from .stores import LAYOUTS, PER_DATE, build, evict, schema_for, touch
-from .training import loop_cost
-from .writer import build_cost, writer_bandwidth
 
 __all__ = ["main"]
 
@@ -151,9 +150,6 @@ def loaders(x: np.ndarray, labels: list[np.ndarray], store: Path, batch_size: in
         Loader("ShardIter", lambda: ShardIter(store, batch_size, shuffle=True, cache_dir=cache),
                "global shuffle, from disk"),
         Loader("ShardIter (no shuffle)", lambda: ShardIter(store, batch_size, shuffle=False, cache_dir=cache)),
-        Loader("ShardIter (producer process)", lambda: ShardIter(store, batch_size, shuffle=True, cache_dir=cache,
-                                                                 producer="process"),
-               "reading and batching in another process"),
     ]
 
 

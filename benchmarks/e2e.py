@@ -13,11 +13,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from benchmarks.baselines import question_design_epoch
+from benchmarks.stores import LAYOUTS, schema_for, touch
 from loader.shard_iter import ShardIter
-from shardgen.manifest import MANIFEST_NAME, Manifest
-
-from .baselines import question_design_epoch
-from .stores import LAYOUTS, schema_for, touch
+from shardgen.store.manifest import MANIFEST_NAME, Manifest
 
 __all__ = ["ROOT", "generator_config", "weekdays", "end_to_end"]
 

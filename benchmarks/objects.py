@@ -10,10 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.stores import evict, touch
 from loader.shard_iter import ShardIter
-from shardgen import objstore
-
-from .stores import evict, touch
+from shardgen.store import objstore
 
 __all__ = ["object_store_epoch"]
 

@@ -11,7 +11,7 @@ from typing import Optional
 import mxnet as mx
 import numpy as np
 
-from shardgen.manifest import utc_now
+from shardgen.store.manifest import utc_now
 
 __all__ = ["machine_info", "targets", "table", "chart"]
 
@@ -50,8 +50,6 @@ def targets(res: dict) -> list[dict]:
     tl = res.get("training_loop")
     if tl:
         rows.append(("Gluon LSTM loop time: ShardIter / batches in RAM", tl["thread_ratio"], "<=", 1.05))
-        rows.append(("Gluon LSTM loop time: ShardIter (producer process) / batches in RAM", tl["process_ratio"],
-                     "<=", 1.05))
     ob = res.get("object_store")
     if ob:
         rows.append(("cold epoch from an S3 store on loopback / from local disk (from ShardIter())", ob["ratio"],
@@ -179,8 +177,7 @@ def table(res: dict) -> str:
     if tl:
         lines.append(f"Gluon LSTM loop, {tl['steps']} steps of {tl['batch_size']}, medians of {tl.get('rounds', 1)} "
                      f"rounds: from RAM {tl['ram_s']:.2f}s, ShardIter {tl['thread_s']:.2f}s "
-                     f"({tl['thread_ratio']:.3f}x), ShardIter producer process {tl['process_s']:.2f}s "
-                     f"({tl['process_ratio']:.3f}x); "
+                     f"({tl['thread_ratio']:.3f}x); "
                      f"{res['machine'].get('nproc', '?')} cores")
     lines += ["", "targets:"]
     lines += [f"  [{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['value']:.2f} (target {t['target']})"

@@ -13,14 +13,13 @@ from typing import Callable
 import mxnet as mx
 import numpy as np
 
-from loader.native import quiet_native_info
-from loader.plan import default_cache_dir
+from benchmarks.stores import LAYOUTS, RUN_PACK, concat_store, evict, make_store
+from loader.pipeline.native import quiet_native_info
 from loader.shard_iter import ShardIter
+from loader.source.plan import default_cache_dir
 from shardgen.format import LabelSpec, Schema
-from shardgen.manifest import MANIFEST_NAME, Manifest
-from shardgen.writer import write_store
-
-from .stores import LAYOUTS, RUN_PACK, concat_store, evict, make_store
+from shardgen.produce.writer import write_store
+from shardgen.store.manifest import MANIFEST_NAME, Manifest
 
 __all__ = ["shuffled_rate", "stock_one_file", "randomness", "scale_suite"]
 

@@ -13,13 +13,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from benchmarks.stores import LABELS, LAYOUTS, C, T, make_store, raw_rows
 from loader.shard_iter import ShardIter
-from shardgen.manifest import MANIFEST_NAME, Manifest
 from shardgen.process import sliding_windows
-from shardgen.publish import publish
-from shardgen.writer import write_shard
-
-from .stores import LABELS, LAYOUTS, C, T, make_store, raw_rows
+from shardgen.produce.writer import write_shard
+from shardgen.store.manifest import MANIFEST_NAME, Manifest
+from shardgen.store.publish import publish
 
 __all__ = ["soak", "soak_in_subprocess", "rss_mb"]
 

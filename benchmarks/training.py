@@ -1,5 +1,5 @@
 """The loader's cost to a real training loop: an imperative Gluon loop (a small LSTM on the CPU,
-as ``loader.train`` runs) over the same number of batches, fed by ``ShardIter`` and by batches
+as ``loader.tools.train`` runs) over the same number of batches, fed by ``ShardIter`` and by batches
 already in RAM. The loop holds the GIL for much of each step (Python, MXNet's imperative calls),
 so a loader whose Python runs in the trainer's process slows it; one in its own process only
 competes for cores."""
@@ -61,9 +61,8 @@ def _from(it: ShardIter):
 
 
 def loop_cost(store: Path, batch_size: int, cache: Path, steps: int = 30, rounds: int = 5) -> dict:
-    """Seconds of the same loop fed from RAM, by ShardIter in a thread (the default) and by
-    ShardIter in its producer process; the ratios to RAM. The machine is shared and its speed
-    drifts by more than the effect measured, so the three run side by side in ``rounds`` rounds
+    """Seconds of the same loop fed from RAM and by ShardIter; the ratio to RAM. The machine is
+    shared and its speed drifts by more than the effect measured, so the two run side by side in ``rounds`` rounds
     (their order rotating) and each ratio is the median of the rounds' ratios to the RAM run of the
     same round."""
     out: dict = {"steps": steps, "rounds": rounds, "batch_size": batch_size}
@@ -78,17 +77,17 @@ def loop_cost(store: Path, batch_size: int, cache: Path, steps: int = 30, rounds
     def run(name: str) -> float:
         if name == "ram":
             return _loop(from_ram(), steps)
-        with ShardIter(store, batch_size, cache_dir=cache, producer=name) as it:
+        with ShardIter(store, batch_size, cache_dir=cache) as it:
             return _loop(_from(it), steps)
 
-    names = ["ram", "thread", "process"]
+    names = ["ram", "thread"]
     times: dict = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % 3:] + names[:r % 3]:
+        for name in names[r % 2:] + names[:r % 2]:
             times[name].append(run(name))
     for name in names:
         out[f"{name}_s"] = statistics.median(times[name])
         out[f"{name}_rounds_s"] = times[name]
-    for name in ("thread", "process"):
+    for name in ("thread",):
         out[f"{name}_ratio"] = statistics.median(t / r for t, r in zip(times[name], times["ram"]))
     return out

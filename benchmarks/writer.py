@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from shardgen.manifest import MANIFEST_NAME, Manifest
-from shardgen.writer import write_shard
-
-from .e2e import ROOT, generator_config, weekdays
-from .stores import LAYOUTS, PER_DATE, schema_for
+from benchmarks.e2e import ROOT, generator_config, weekdays
+from benchmarks.stores import LAYOUTS, PER_DATE, schema_for
+from shardgen.produce.writer import write_shard
+from shardgen.store.manifest import MANIFEST_NAME, Manifest
 
 __all__ = ["writer_bandwidth", "build_cost"]
 

@@ -5,10 +5,10 @@ engine before MXNet shuts down, so a ``dist_sync`` worker exits cleanly, and end
 ``dist_sync`` worker at once with its exit code instead of hanging in MXNet's kvstore teardown.
 """
 
-from . import lifecycle
-from .errors import LoaderError
-from .selection import to_datetime64
-from .shard_iter import ShardIter
+from loader import lifecycle
+from loader.errors import LoaderError
+from loader.shard_iter import ShardIter
+from loader.source.selection import to_datetime64
 
 lifecycle.install()
 

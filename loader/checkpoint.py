@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import LoaderError
+from loader.errors import LoaderError
 
 __all__ = ["STATE_VERSION", "state_of", "check_state"]
 

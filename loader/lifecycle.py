@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 import mxnet as mx
 
-from . import exitcode
+from loader import exitcode
 
 __all__ = ["EXIT_WAIT_S", "install", "track", "close_all", "wait_for_engine", "exit_steps"]
 
@@ -58,7 +58,7 @@ def close_all() -> None:
     """Stop every live iterator's threads before the interpreter (and MXNet's engine) shuts down."""
     for it in list(_LIVE):
         it.close()
-    from .epochs import join_closing  # dropped iterators' close threads (their finalizer ran already)
+    from loader.pipeline.epochs import join_closing  # dropped iterators' close threads (their finalizer ran already)
 
     join_closing(EXIT_WAIT_S)
 

@@ -1,7 +1,7 @@
 """``ShardIter``: an ``mx.io.DataIter`` over a shardgen manifest, read by MXNet's native C++
 ``ImageRecordIter`` (``preprocess_threads`` decode threads and a ``prefetch_buffer`` of batches,
 none of them holding the GIL). Records carry a pack of windows or a run of rows; a producer
-thread mixes them in a shuffle buffer and cuts the caller's batches (:mod:`loader.stream`), so
+thread mixes them in a shuffle buffer and cuts the caller's batches (:mod:`loader.pipeline.stream`), so
 ``next()`` only takes a ready batch. The next epoch's stream starts before this one ends, so
 ``reset()`` is nearly free. Every shard is checked (:mod:`shardgen.format.check`) before MXNet reads it.
 
@@ -17,23 +17,35 @@ import os
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import mxnet as mx
 
-from shardgen.manifest import ShardEntry
-
-from . import lifecycle
-from .checkpoint import check_state, state_of
-from .epochs import Epochs
-from .errors import LoaderError
-from .generations import Choice, agreed_start
-from .memory import Arena, settle_allocator
-from .objcache import lease_for, mirror_of, resolve
-from .plan import EpochPlan, default_cache_dir, make_plan, recheck
-from .selection import DateRange, load_manifest, manifest_path_of, normalize_dates, select_shards, to_datetime64
-from .settings import buffer_records, check_arguments, check_memory, default_native_batch, default_readers
-from .stream import StreamParams, batch_floats
+from loader import lifecycle
+from loader.checkpoint import check_state, state_of
+from loader.errors import LoaderError
+from loader.pipeline.epochs import Epochs
+from loader.pipeline.memory import Arena, settle_allocator
+from loader.pipeline.settings import (
+    buffer_records,
+    check_arguments,
+    check_memory,
+    default_native_batch,
+    default_readers,
+)
+from loader.pipeline.stream import StreamParams, batch_floats
+from loader.source.generations import Choice, agreed_start
+from loader.source.objcache import lease_for, mirror_of, resolve
+from loader.source.plan import EpochPlan, default_cache_dir, make_plan, recheck
+from loader.source.selection import (
+    DateRange,
+    load_manifest,
+    manifest_path_of,
+    normalize_dates,
+    select_shards,
+    to_datetime64,
+)
+from shardgen.store.manifest import ShardEntry
 
 __all__ = ["ShardIter", "to_datetime64"]
 
@@ -42,24 +54,13 @@ class ShardIter(mx.io.DataIter):
 
     ``verify``: ``"frame"`` (default) checks every record's framing before MXNet reads it,
     ``"sha256"`` also checks content against the manifest, ``"none"`` trusts the files.
-    ``producer``: ``"thread"`` (default: the work runs in a thread of this process) or
-    ``"process"`` (in this process's producer process, :mod:`loader.remote`).
     ``readers``: native iterators per part (each with its own I/O thread; default 2).
     ``shuffle_buffer``: what is held for mixing, as a number of *records* (an int) or a size
     in bytes (a string such as ``"256MB"`` or ``"1GiB"``; default 128 MB).
     ``native_batch``: records per native batch. ``prefetch_buffer``: caller batches assembled
-    ahead. What these hold in memory is computed at construction (:mod:`loader.memory`); more
+    ahead. What these hold in memory is computed at construction (:mod:`loader.pipeline.memory`); more
     than half the machine's memory is a LoaderError.
     """
-
-    def __new__(cls, *args: Any, producer: str = "thread", **kwargs: Any) -> ShardIter:
-        if producer not in ("process", "thread"):
-            raise LoaderError(f"producer must be 'process' or 'thread', got {producer!r}")
-        if cls is ShardIter and producer == "process":
-            from .remote import ProcessShardIter
-
-            return super().__new__(ProcessShardIter)
-        return super().__new__(cls)
 
     def __init__(self, manifest: os.PathLike | str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  preprocess_threads: int = 4, prefetch_buffer: int = 8, num_parts: int = 1,
@@ -67,8 +68,7 @@ class ShardIter(mx.io.DataIter):
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
                  verify: str = "frame", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
-                 producer: str = "thread", cache_limit: Optional[int | str] = None,
-                 _arena: Optional[Callable] = None):
+                 cache_limit: Optional[int | str] = None):
         check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
                         preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
                         native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify)
@@ -105,7 +105,7 @@ class ShardIter(mx.io.DataIter):
         self.memory = check_memory(self._params, shuffle_buffer)
         settle_allocator()
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
-        self._epochs.arena = (_arena or Arena)(self.schema, batch_floats(self._params),
+        self._epochs.arena = Arena(self.schema, batch_floats(self._params),
                                                keep=2 * (self.prefetch_buffer + 4))
         self._describe()
         self._start_epoch(self._plan_for(manifest_obj, select_shards(manifest_obj, self.dates)))

@@ -15,16 +15,16 @@ import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from . import s3store
-from .build import build
-from .config import load_config, parse_date
-from .errors import ConfigError, LockError, ManifestError, ShardgenError
-from .gc import collect
-from .naming import WATCH_STATE
-from .status import dumps, status, watch_fields
-from .verify import verify_store
-from .watch import Watcher
-from .watchstate import load_state, parse_state
+from shardgen.config import load_config, parse_date
+from shardgen.errors import ConfigError, LockError, ManifestError, ShardgenError
+from shardgen.produce.build import build
+from shardgen.store import s3store
+from shardgen.store.gc import collect
+from shardgen.store.naming import WATCH_STATE
+from shardgen.store.status import dumps, status, watch_fields
+from shardgen.store.verify import verify_store
+from shardgen.watch.state import load_state, parse_state
+from shardgen.watch.watcher import Watcher
 
 __all__ = ["main"]
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .errors import ConfigError
-from .format.registry import KINDS, codec_for
-from .format.schema import LabelSpec, Layout, Schema
-from .plugin import ProcessConfig
-from .toml_table import Table, integer, number, read_toml
+from shardgen.errors import ConfigError
+from shardgen.format.registry import KINDS, codec_for
+from shardgen.format.schema import LabelSpec, Layout, Schema
+from shardgen.produce.plugin import ProcessConfig
+from shardgen.toml_table import Table, integer, number, read_toml
 
 __all__ = ["GeneratorConfig", "DatesConfig", "ProcessConfig", "StoreConfig", "RunConfig", "Config",
            "load_config", "parse_date", "date_range", "PLACEHOLDERS"]
@@ -73,7 +73,7 @@ class StoreConfig:
         """The object store holding this store (None for a store folder)."""
         if self.remote is None:
             return None
-        from .objstore import ObjectStore
+        from shardgen.store.objstore import ObjectStore
 
         return ObjectStore(self.remote)
 
@@ -243,7 +243,7 @@ def _store_and_schema(top: Table, config_dir: Path, process: ProcessConfig,
     folder = sto.get("dir", str)
     remote, staging = None, sto.get("staging", str, None)
     if folder.startswith("s3://"):
-        from .objstore import ObjectStoreError, parse_url
+        from shardgen.store.objstore import ObjectStoreError, parse_url
 
         try:
             bucket, prefix = parse_url(folder)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .format.errors import ShardError, ShardgenError
+from shardgen.format.errors import ShardError, ShardgenError
 
 __all__ = [
     "ShardgenError",

@@ -18,8 +18,8 @@ from typing import Callable, Iterator, Mapping, Sequence, Union
 
 import numpy as np
 
-from .errors import ProcessorError
-from .format.schema import LabelSpec, Schema
+from shardgen.errors import ProcessorError
+from shardgen.format.schema import LabelSpec, Schema
 
 __all__ = ["RunSpec", "WindowSet", "sliding_windows", "run_processor", "Windows"]
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from shardgen.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -103,7 +103,7 @@ def make_store(store: Path, counts: dict, *, window: int = 0, t: int = 3, c: int
     import datetime as dt
 
     from shardgen.format import LabelSpec, Layout, Schema
-    from shardgen.writer import write_store
+    from shardgen.produce.writer import write_store
 
     schema = Schema.create(time_steps=t, num_inputs=c, data_name="seq_var",
                            labels=[LabelSpec("a", 1), LabelSpec("b", 2)],
@@ -183,8 +183,8 @@ def s3(tmp_path, monkeypatch):
 
     from s3server import S3Server
 
-    from loader.epochs import join_closing
-    from shardgen import objstore
+    from loader.pipeline.epochs import join_closing
+    from shardgen.store import objstore
 
     def settle():  # dropped iterators close in threads of their own (leases in the bucket): let them end first
         gc.collect()

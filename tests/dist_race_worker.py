@@ -1,4 +1,4 @@
-"""A dist_sync worker (run under ``loader.launch``) for the generation-agreement race test.
+"""A dist_sync worker (run under ``loader.tools.launch``) for the generation-agreement race test.
 
 Rank 0 writes ``<flags>/proposed`` right after it has read its newest generation in round
 ``--publish-round`` (0: construction, k: the k-th reset); the test then publishes a new date and
@@ -16,7 +16,7 @@ import mxnet as mx
 from mxnet import autograd, gluon
 
 from loader import ShardIter
-from loader.generations import Choice
+from loader.source.generations import Choice
 
 
 def wait_for(path: Path, timeout: float = 90.0) -> None:

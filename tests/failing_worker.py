@@ -1,4 +1,4 @@
-"""A dist_sync Gluon worker (run under ``loader.launch``) whose rank ``FAIL_RANK`` fails after 3
+"""A dist_sync Gluon worker (run under ``loader.tools.launch``) whose rank ``FAIL_RANK`` fails after 3
 batches, as ``HOW`` says: ``raise`` (RuntimeError), ``exit`` (``sys.exit(3)``) or ``kill``
 (SIGKILL to itself). The other rank trains on, and waits in ``trainer.step`` once its peer is gone.
 

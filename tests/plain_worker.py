@@ -1,4 +1,4 @@
-"""A dist_sync worker written the most natural way (not loader.train): it ends right after its
+"""A dist_sync worker written the most natural way (not loader.tools.train): it ends right after its
 last ``trainer.step``, with no ``mx.nd.waitall()``. ``import loader`` must make it exit cleanly."""
 
 import sys

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from conftest import expected_windows, runs, write_config
 
-from shardgen.build import build
 from shardgen.config import load_config
-from shardgen.layout import unpack_samples
-from shardgen.manifest import Manifest
-from shardgen.verify import verify_store
+from shardgen.format import unpack_samples
+from shardgen.produce.build import build
+from shardgen.store.manifest import Manifest
+from shardgen.store.verify import verify_store
 
 DATES = ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05"]
 

@@ -16,8 +16,8 @@ from test_watch import processes_with
 
 from shardgen.config import load_config
 from shardgen.fsutil import HOST_TOKEN, clean_temp_files, host_token, temp_name
-from shardgen.manifest import Manifest
-from shardgen.verify import verify_store
+from shardgen.store.manifest import Manifest
+from shardgen.store.verify import verify_store
 
 pytestmark = pytest.mark.slow
 DATES_8 = ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05",
@@ -157,7 +157,8 @@ def _generator_pids(cfg_dir):
 
 
 _CLI = "import runpy, sys; sys.argv[0] = 'shardgen'; runpy.run_module('shardgen.cli', run_name='__main__')"
-_CLI_WITHOUT_SETPRIV = "import shardgen.generator as g; g._setpriv = lambda: None; " + _CLI  # the preexec_fn fallback
+# the preexec_fn fallback
+_CLI_WITHOUT_SETPRIV = "import shardgen.produce.generator as g; g._setpriv = lambda: None; " + _CLI
 
 
 @pytest.mark.parametrize("launch", ["setpriv", "preexec_fn"])
@@ -165,7 +166,7 @@ def test_a_generator_dies_with_a_build_killed_by_sigkill(cfg_dir, launch):
     """kill -9 of the build process alone (jobs=1: the generator is its child, in a session of its
     own, so no group kill reaches it): the generator gets SIGKILL from the kernel (parent-death
     signal), whether it was started through ``setpriv --pdeathsig`` or a ``preexec_fn``."""
-    from shardgen.generator import _setpriv
+    from shardgen.produce.generator import _setpriv
 
     assert launch == "preexec_fn" or _setpriv(), "no setpriv with --pdeathsig here: the path under test is not taken"
     cfg_path = write_config(cfg_dir, modes={"*": "hang"}, timeout=120)
@@ -204,7 +205,7 @@ def test_a_generator_that_cannot_start_is_one_clear_error(cfg_dir, command):
 _RACE = """
 import os, signal, sys
 from pathlib import Path
-import shardgen.generator as g
+import shardgen.produce.generator as g
 if sys.argv[1] == "preexec_fn":
     g._setpriv = lambda: None
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one CPU: the child runs only once this process is gone
@@ -217,7 +218,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # at once: before setpriv has set the pare
 def test_a_process_killed_right_after_starting_a_generator_leaves_none_running(tmp_path, launch):
     """The parent dies within a millisecond of Popen returning, before ``setpriv`` has set the
     parent-death signal in most runs (review: 2-4 survivors in 20 without the shell guard)."""
-    from shardgen.generator import _setpriv
+    from shardgen.produce.generator import _setpriv
 
     assert launch == "preexec_fn" or _setpriv(), "no setpriv with --pdeathsig here: the path under test is not taken"
     gen = tmp_path / "gen.sh"

@@ -11,12 +11,12 @@ import pytest
 from conftest import ROOT, write_config
 
 from loader import LoaderError, ShardIter
-from shardgen.layout import LabelSpec, Layout, Schema
-from shardgen.manifest import Manifest
+from shardgen.format import LabelSpec, Layout, Schema
 from shardgen.process import sliding_windows
-from shardgen.publish import publish
-from shardgen.verify import verify_store
-from shardgen.writer import write_shard
+from shardgen.produce.writer import write_shard
+from shardgen.store.manifest import Manifest
+from shardgen.store.publish import publish
+from shardgen.store.verify import verify_store
 
 T, C = 5, 3
 LABELS = [LabelSpec("a", 1)]

@@ -13,9 +13,9 @@ import pytest
 from conftest import ROOT, make_store, write_config
 from proctree import alive, member_pids
 
-from shardgen.build import build
 from shardgen.config import load_config
-from shardgen.manifest import Manifest
+from shardgen.produce.build import build
+from shardgen.store.manifest import Manifest
 
 pytestmark = pytest.mark.slow
 COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}  # 131 records: parts of 66 and 65
@@ -23,12 +23,13 @@ COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}  # 131 records: 
 
 def launch(*args, timeout=240, **kw):
     """The launcher, its ``--timeout`` below the test's own; every process it started is killed at the end."""
-    return proctree.run([sys.executable, "-m", "loader.launch", "--timeout", timeout - 10, *args], timeout=timeout,
+    return proctree.run([sys.executable, "-m", "loader.tools.launch", "--timeout", timeout - 10, *args],
+                        timeout=timeout,
                         cwd=ROOT, **kw)
 
 
 def train_cmd(store, tmp_path, epochs=2, extra=()):
-    return [sys.executable, "-m", "loader.train", "--manifest", store / "manifest.json", "--kvstore", "dist_sync",
+    return [sys.executable, "-m", "loader.tools.train", "--manifest", store / "manifest.json", "--kvstore", "dist_sync",
             "--epochs", epochs, "--batch-size", 8, "--target", "a", "--hidden", 4, "--lr", "1e-4",
             "--params-out", tmp_path / "params-{rank}.params", "--record-log", tmp_path / "records-{rank}.json",
             "--history-out", tmp_path / "history-{rank}.json", *extra]
@@ -55,7 +56,7 @@ def test_dist_sync_two_workers_exact_epochs_same_params(tmp_path):
 def test_a_killed_worker_stops_the_job(tmp_path):
     store = tmp_path / "store"
     make_store(store, COUNTS)
-    with proctree.Tagged([sys.executable, "-m", "loader.launch", "-n", "2", "-s", "1", "--timeout", 110, "--",
+    with proctree.Tagged([sys.executable, "-m", "loader.tools.launch", "-n", "2", "-s", "1", "--timeout", 110, "--",
                           *train_cmd(store, tmp_path, epochs=10_000)], cwd=ROOT) as job:
         job.wait_line("epoch 0:", time.monotonic() + 90)  # training is under way
         members = member_pids(job.stderr)

@@ -101,7 +101,8 @@ def test_engine_wait_is_bounded_and_logged(monkeypatch, caplog):
 def launch(*args, timeout):
     """The launcher with ``--timeout`` 10 s below the test's own; every process it started is
     killed at the end (``.left_behind`` names those still alive when it exited)."""
-    return proctree.run([sys.executable, "-m", "loader.launch", "--timeout", timeout - 10, *args], timeout=timeout,
+    return proctree.run([sys.executable, "-m", "loader.tools.launch", "--timeout", timeout - 10, *args],
+                        timeout=timeout,
                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -188,7 +189,8 @@ def test_a_failing_worker_ends_the_job(small_store, how, rank):
 def test_members_die_with_the_launcher(tmp_path):
     """Measured: kill -9 of the launcher left the scheduler, the server and the workers running."""
     worker = [sys.executable, "-c", "import time; time.sleep(1000)"]
-    with proctree.Tagged([sys.executable, "-m", "loader.launch", "-n", 2, "-s", 1, "--timeout", 50, "--", *worker],
+    with proctree.Tagged([sys.executable, "-m", "loader.tools.launch", "-n", 2, "-s", 1, "--timeout", 50, "--",
+                          *worker],
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}) as job:
         job.wait_line("launch: started ", time.monotonic() + 30)
         members = member_pids(job.stderr)

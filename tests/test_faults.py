@@ -15,7 +15,7 @@ from test_damage import flip, make
 from test_watch import wait_for
 
 from loader import LoaderError, ShardIter
-from shardgen.manifest import Manifest
+from shardgen.store.manifest import Manifest
 
 
 def test_a_flip_with_the_mtime_set_back_is_still_caught(tmp_path):
@@ -35,7 +35,7 @@ def test_a_flip_with_the_mtime_set_back_is_still_caught(tmp_path):
 def test_close_from_another_thread_wakes_a_blocked_next(tmp_path, monkeypatch):
     """The producer is stalled inside MXNet's reader; close() must still wake the caller's next()
     with a LoaderError (not a normal end of epoch), before the producer comes back."""
-    import loader.stream as module
+    import loader.pipeline.stream as module
 
     make_store(tmp_path / "s", {"2024-01-02": 300})
     entered, release = threading.Event(), threading.Event()
@@ -47,7 +47,7 @@ def test_close_from_another_thread_wakes_a_blocked_next(tmp_path, monkeypatch):
         return real(native)
 
     monkeypatch.setattr(module, "next_label", stalled)
-    it = ShardIter(tmp_path / "s", 4, readers=1, cache_dir=tmp_path / "c", producer="thread")
+    it = ShardIter(tmp_path / "s", 4, readers=1, cache_dir=tmp_path / "c")
     t, outcome = consume_in_thread(it)
     assert entered.wait(10), "the producer never reached the reader"
     time.sleep(0.2)
@@ -205,7 +205,7 @@ def test_an_mxnet_error_in_the_reader_is_named_by_its_reason(tmp_path, monkeypat
     the LoaderError says the reason (the last line), not that first line."""
     import mxnet as mx
 
-    import loader.stream as module
+    import loader.pipeline.stream as module
 
     def failing(*_a, **_k):
         raise mx.base.MXNetError('Traceback (most recent call last):\n  File "../src/io/iter_image_recordio_2.cc", '

@@ -14,15 +14,15 @@ import pytest
 from conftest import ROOT, batch_ids, make_store, write_config
 
 from loader import LoaderError, ShardIter
-from loader.generations import agree
-from shardgen.build import build
+from loader.source.generations import agree
 from shardgen.config import load_config
 from shardgen.errors import ManifestError, ShardError
-from shardgen.gc import collect
-from shardgen.lease import live_lease_generations
-from shardgen.manifest import Manifest, Sidecar, snapshot_generations, snapshot_path
-from shardgen.status import status
-from shardgen.verify import verify_store
+from shardgen.produce.build import build
+from shardgen.store.gc import collect
+from shardgen.store.lease import live_lease_generations
+from shardgen.store.manifest import Manifest, Sidecar, snapshot_generations, snapshot_path
+from shardgen.store.status import status
+from shardgen.store.verify import verify_store
 
 COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}  # 131 records
 
@@ -250,7 +250,7 @@ def test_dist_sync_workers_agree_when_a_date_lands_mid_race(tmp_path, publish_ro
     out.mkdir()
     make_store(store, COUNTS)  # generation 1: 131 records
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "loader.launch", "-n", "2", "-s", "1", "--timeout", "170", "--", sys.executable,
+    cmd = [sys.executable, "-m", "loader.tools.launch", "-n", "2", "-s", "1", "--timeout", "170", "--", sys.executable,
            str(ROOT / "tests" / "dist_race_worker.py"), "--store", str(store), "--flags", str(flags),
            "--out", str(out), "--publish-round", str(publish_round), "--epochs", "3"]
     with proctree.Tagged(cmd, cwd=ROOT, env=env) as job:  # every process it starts is killed at the end
@@ -311,17 +311,17 @@ def test_the_next_epoch_is_started_by_the_producer_thread_not_in_next(tmp_path, 
     """Half way through an epoch the next epoch's stream starts from the current stream's producer
     thread (creating it in the caller's next() held that next() 0.5-2.5 ms); an epoch too short for
     that (its producer gets half way before the stream is current) still gets one from next()."""
-    import loader.epochs
+    import loader.pipeline.epochs
 
     started = []
-    real = loader.epochs.EpochStream
+    real = loader.pipeline.epochs.EpochStream
 
     def recording(*args, **kwargs):
         stream = real(*args, **kwargs)
         started.append((stream.epoch, threading.current_thread().name))
         return stream
 
-    monkeypatch.setattr(loader.epochs, "EpochStream", recording)
+    monkeypatch.setattr(loader.pipeline.epochs, "EpochStream", recording)
     store, cache = tmp_path / "s", tmp_path / "c"
     make_store(store, {"2024-01-02": 400, "2024-01-03": 400})
     with ShardIter(store, 8, cache_dir=cache, prefetch_buffer=2) as it:
@@ -341,7 +341,7 @@ def test_the_next_epoch_is_started_by_the_producer_thread_not_in_next(tmp_path, 
 def test_the_next_epoch_fills_only_while_the_current_one_is_not_short(tmp_path, monkeypatch):
     """The next epoch's stream naps before each native read while the current stream is short of
     batches (``EpochStream.short``), and never once it is the current one itself."""
-    from loader.stream import EpochStream
+    from loader.pipeline.stream import EpochStream
 
     short = [True]
     monkeypatch.setattr(EpochStream, "short", lambda self: short[0])
@@ -390,7 +390,7 @@ def test_the_finalizer_run_by_gc_in_a_producer_holding_the_arena_lock_does_not_d
     held for good. Simulated deterministically: gc.collect() inside hand_out, under the lock."""
     import gc
 
-    import loader.memory as memory
+    import loader.pipeline.memory as memory
 
     make_store(tmp_path / "s", {"2024-01-02": 400, "2024-01-03": 400})
     armed, collected = threading.Event(), threading.Event()

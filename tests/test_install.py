@@ -22,8 +22,8 @@ def test_a_plain_install_imports_and_ships_no_benchmarks(tmp_path):
     assert r.returncode == 0, r.stderr
     assert not (target / "benchmarks").exists()
     # -S: no site hooks, so the editable install of the work tree cannot fill in a missing package.
-    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import loader, shardgen.cli, shardgen.layout; "
-            "from shardgen.layout import unpack_samples; "
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import loader, shardgen.cli, shardgen.format; "
+            "from shardgen.format import unpack_samples; "
             "assert loader.__file__.startswith(sys.argv[1]), loader.__file__")
     r = subprocess.run([sys.executable, "-S", "-c", code, str(target), sysconfig.get_paths()["purelib"]],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)

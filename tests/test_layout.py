@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from shardgen.errors import ProcessorError, ShardError
-from shardgen.layout import MAGIC, PNG_1X1, LabelSpec, Schema, day_number, from_day_number
-from shardgen.writer import write_shard
+from shardgen.format import MAGIC, PNG_1X1, LabelSpec, Schema, day_number, from_day_number
+from shardgen.produce.writer import write_shard
 
 SCHEMA = Schema.create(time_steps=3, num_inputs=2, data_name="seq_var",
                        labels=[LabelSpec("a", 1), LabelSpec("b", 2)])

@@ -10,12 +10,12 @@ import pytest
 from conftest import expected_pads, part_sizes, real_batches
 
 from loader import LoaderError, ShardIter
-from shardgen.layout import LabelSpec, Layout, Schema, unpack_samples
-from shardgen.manifest import Manifest
+from shardgen.format import LabelSpec, Layout, Schema, unpack_samples
 from shardgen.process import RunSpec, sliding_windows
-from shardgen.publish import publish
-from shardgen.verify import verify_store
-from shardgen.writer import write_shard
+from shardgen.produce.writer import write_shard
+from shardgen.store.manifest import Manifest
+from shardgen.store.publish import publish
+from shardgen.store.verify import verify_store
 
 T, C = 6, 3
 LABELS = [LabelSpec("a", 1), LabelSpec("b", 2)]

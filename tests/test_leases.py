@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, make_store, shardgen_cli, write_config
 
-from shardgen import fsutil, lease
+from shardgen import fsutil
 from shardgen.fsutil import HOST_TOKEN, clean_temp_files, pid_alive
-from shardgen.gc import collect
-from shardgen.lease import LEASE_DIR, Lease, live_lease_generations, store_clock
+from shardgen.store import lease
+from shardgen.store.gc import collect
+from shardgen.store.lease import LEASE_DIR, Lease, live_lease_generations, store_clock
 
 
 def _unshare_works() -> bool:
@@ -82,7 +83,7 @@ def test_lease_from_another_pid_namespace_lives_while_its_heartbeat_is_fresh(tmp
     pid = pid_free_here()
     reader = in_other_pid_ns(
         "import os, sys, time\n"
-        "from shardgen.lease import Lease\n"
+        "from shardgen.store.lease import Lease\n"
         f"lease = Lease({str(store)!r}, refresh_s=0.2)\n"
         "lease.renew(1)\n"
         "print(os.getpid(), flush=True)\n"
@@ -299,7 +300,7 @@ def test_temp_files_are_judged_by_pid_only_in_our_namespace(tmp_path, monkeypatc
 
 
 def test_loader_folders_are_judged_by_pid_only_in_our_namespace(tmp_path):
-    from loader.plan import _clean_dead_processes
+    from loader.source.plan import _clean_dead_processes
 
     pid = dead_pid()
     other = tmp_path / f"{fsutil.host_token(lease._HOST)}_0badc0de-{pid}"

@@ -9,7 +9,7 @@ import pytest
 from conftest import batch_ids, expected_pads, make_store, part_sizes, real_batches
 
 from loader import LoaderError, ShardIter, to_datetime64
-from shardgen.manifest import Manifest
+from shardgen.store.manifest import Manifest
 
 COUNTS = {"2024-01-02": 7, "2024-01-03": 13, "2024-01-04": 1, "2024-01-05": 20}  # 41 records
 
@@ -160,10 +160,9 @@ def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache,
     per native batch keeps the consumer waiting most of the time."""
     import time
 
-    import loader.stream as module
+    import loader.pipeline.stream as module
 
-    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache,
-                   producer="thread") as it:
+    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
         time.sleep(0.3)  # the native iterator starts and the producer fills its queue
         for _ in it:
             time.sleep(0.05)
@@ -175,8 +174,7 @@ def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache,
         return real(native)
 
     monkeypatch.setattr(module, "next_label", slow)
-    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache,
-                   producer="thread") as it:
+    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
         assert sum(5 - b.pad for b in it) == 41
         assert it.stats["stall_fraction"] > 0.8, it.stats
 
@@ -210,7 +208,7 @@ def _copy_store(src, dst):
 def test_a_damaged_idx_is_for_verify_the_loader_does_not_use_it(store, tmp_path, cache, text, match):
     """The loader indexes whole-size records itself (from the checked .rec); stock MXNet readers
     use the .idx, so `shardgen verify` names it."""
-    from shardgen.verify import verify_store
+    from shardgen.store.verify import verify_store
 
     copy = _copy_store(store, tmp_path / "s")
     (copy / "2024-01-05.idx").write_text(text)
@@ -285,9 +283,9 @@ def test_records_split_by_the_magic_word_read_back_exactly(tmp_path, cache):
     import datetime as dt
     import struct
 
-    from shardgen.layout import MAGIC, LabelSpec, Schema
-    from shardgen.publish import publish
-    from shardgen.writer import write_shard
+    from shardgen.format import MAGIC, LabelSpec, Schema
+    from shardgen.produce.writer import write_shard
+    from shardgen.store.publish import publish
 
     schema = Schema.create(time_steps=2, num_inputs=2, data_name="seq_var", labels=[LabelSpec("a", 1)])
     magic = np.frombuffer(struct.pack("<I", MAGIC), np.float32)[0]
@@ -339,10 +337,10 @@ def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, mo
     and next() raises it once the batches before it are taken."""
     import time
 
-    import loader.stream as module
+    import loader.pipeline.stream as module
 
     # One record per native batch, in order: every batch of 1 is one next_label() call.
-    it = ShardIter(store, 1, shuffle=False, native_batch=1, prefetch_buffer=2, cache_dir=cache, producer="thread")
+    it = ShardIter(store, 1, shuffle=False, native_batch=1, prefetch_buffer=2, cache_dir=cache)
     it.next()
     _within(10, it.reset, "reset() with the producer parked on a full queue")
     calls = {"n": 0}
@@ -410,7 +408,7 @@ def test_an_iterator_dropped_without_close_releases_everything(tmp_path):
 
     make_store(tmp_path / "s", {"2024-01-02": 70, "2024-01-03": 13})
     before = set(threading.enumerate())
-    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", producer="thread")
+    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
     it.next()
     assert list((tmp_path / "s" / "leases").glob("*.json"))
     mine = [t for t in threading.enumerate() if t not in before]

@@ -4,7 +4,7 @@ import pytest
 from conftest import make_store, shardgen_cli, write_config
 
 from shardgen.errors import LockError
-from shardgen.lock import MANIFEST_LOCK, WATCH_LOCK, StoreLock
+from shardgen.store.lock import MANIFEST_LOCK, WATCH_LOCK, StoreLock
 
 
 @pytest.mark.parametrize("name", [MANIFEST_LOCK, WATCH_LOCK])

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from loader import LoaderError, ShardIter
-from loader.memory import parse_size, physical_memory
-from loader.shuffle_buffer import buffer_bytes
-from shardgen.layout import LabelSpec, Layout, Schema
+from loader.pipeline.memory import parse_size, physical_memory
+from loader.pipeline.shuffle_buffer import buffer_bytes
+from shardgen.format import LabelSpec, Layout, Schema
 from shardgen.process import sliding_windows
-from shardgen.publish import publish
-from shardgen.writer import write_shard
+from shardgen.produce.writer import write_shard
+from shardgen.store.publish import publish
 
 T, C = 60, 32  # the demo's window: a record of a 64-window run is ~24 KB, as in real stores
 LABELS = [LabelSpec("a", 1), LabelSpec("b", 4)]

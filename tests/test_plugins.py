@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from conftest import runs, shardgen_cli, write_config
 
-from shardgen.build import build
 from shardgen.config import load_config
 from shardgen.errors import ConfigError
-from shardgen.manifest import Manifest
+from shardgen.produce.build import build
+from shardgen.store.manifest import Manifest
 
 PLUGIN = """
 from shardgen.process import sliding_windows
@@ -34,8 +34,8 @@ def first_labels(store, date="2024-01-02"):
     r = mx.recordio.MXIndexedRecordIO(str(store / f"{date}.idx"), str(store / f"{date}.rec"), "r")
     header, _ = mx.recordio.unpack(r.read_idx(0))
     r.close()
-    from shardgen.layout import unpack_samples
-    from shardgen.manifest import Manifest
+    from shardgen.format import unpack_samples
+    from shardgen.store.manifest import Manifest
 
     x, labels, days, position = unpack_samples(header.label, Manifest.load(store / "manifest.json").schema)
     first = int(position.argmin())  # the date's first window, as a one-sample record lays it out
@@ -117,8 +117,8 @@ def test_a_remote_dask_cluster_gets_the_plugin_uploaded(tmp_path, monkeypatch):
     once it is uploaded, so a worker finds it only if the upload happened."""
     from dask.distributed import Client, LocalCluster
 
-    import shardgen.cluster as cluster_mod
-    from shardgen.cluster import _close_clients
+    import shardgen.produce.cluster as cluster_mod
+    from shardgen.produce.cluster import _close_clients
 
     cfg_path = plugin_config(tmp_path / "proj", jobs=2)
     real_ship = cluster_mod.ship_plugin
@@ -152,7 +152,7 @@ def test_a_remote_dask_cluster_gets_the_plugin_uploaded(tmp_path, monkeypatch):
 def test_the_dask_backend_runs_the_dates_on_the_workers(tmp_path):
     from dask.distributed import Client, LocalCluster
 
-    from shardgen.cluster import _close_clients
+    from shardgen.produce.cluster import _close_clients
 
     cfg_path = plugin_config(tmp_path / "proj", jobs=2)
     pids = tmp_path / "pids.txt"

@@ -14,8 +14,8 @@ import pytest
 from conftest import ROOT, batch_ids, make_store
 
 from loader import LoaderError, ShardIter
-from loader.objcache import mirror_of
-from shardgen.manifest import Manifest
+from loader.source.objcache import mirror_of
+from shardgen.store.manifest import Manifest
 
 COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}  # 131 windows
 
@@ -24,7 +24,7 @@ def upload_store(s3, local, prefix="store"):
     """A store folder put into the bucket through S3 (object names are the store's file names), in
     publishing order: shards, then snapshots, then ``manifest.json``. Objects already there are
     skipped (published files never change)."""
-    from shardgen.objstore import ObjectStore
+    from shardgen.store.objstore import ObjectStore
 
     remote = ObjectStore(s3.url(prefix))
     there = remote.list()
@@ -134,7 +134,7 @@ def test_endpoint_down_at_construction_names_the_url(s3, tmp_path):
 
 
 def test_wrong_credentials_say_so(s3, tmp_path, monkeypatch):
-    from shardgen import objstore
+    from shardgen.store import objstore
 
     _, url = store_with(s3, tmp_path)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
@@ -193,7 +193,7 @@ def test_cache_limit_refuses_an_epoch_that_cannot_fit_and_evicts_what_is_not_use
 SHARED = """
 import json, sys
 from loader import ShardIter
-from loader.objcache import mirror_of
+from loader.source.objcache import mirror_of
 with ShardIter(sys.argv[1], 8, seed=1, cache_dir=sys.argv[2]) as it:
     ids = sorted(int(i) for b in it for i in b.label[0].asnumpy()[: 8 - b.pad])
     print(json.dumps({"downloads": mirror_of(it.manifest_path).downloads, "n": len(ids)}))
@@ -240,8 +240,8 @@ def test_records_that_differ_in_size_come_with_their_index(s3, tmp_path):
     import struct
 
     from shardgen.format import MAGIC, LabelSpec, Schema
-    from shardgen.publish import publish
-    from shardgen.writer import write_shard
+    from shardgen.produce.writer import write_shard
+    from shardgen.store.publish import publish
 
     local = tmp_path / "local"
     local.mkdir()
@@ -260,7 +260,7 @@ def test_records_that_differ_in_size_come_with_their_index(s3, tmp_path):
 
 
 def test_a_store_rebuilt_under_the_same_url_is_not_served_from_a_stale_cache(s3, tmp_path):
-    from shardgen.objstore import ObjectStore
+    from shardgen.store.objstore import ObjectStore
 
     _, url = store_with(s3, tmp_path)
     cache = tmp_path / "cache"
@@ -292,7 +292,7 @@ def test_a_killed_download_leaves_nothing_behind_for_the_next_reader(s3, tmp_pat
 
 
 def test_an_endpoint_url_without_a_scheme_is_one_clear_error(s3, tmp_path, monkeypatch):
-    from shardgen import objstore
+    from shardgen.store import objstore
 
     _, url = store_with(s3, tmp_path)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"127.0.0.1:{s3.port}")
@@ -302,7 +302,7 @@ def test_an_endpoint_url_without_a_scheme_is_one_clear_error(s3, tmp_path, monke
 
 
 def test_a_download_that_would_nearly_fill_the_disk_is_refused(s3, tmp_path, monkeypatch):
-    from loader import objcache
+    from loader.source import objcache
 
     _, url = store_with(s3, tmp_path)
     free = shutil.disk_usage(tmp_path).free

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, runs, write_config
 
-from shardgen.build import build
 from shardgen.config import load_config
 from shardgen.errors import LockError
-from shardgen.manifest import Manifest
-from shardgen.objstore import ObjectStore
+from shardgen.produce.build import build
+from shardgen.store.manifest import Manifest
+from shardgen.store.objstore import ObjectStore
 
 pytestmark = pytest.mark.slow
 
@@ -304,9 +304,9 @@ def test_a_shard_left_in_staging_by_a_killed_run_is_adopted_and_removed_from_sta
 # -- 7: gc, grace and reader leases -----------------------------------------------------------------
 
 def reader_lease(store: ObjectStore, generation: int):
-    """A reader lease on ``generation`` in the store: ``shardgen.lease.Lease`` if it takes an
+    """A reader lease on ``generation`` in the store: ``shardgen.store.lease.Lease`` if it takes an
     ObjectStore, else the lease object written directly. Returns a function that releases it."""
-    from shardgen.lease import Lease
+    from shardgen.store.lease import Lease
 
     try:
         lease = Lease(store)
@@ -408,8 +408,8 @@ def test_a_watcher_that_lost_the_writer_lock_stops_and_uploads_nothing(s3, tmp_p
     import json as _json
 
     from shardgen.config import load_config
-    from shardgen.objstore import ObjectStore
-    from shardgen.watch import Watcher
+    from shardgen.store.objstore import ObjectStore
+    from shardgen.watch.watcher import Watcher
 
     cfg = load_config(s3_config(tmp_path / "a", s3.url("st")))
     remote = ObjectStore(s3.url("st"))
@@ -424,9 +424,9 @@ def test_a_watcher_that_lost_the_writer_lock_stops_and_uploads_nothing(s3, tmp_p
 def test_build_to_s3_on_the_dask_backend(s3, tmp_path):
     from dask.distributed import LocalCluster
 
-    from shardgen.build import build
-    from shardgen.cluster import _close_clients
     from shardgen.config import load_config
+    from shardgen.produce.build import build
+    from shardgen.produce.cluster import _close_clients
 
     path = s3_config(tmp_path / "a", s3.url("dk"), jobs=2)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:

@@ -9,7 +9,7 @@ from conftest import ROOT, make_store
 
 
 def run_train(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "loader.train", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "loader.tools.train", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT)
 
 

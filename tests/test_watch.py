@@ -17,10 +17,10 @@ from conftest import ROOT, batch_ids, make_store, runs, write_config
 from loader import ShardIter
 from shardgen.config import load_config
 from shardgen.errors import ShardgenError
-from shardgen.gc import collect
-from shardgen.lease import LEASE_DIR, live_lease_generations
-from shardgen.manifest import Manifest
-from shardgen.verify import verify_store
+from shardgen.store.gc import collect
+from shardgen.store.lease import LEASE_DIR, live_lease_generations
+from shardgen.store.manifest import Manifest
+from shardgen.store.verify import verify_store
 
 pytestmark = pytest.mark.slow
 
@@ -182,8 +182,8 @@ def test_failing_date_is_retried_with_backoff_and_does_not_block(cfg_dir, watche
 def test_a_due_date_whose_generator_leaves_a_truncated_file_is_regenerated(cfg_dir):
     """Measured: while the date waited for its retry, its truncated output was read as a dropped file,
     failed, and was then ignored for ever: the generator never ran for that date again."""
-    from shardgen.watch import Watcher
-    from shardgen.watchstate import WATCH_STATE
+    from shardgen.watch.state import WATCH_STATE
+    from shardgen.watch.watcher import Watcher
 
     cfg_path = write_config(cfg_dir, end="2024-01-03", modes={"2024-01-02": "truncated:2"})
     cfg_path.write_text(cfg_path.read_text().replace("backoff_s = 0.0", "backoff_s = 0.0\nsettle_s = 0.2"))
@@ -221,8 +221,8 @@ def test_retry_delay_doubles_up_to_the_cap_for_any_count():
 
 def test_a_date_failing_a_million_times_keeps_the_watcher_and_its_state(cfg_dir):
     """Measured: a date's ~1,025th failure raised OverflowError in the retry delay and killed the watcher."""
-    from shardgen.watch import Watcher, _Failure
-    from shardgen.watchstate import load_state
+    from shardgen.watch.state import load_state
+    from shardgen.watch.watcher import Watcher, _Failure
 
     cfg = load_config(write_config(cfg_dir, end="2024-01-02", modes={"2024-01-02": "fail"}))
     with Watcher(cfg, interval=60.0) as w:
@@ -417,7 +417,7 @@ def test_dead_and_stale_leases_do_not_count(tmp_path):
 def test_grace_period_and_gc_command(tmp_path):
     cfg_path = write_config(tmp_path / "p", end="2024-01-05", window=2, grace=3600)
     cfg = load_config(cfg_path)
-    from shardgen.build import build
+    from shardgen.produce.build import build
 
     build(cfg)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -432,8 +432,8 @@ def test_grace_period_and_gc_command(tmp_path):
 
 
 def test_adopts_complete_shards_from_other_producers(tmp_path, caplog):
-    from shardgen.build import build
-    from shardgen.watch import Watcher
+    from shardgen.produce.build import build
+    from shardgen.watch.watcher import Watcher
 
     other = load_config(write_config(tmp_path / "other", end="2024-01-04"))
     build(other)

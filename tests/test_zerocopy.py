@@ -1,4 +1,4 @@
-"""Batches lent to MXNet without a copy (``loader.zerocopy``): a buffer is written again only
+"""Batches lent to MXNet without a copy (``loader.pipeline.zerocopy``): a buffer is written again only
 after MXNet gave it back (every array and view of it dropped, every pending operation on it done),
 and giving it back runs no Python (no GIL taken behind the trainer's back)."""
 
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from conftest import batch_ids, make_store
 
-from loader import ShardIter, zerocopy
-from loader.memory import Arena
+from loader import ShardIter
+from loader.pipeline import zerocopy
+from loader.pipeline.memory import Arena
 
 VIEWS = [(0, 12, (2, 3, 2)), (12, 14, (2,))]
 
@@ -20,7 +21,7 @@ def test_libc_gives_buffers_back_without_python():
 
 
 def test_dropping_a_batch_frees_its_arrays_without_releasing_the_gil(tmp_path):
-    """Every array a batch holds, in both modes, and every view MXNet makes of one, is a LentNDArray:
+    """Every array a batch holds, and every view MXNet makes of one, is a LentNDArray:
     dropped, it queues its handle, and frees the queue itself (past _PENDING_MAX) through a call that
     keeps the GIL (a dropped batch is no chance for the producer thread to take it in the middle of
     the trainer's next())."""
@@ -28,14 +29,13 @@ def test_dropping_a_batch_frees_its_arrays_without_releasing_the_gil(tmp_path):
 
     assert zerocopy._FREE_HOLDING_GIL._flags_ & ctypes._FUNCFLAG_PYTHONAPI, "a free that releases the GIL"
     make_store(tmp_path / "s", {"2024-01-02": 40})
-    for producer in ("thread", "process"):
-        with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", producer=producer) as it:
-            b = it.next()
-            arrays = list(b.data) + list(b.label)
-            assert {type(a) for a in arrays} == {zerocopy.LentNDArray}, producer
-            assert type(arrays[0][1:3].reshape((-1,))) is zerocopy.LentNDArray, producer
-            del b, arrays
-            assert sum(batch_ids(b) != [] for b in it) == 4, producer  # the rest reads on as before
+    with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c") as it:
+        b = it.next()
+        arrays = list(b.data) + list(b.label)
+        assert {type(a) for a in arrays} == {zerocopy.LentNDArray}
+        assert type(arrays[0][1:3].reshape((-1,))) is zerocopy.LentNDArray
+        del b, arrays
+        assert sum(batch_ids(b) != [] for b in it) == 4  # the rest reads on as before
 
 
 def test_dropping_arrays_makes_no_mxnet_call_the_next_lend_frees_them():
@@ -115,23 +115,21 @@ def test_a_pending_operation_keeps_the_loan_out():
 
 
 def test_the_iterator_never_rewrites_a_batch_the_caller_holds(tmp_path):
-    """Hold every batch of two epochs, and views of them, in both modes: each still holds the
+    """Hold every batch of two epochs, and views of them: each still holds the
     windows it was handed (a buffer reused early would show another batch's ids)."""
     make_store(tmp_path / "s", {"2024-01-02": 150, "2024-01-03": 90})
-    for producer in ("thread", "process"):
-        with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", seed=3, producer=producer,
-                       prefetch_buffer=2) as it:
-            held, views = [], []
-            for _ in range(2):
-                for b in it:
-                    held.append((b, batch_ids(b)))
-                    views.append((b.label[0][2:5], batch_ids(b)[2:5]))
-                it.reset()
-            for b, ids in held:
-                assert batch_ids(b) == ids, producer
-            held.clear()
-            for view, ids in views:
-                assert view.asnumpy().astype(int).tolist() == ids, producer
+    with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", seed=3, prefetch_buffer=2) as it:
+        held, views = [], []
+        for _ in range(2):
+            for b in it:
+                held.append((b, batch_ids(b)))
+                views.append((b.label[0][2:5], batch_ids(b)[2:5]))
+            it.reset()
+        for b, ids in held:
+            assert batch_ids(b) == ids
+        held.clear()
+        for view, ids in views:
+            assert view.asnumpy().astype(int).tolist() == ids
 
 
 def test_buffers_are_reused_once_given_back(tmp_path):

@@ -22,23 +22,23 @@ one codec module and one line in ``registry``.
 
 from __future__ import annotations
 
-from .check import VERIFY_MODES, ShardFrames, check_shard, read_offsets
-from .codec import HEAD_FLOATS, Codec, Decoded
-from .errors import ShardError, ShardgenError
-from .framing import (
-                      BMP_1X1,
-                      HEADER_BYTES,
-                      MAGIC,
-                      MAX_RECORD_BYTES,
-                      PNG_1X1,
-                      FramedRecords,
-                      frame_record,
-                      frame_records,
-                      record_data,
+from shardgen.format.check import VERIFY_MODES, ShardFrames, check_shard, read_offsets
+from shardgen.format.codec import HEAD_FLOATS, Codec, Decoded
+from shardgen.format.errors import ShardError, ShardgenError
+from shardgen.format.framing import (
+    BMP_1X1,
+    HEADER_BYTES,
+    MAGIC,
+    MAX_RECORD_BYTES,
+    PNG_1X1,
+    FramedRecords,
+    frame_record,
+    frame_records,
+    record_data,
 )
-from .index import combine, parse_index, reader_index, shard_index_text
-from .registry import CODECS, KINDS, codec_for
-from .schema import LabelSpec, Layout, Schema, day_number, from_day_number, unpack_samples
+from shardgen.format.index import combine, parse_index, reader_index, shard_index_text
+from shardgen.format.registry import CODECS, KINDS, codec_for
+from shardgen.format.schema import LabelSpec, Layout, Schema, day_number, from_day_number, unpack_samples
 
 __all__ = ["VERIFY_MODES", "ShardFrames", "check_shard", "read_offsets", "HEAD_FLOATS", "Codec", "Decoded",
            "ShardError", "ShardgenError", "BMP_1X1", "HEADER_BYTES", "MAGIC", "MAX_RECORD_BYTES", "PNG_1X1",

@@ -27,11 +27,11 @@ from typing import Optional, Protocol
 
 import numpy as np
 
-from .codec import Columns, Damage
-from .errors import ShardError
-from .framing import HEADER_BYTES, MAGIC, PAYLOAD_WORD, data_bytes, image_tail, split_lrec
-from .index import parse_index
-from .schema import Schema, day_number
+from shardgen.format.codec import Columns, Damage
+from shardgen.format.errors import ShardError
+from shardgen.format.framing import HEADER_BYTES, MAGIC, PAYLOAD_WORD, data_bytes, image_tail, split_lrec
+from shardgen.format.index import parse_index
+from shardgen.format.schema import Schema, day_number
 
 __all__ = ["VERIFY_MODES", "ShardFrames", "Published", "check_shard", "read_offsets", "needs_index"]
 

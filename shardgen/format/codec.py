@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .framing import PAYLOAD_WORD
+from shardgen.format.framing import PAYLOAD_WORD
 
 __all__ = ["Codec", "Damage", "Decoded", "Columns", "HEAD_FLOATS", "positive", "date_rng"]
 

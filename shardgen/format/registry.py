@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .codec import Codec
-from .runs import Runs
-from .samples import Samples
-from .windows import Windows
+from shardgen.format.codec import Codec
+from shardgen.format.runs import Runs
+from shardgen.format.samples import Samples
+from shardgen.format.windows import Windows
 
 __all__ = ["CODECS", "KINDS", "codec_for"]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codec import HEAD_FLOATS, Columns, Decoded, Packed, date_rng, fail_where, payload_words, positive
-from .framing import BMP_1X1
+from shardgen.format.codec import HEAD_FLOATS, Columns, Decoded, Packed, date_rng, fail_where, payload_words, positive
+from shardgen.format.framing import BMP_1X1
 
 __all__ = ["Runs", "cut_runs"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codec import Codec, Columns, Decoded, fail_where, payload_words
-from .framing import PNG_1X1
+from shardgen.format.codec import Codec, Columns, Decoded, fail_where, payload_words
+from shardgen.format.framing import PNG_1X1
 
 __all__ = ["Samples"]
 

@@ -15,9 +15,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .codec import HEAD_FLOATS, Codec, positive
-from .framing import MAX_RECORD_BYTES, record_bytes
-from .registry import KINDS, codec_for
+from shardgen.format.codec import HEAD_FLOATS, Codec, positive
+from shardgen.format.framing import MAX_RECORD_BYTES, record_bytes
+from shardgen.format.registry import KINDS, codec_for
 
 __all__ = ["LabelSpec", "Layout", "Schema", "day_number", "from_day_number"]
 

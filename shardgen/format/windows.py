@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codec import Columns, Decoded, Packed, date_rng
-from .framing import BMP_1X1
+from shardgen.format.codec import Columns, Decoded, Packed, date_rng
+from shardgen.format.framing import BMP_1X1
 
 __all__ = ["Windows"]
 

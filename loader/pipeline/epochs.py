@@ -1,0 +1,155 @@
+"""What a ``ShardIter`` holds between epochs, and how one epoch's stream hands over to the next.
+
+Held: the current plan (open files, ``hold``/``drop`` counted), the stream reading this epoch, the
+stream already filling for the next one, the buffers they share (``Arena``) and the reader
+lease. All of it must be let go even if the iterator is dropped without ``close()``, so threads
+reference this object, never the iterator, and garbage collection can release it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Optional
+
+from loader.errors import LoaderError
+from loader.pipeline.memory import Arena
+from loader.pipeline.stream import EpochStream, StreamParams
+from loader.pipeline.zerocopy import lenders, sweep
+from loader.source.plan import EpochPlan, drop, hold
+from shardgen.store.lease import Lease
+
+__all__ = ["Epochs", "join_closing"]
+
+_CLOSING: set = set()  # close threads of dropped iterators still running (set.add: no lock taken in GC)
+
+
+def join_closing(timeout: float) -> None:
+    """Wait for the close threads of dropped iterators (the exit hook: their native threads must be
+    gone before MXNet's shutdown)."""
+    for thread in list(_CLOSING):
+        thread.join(timeout)
+
+
+class Epochs:
+    def __init__(self, lease: Lease):
+        self.lease = lease
+        self.stream: Optional[EpochStream] = None
+        self.ahead: Optional[EpochStream] = None
+        self.plan: Optional[EpochPlan] = None
+        self.arena: Optional[Arena] = None
+        self.lock = threading.Lock()
+        self.closed = False  # close() ran: no stream starts again (a reset() racing a close() in another thread)
+        lenders(+1)
+
+    def start(self, plan: EpochPlan, epoch: int, params: StreamParams, skip: int = 0) -> EpochStream:
+        """Make ``plan`` current and return the stream reading ``epoch`` of it: the one already
+        filling ahead if it reads the same plan and epoch from its start, else a new one. Nothing
+        changes if the epoch cannot start (e.g. a part smaller than a batch): the error is raised
+        and the plan's files are let go."""
+        with self.lock:
+            if self.closed:
+                if plan.files is not None and (self.plan is None or self.plan.folder != plan.folder):
+                    plan.files.close()
+                raise LoaderError(f"{plan.store}: the iterator was closed (by another thread) during reset()")
+            previous = self.plan
+            ahead, self.ahead = self.ahead, None
+            if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != epoch or skip):
+                ahead.close()  # reads files of the old plan: gone before its files are let go
+                ahead = None
+            try:
+                stream = ahead if ahead is not None else EpochStream(plan, epoch, params, self.arena, skip=skip,
+                                                                                  on_half=self._half_way)
+            except BaseException:
+                if plan.files is not None and (previous is None or previous.folder != plan.folder):
+                    plan.files.close()
+                raise
+            if previous is None or previous.folder != plan.folder:
+                hold(plan)
+            self.plan = plan
+            if previous is not None and previous.folder != plan.folder:
+                drop(previous)
+            self.lease.renew(plan.generation)
+            self.stream = stream
+            return stream
+
+    def open_ahead(self, epoch: int, params: StreamParams) -> None:
+        """The stream of ``epoch`` on the current plan starts filling while this epoch ends (a new
+        generation at ``reset()`` discards it). From the caller's ``next()``: the current stream's
+        producer thread has usually opened it already (``_half_way``)."""
+        current = self.stream
+        if current is not None and not current.past_half:
+            return  # its producer thread is not half way yet and starts it there: racing it for the lock
+            # made this next() start it 1 run in ~5 on a loaded machine (0.5-2.5 ms of the caller's)
+        with self.lock:
+            self._open_ahead(epoch, params, behind=True)
+
+    def _open_ahead(self, epoch: int, params: StreamParams, behind: bool) -> None:
+        if self.ahead is None and self.plan is not None and not self.closed:
+            try:
+                self.ahead = EpochStream(self.plan, epoch, params, self.arena, behind=behind, on_half=self._half_way,
+                                         yield_to=self._starving)
+            except LoaderError:
+                self.ahead = None
+
+    def _starving(self, stream: EpochStream) -> bool:
+        """Whether the next epoch's ``stream`` should let the current one work first: the current
+        one is short of batches (at its low mark) while its producer assembles. The next epoch's
+        fill (its shuffle buffer, up to the whole epoch) lands in the second half of each epoch;
+        at 90% load it took the GIL and the cores from the current stream's refills (3/4 of the
+        waits fell in the third quarter of the epoch). Lock-free: a read of two fields."""
+        current = self.stream
+        return current is not None and current is not stream and current.short()
+
+    def _half_way(self, stream: EpochStream) -> None:
+        """``stream``'s producer thread, half way through its batches: if it is the current stream,
+        the next epoch's stream starts here, not in the caller's ``next()`` (creating it and starting
+        its thread took the caller 0.5-2.5 ms). Never waits for the lock: a ``reset()`` or
+        ``close()`` holding it may be joining this very thread."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            if self.stream is stream:
+                self._open_ahead(stream.epoch + 1, stream.params, behind=False)
+        except Exception:  # the caller's next() tries again half way, and says what is wrong
+            pass
+        finally:
+            self.lock.release()
+
+    def close_streams(self) -> None:
+        for name in ("stream", "ahead"):
+            stream = getattr(self, name)
+            setattr(self, name, None)
+            if stream is not None:
+                stream.close()
+
+    def close_when_free(self) -> None:
+        """``close()``, for the iterator's finalizer. Garbage collection may run it in any thread at
+        any allocation, with any of our locks held: this epochs' lock (``_half_way``), an arena's
+        (``hand_out``), ``_HELD_LOCK``, a stream's condition. Closing there joins threads that wait
+        for that very lock, so it closes from a thread of its own; only at interpreter exit
+        (``weakref.finalize`` running what is left, in the main thread, no lock held) in place."""
+        if getattr(weakref.finalize, "_shutdown", False):
+            self.close()
+            return
+        thread = threading.Thread(target=self._close_then_forget, name="shardgen-close", daemon=True)
+        _CLOSING.add(thread)
+        thread.start()
+
+    def _close_then_forget(self) -> None:
+        try:
+            self.close()
+        finally:
+            _CLOSING.discard(threading.current_thread())
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.closed:
+                lenders(-1)
+            self.closed = True
+            self.close_streams()
+            sweep()  # arrays the caller dropped since the producer's last lend: freed, loans given back let go
+            if self.plan is not None:
+                drop(self.plan)
+                self.plan = None
+            self.lease.release()

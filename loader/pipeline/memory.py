@@ -1,0 +1,172 @@
+"""What a ``ShardIter`` holds in memory: computed from its settings before anything is allocated
+(the ``shuffle_buffer`` setting read as records or bytes), and kept by an ``Arena`` from epoch to
+epoch instead of allocated anew.
+
+Two epoch streams are alive at once near an epoch's end (this one and the next one, which starts
+filling half way through), so the per-stream parts count twice:
+
+- the shuffle buffer: ``shuffle_buffer`` records, kept compact (a run's rows, not its windows);
+- MXNet's native iterators: ``readers`` of them, each queueing up to 16 record batches of
+  ``native_batch`` records in its own thread (fixed in MXNet 1.9.1, whatever ``prefetch_buffer``);
+- caller batches: ``prefetch_buffer`` ready ones per stream, plus a few MXNet still holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+import threading
+from typing import Optional, Union
+
+import numpy as np
+
+from loader.errors import LoaderError
+from loader.pipeline.shuffle_buffer import ShuffleBuffer, buffer_bytes
+from loader.pipeline.zerocopy import Loan, lend
+from shardgen.format.schema import Schema
+
+__all__ = ["Arena", "settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "footprint",
+           "batch_buffers", "parse_size", "check_footprint", "format_bytes"]
+
+NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
+MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+MMAP_THRESHOLD = 1 << 20  # blocks this large or larger get their own mapping, returned when freed
+_SETTLED = False
+
+
+def settle_allocator() -> bool:
+    """Fix glibc's mmap threshold at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``), once per process.
+
+    By default glibc raises the threshold to the size of any mapped block that is freed; MXNet's
+    native iterators, opened every epoch, allocate and free megabyte batches, so after a few epochs
+    those come from the heap and fragment it: RSS grew by 15-20% over 300 epochs after warm-up. A
+    fixed threshold keeps them mapped and returned (flat RSS). Skipped when the process set its own
+    (``MALLOC_MMAP_THRESHOLD_``) or ``SHARDGEN_KEEP_MALLOC=1``, and off glibc."""
+    global _SETTLED
+    if _SETTLED or os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("SHARDGEN_KEEP_MALLOC") == "1":
+        return False
+    _SETTLED = True
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
+
+
+def physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return None
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} TiB"  # pragma: no cover
+
+
+def parse_size(value: Union[int, str], what: str = "shuffle_buffer") -> tuple[str, int]:
+    """``("records", n)`` for an integer, ``("bytes", n)`` for a string with a unit ("256MB", "1GiB")."""
+    if isinstance(value, bool):
+        raise LoaderError(f"{what} must be a record count (int) or a size such as '256MB', got {value!r}")
+    if isinstance(value, int) or (hasattr(value, "__index__") and not isinstance(value, str)):
+        if int(value) < 1:
+            raise LoaderError(f"{what} must be >= 1 record, got {value!r}")
+        return "records", int(value)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*", str(value), re.IGNORECASE)
+    if not isinstance(value, str) or m is None:
+        raise LoaderError(f"{what} must be a record count (int) or a size with a unit such as '256MB' or "
+                          f"'1GiB', got {value!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n < 1:
+        raise LoaderError(f"{what} {value!r} is empty")
+    return "bytes", n
+
+
+def batch_buffers(prefetch_buffer: int) -> int:
+    """Caller batches an iterator may hold at once: this epoch's ready queue and the next one's,
+    and those MXNet still holds."""
+    return 2 * (prefetch_buffer + 4)
+
+
+def footprint(schema: Schema, *, buffer_records: int, native_batch: int, readers: int, prefetch_buffer: int,
+              batch_floats: int) -> dict:
+    """Bytes each part of an iterator may hold at most, and their total."""
+    parts = {
+        "shuffle buffers": 2 * buffer_bytes(schema, buffer_records),
+        "native queues": 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
+        "batch buffers": batch_buffers(prefetch_buffer) * 4 * batch_floats,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def check_footprint(parts: dict, settings: str, *, share: float = MEMORY_SHARE) -> None:
+    """LoaderError if the iterator would plan to hold more than ``share`` of physical memory."""
+    total, ram = parts["total"], physical_memory()
+    if ram is None or total <= share * ram:
+        return
+    detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if k != "total")
+    raise LoaderError(f"{settings} would hold {format_bytes(total)} ({detail}); this machine has "
+                      f"{format_bytes(ram)} and an iterator may take {share:.0%} of it. Lower shuffle_buffer "
+                      "(records, or a size such as '256MB'), native_batch, readers or prefetch_buffer")
+
+
+class Arena:
+    """The big buffers of an iterator, reused from epoch to epoch: shuffle buffers (one per stream
+    alive, the current and the next epoch's) and batch buffers lent to MXNet without a copy
+    (``loader.pipeline.zerocopy``), taken back once MXNet gave them back. Allocating them anew each epoch grew
+    the process by megabytes per epoch (the allocator's heap fragments around 4-128 MB blocks), and
+    freeing and faulting in a fresh 4 MB array per batch cost the caller's ``next()``."""
+
+    def __init__(self, schema: Schema, batch_floats: int, keep: int):
+        self.schema, self.batch_floats, self.keep = schema, batch_floats, keep
+        self._shuffle: list[ShuffleBuffer] = []
+        self._batches: list[np.ndarray] = []
+        self._loans: dict[int, Loan] = {}  # buffer address -> its loan (kept buffers only)
+        self._lock = threading.Lock()
+
+    def shuffle_buffer(self, capacity: int) -> ShuffleBuffer:
+        with self._lock:
+            for i, buffer in enumerate(self._shuffle):
+                if buffer.capacity == capacity:
+                    del self._shuffle[i]
+                    buffer.clear()
+                    return buffer
+        return ShuffleBuffer(self.schema, capacity)
+
+    def give_back(self, buffer: ShuffleBuffer) -> None:
+        with self._lock:  # two streams are alive at most (this epoch's and the next's): keep two
+            self._shuffle = (self._shuffle + [buffer])[-2:]
+
+    def hand_out(self, flat: np.ndarray, views: list) -> list:
+        """The caller's arrays: ``views`` ``(start, stop, shape)`` of the batch buffer ``flat``,
+        lent to MXNet without a copy (``loader.pipeline.zerocopy``: dropping them runs no Python)."""
+        with self._lock:
+            loan, arrays = lend(flat, views, self._loans.get(flat.ctypes.data))
+            if loan is not None and any(b is flat for b in self._batches):
+                self._loans[flat.ctypes.data] = loan
+        return arrays
+
+    def batch(self) -> np.ndarray:
+        """A free batch buffer: one MXNet gave back and no stream holds, or a new one."""
+        with self._lock:
+            for a in self._batches:
+                loan = self._loans.get(a.ctypes.data)
+                # References: the list, this loop, the call and the loan: no stream holds it.
+                if (loan is None or not loan.out) and sys.getrefcount(a) <= 3 + (loan is not None):
+                    a.flags.writeable = True  # from_numpy (the rare fallback) leaves it read-only
+                    return a
+            a = np.empty(self.batch_floats, np.float32)
+            if len(self._batches) < self.keep:
+                self._batches.append(a)
+            return a

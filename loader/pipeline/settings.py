@@ -1,0 +1,75 @@
+"""The knobs of a ``ShardIter`` (its keyword arguments), checked, with their defaults and what
+they hold in memory. Defaults are the ones ``make bench`` measured best here (README,
+"Performance"), or the README says why not."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from loader.errors import LoaderError
+from loader.pipeline.memory import check_footprint, footprint, parse_size
+from loader.pipeline.shuffle_buffer import buffer_bytes, default_capacity
+from loader.pipeline.stream import StreamParams, batch_floats, buffer_capacity
+from shardgen.format.check import VERIFY_MODES
+from shardgen.format.schema import Schema
+
+__all__ = ["check_arguments", "default_readers", "default_native_batch", "buffer_records", "check_memory"]
+
+
+def check_arguments(*, batch_size: object, num_parts: object, part_index: object, preprocess_threads: object,
+                    prefetch_buffer: object, readers: object, native_batch: object, last_batch: object,
+                    seed: object, verify: object) -> None:
+    """LoaderError naming the first argument that is out of range."""
+    for name, value, low in (("batch_size", batch_size, 1), ("num_parts", num_parts, 1),
+                             ("preprocess_threads", preprocess_threads, 1),
+                             ("prefetch_buffer", prefetch_buffer, 1),
+                             ("readers", 1 if readers is None else readers, 1),
+                             ("native_batch", 1 if native_batch is None else native_batch, 1)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+            raise LoaderError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not isinstance(part_index, (int, np.integer)) or not 0 <= part_index < num_parts:
+        raise LoaderError(f"part_index must be in [0, {num_parts}), got {part_index!r}")
+    if last_batch not in ("pad", "discard"):
+        raise LoaderError(f"last_batch must be 'pad' or 'discard', got {last_batch!r}")
+    if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**31:
+        raise LoaderError(f"seed must be an integer in [0, 2^31), got {seed!r}")
+    if verify not in VERIFY_MODES:
+        raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+
+
+def default_readers() -> int:
+    """Native iterators per part: 2. ``make bench`` on 2 cores measures 1 reader within a few
+    percent of 2 (noise on a shared machine), and the reader count is part of the shuffle order
+    (each reader shuffles its records with its own seed), so the default stays one number on
+    every machine: the same seed reads the same batches everywhere."""
+    return 2
+
+
+def default_native_batch(pack: int) -> int:
+    """Records per native batch: about 2048 samples, within [8, 256] records."""
+    return max(8, min(256, math.ceil(2048 / pack)))
+
+
+def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], native_batch: int) -> int:
+    """The shuffle buffer's capacity in records: ``shuffle_buffer`` records (an int), a size in
+    bytes (``"256MB"``), or the default (:func:`loader.pipeline.shuffle_buffer.default_capacity`)."""
+    if shuffle_buffer is None:
+        return default_capacity(schema, native_batch)
+    unit, amount = parse_size(shuffle_buffer)
+    return amount if unit == "records" else max(1, amount // buffer_bytes(schema, 1))
+
+
+def check_memory(params: StreamParams, shuffle_buffer: object) -> dict:
+    """What ``params`` would hold (``loader.pipeline.memory``); LoaderError before anything is allocated
+    if that is more than the machine can spare."""
+    records = buffer_capacity(params)
+    held = footprint(params.schema, buffer_records=records, native_batch=params.native_batch,
+                     readers=params.readers, prefetch_buffer=params.prefetch_buffer,
+                     batch_floats=batch_floats(params))
+    check_footprint(held, f"shuffle_buffer={shuffle_buffer!r} ({records:,} records), "
+                          f"native_batch={params.native_batch}, readers={params.readers}, "
+                          f"prefetch_buffer={params.prefetch_buffer}, batch_size={params.batch_size}")
+    return held

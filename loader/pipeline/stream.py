@@ -1,0 +1,356 @@
+"""One epoch of one part as a stream of caller batches, produced ahead in a background thread.
+
+The part's records (:mod:`loader.pipeline.parts`: balanced by samples, shared records trimmed) are read by
+``readers`` native ``ImageRecordIter``s over disjoint record ranges, each with its own I/O thread;
+the producer takes their record batches in a fixed round-robin order into the shuffle buffer
+(:mod:`loader.pipeline.shuffle_buffer`), draws caller batches from it and splits them into named NDArrays, up to
+``prefetch`` batches ahead. Everything is a function of (plan, seed, epoch, part): the same
+batches in the same order every time, and ``skip`` batches can be passed over without being
+assembled (resumption). The thread holds no reference to the ``ShardIter`` that owns the stream.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import mxnet as mx
+import numpy as np
+
+from loader.errors import LoaderError, mxnet_reason
+from loader.pipeline.memory import Arena
+from loader.pipeline.native import copy_into, next_label, open_record_iter
+from loader.pipeline.parts import PartSplit, SharedRecords, split_part
+from loader.pipeline.seeding import epoch_shuffle
+from loader.pipeline.shuffle_buffer import ShuffleBuffer
+from loader.source.plan import EpochPlan, reader_source
+from shardgen.format.schema import Schema
+
+BEHIND_S = 0.002  # how long a stream started behind the caller's next() waits before it starts
+YIELD_S = 0.0005  # how long the next epoch's stream naps while the current one is short of batches
+
+__all__ = ["StreamParams", "EpochStream", "plan_part", "batch_floats", "buffer_capacity"]
+
+
+@dataclass(frozen=True)
+class StreamParams:
+    """Everything about reading that does not change between epochs."""
+
+    schema: Schema
+    batch_size: int
+    shuffle: bool
+    seed: int
+    num_parts: int
+    part_index: int
+    last_batch: str
+    readers: int
+    native_batch: int
+    buffer_records: int
+    preprocess_threads: int
+    prefetch_buffer: int
+    label_names: tuple[str, ...]
+
+
+def batch_floats(p: StreamParams) -> int:
+    """Floats in one caller batch: x and the labels asked for (one buffer, see ``Arena``)."""
+    s = p.schema
+    return p.batch_size * (s.x_floats + sum(lab.width for lab in s.labels if lab.name in p.label_names))
+
+
+def buffer_capacity(p: StreamParams) -> int:
+    """Records in the shuffle buffer: a batch may need one record per sample (a date's last pack
+    can hold a single window), so at least a batch and two native batches."""
+    floor = p.batch_size + 2 * p.native_batch
+    return max(p.buffer_records, floor) if p.shuffle else floor
+
+
+def plan_part(plan: EpochPlan, p: StreamParams) -> PartSplit:
+    """This part's records, trims and readers (in order, one reader: the order must not depend on
+    how reads interleave)."""
+    return split_part(plan.counts, p.num_parts, p.part_index, p.readers if p.shuffle else 1, plan.can_split)
+
+
+class EpochStream:
+    """Batches ``(arrays, valid)`` of one epoch; ``get()`` blocks for the next, ``close()`` stops."""
+
+    def __init__(self, plan: EpochPlan, epoch: int, params: StreamParams, arena: Arena, *, skip: int = 0,
+                 behind: bool = False, on_half: Optional[Callable[[EpochStream], None]] = None,
+                 yield_to: Optional[Callable[[EpochStream], bool]] = None):
+        """``behind``: started from the caller's ``next()``; ``on_half(self)``: called by the producer
+        thread once it is half way through the epoch's batches; ``yield_to(self)``: True while
+        another stream needs the GIL and the cores first (this one naps before each native read)."""
+        self.plan, self.epoch, self.params, self._arena = plan, epoch, params, arena
+        self._behind, self._on_half, self._yield_to = behind, on_half, yield_to
+        self._producing = True  # the producer thread has batches left to assemble
+        self.past_half = False  # the producer thread has been half way (and called on_half)
+        self.split = plan_part(plan, params)
+        self.part_samples = list(self.split.part_samples)
+        self.readers = len(self.split.readers)
+        bs = params.batch_size
+        smallest = min(self.part_samples)
+        if smallest < bs:
+            which = self.part_samples.index(smallest)
+            if smallest == 0:
+                why = ("fewer than parts" if plan.samples < params.num_parts else "and a part boundary fell in a "
+                       "record that cannot be told apart from another of its date (same key words and window count), "
+                       "so it moved to the record's edge (README, 'Several workers'); use fewer parts")
+                raise LoaderError(f"part {which} of {params.num_parts} would be empty: generation {plan.generation} "
+                                  f"has {plan.samples} samples (in {plan.records} records), {why}")
+            raise LoaderError(f"batch_size {bs} is larger than part {which} of {params.num_parts} "
+                              f"({smallest} of {plan.samples} samples in generation {plan.generation})")
+        self.samples = self.split.samples
+        if params.last_batch == "pad":
+            self.batches = math.ceil(max(self.part_samples) / bs)
+        else:
+            self.batches = smallest // bs
+        # Batches ready for the caller. The producer refills only when the buffer falls to half
+        # (hysteresis): woken at every take, it would compete for the GIL with the caller's next().
+        self._ready: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._low = max(0, params.prefetch_buffer // 2 - 1) if params.prefetch_buffer > 1 else 0
+        self._halt = threading.Event()
+        self._ended = False  # the producer thread is past its last use of the buffers
+        self._skip = skip
+        sc = params.schema
+        self._x_shape = (params.batch_size, sc.time_steps, sc.num_inputs)
+        self._x_size = int(np.prod(self._x_shape))
+        self._buffer: Optional[ShuffleBuffer] = None
+        b, pos, views = params.batch_size, self._x_size, [(0, self._x_size, self._x_shape)]
+        for lab in sc.labels:  # (start, stop, shape) of each array in a batch's one buffer
+            if lab.name in params.label_names:
+                views.append((pos, pos + b * lab.width, (b,) if lab.width == 1 else (b, lab.width)))
+                pos += b * lab.width
+        self._views = views
+        self._thread = threading.Thread(target=self._run, name="shardgen-batches", daemon=True)
+        self._thread.start()
+
+    # -- consumer side ----------------------------------------------------------------------------
+
+    def get(self) -> tuple[list, int]:
+        """The next batch not skipped."""
+        while True:
+            with self._cond:
+                while not self._ready and not self._halt.is_set():
+                    self._cond.wait(0.5)
+                if not self._ready:
+                    raise LoaderError("the iterator was closed (or reset) while this next() waited")
+                item = self._ready[0]
+                if not isinstance(item, BaseException):  # an error stays: every later get() raises it
+                    self._ready.popleft()
+                if len(self._ready) <= self._low:
+                    self._cond.notify_all()
+            if isinstance(item, BaseException):
+                raise item
+            index, arrays, valid = item
+            if index >= self._skip:
+                return arrays, valid
+
+    def short(self) -> bool:
+        """Its producer is still assembling and the caller's queue is at its low mark or below."""
+        return self._producing and len(self._ready) <= self._low
+
+    def skip_to(self, index: int) -> None:
+        """Pass over batches before ``index`` (resumption): those not produced yet are never
+        assembled, those already queued are dropped by ``get()``."""
+        self._skip = max(self._skip, index)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the producer thread; its buffers go back to the arena once it ended. ``wait=False``
+        (an epoch read to its end, at ``reset()``): the thread gives them back itself as it ends
+        (the native readers' teardown takes ~10 ms), or the caller does now if it already ended."""
+        self._halt.set()
+        with self._cond:
+            self._cond.notify_all()
+            ended = self._ended
+        if self._thread is threading.current_thread():
+            return
+        if wait:
+            self._thread.join()
+            self._give_back()
+        elif ended:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        """The shuffle buffer back to the arena, and the batches never taken (once: either the
+        caller or the ending thread)."""
+        with self._cond:
+            buffer, self._buffer = self._buffer, None
+            self._ready.clear()  # batches never taken: their buffers go back to the arena now
+        if buffer is not None:
+            self._arena.give_back(buffer)
+
+    # -- producer side ----------------------------------------------------------------------------
+
+    def _offer(self, item: object) -> bool:
+        """Hand an item over unless told to halt (never blocks a reset() or close())."""
+        with self._cond:
+            while len(self._ready) >= self.params.prefetch_buffer and not self._halt.is_set():
+                self._cond.wait(0.1)
+            if self._halt.is_set():
+                return False
+            self._ready.append(item)
+            self._cond.notify_all()
+            if len(self._ready) >= self.params.prefetch_buffer:
+                # Full: sleep until the caller has taken down to the low mark.
+                while len(self._ready) > self._low and not self._halt.is_set():
+                    self._cond.wait(0.1)
+        return True
+
+    def _open(self, seeds: list[int]) -> list:
+        """The native iterators, opened side by side (each parses the combined index; ctypes
+        releases the GIL)."""
+        p, plan = self.params, self.plan
+        ranges = self.split.readers
+        opened: list = [None] * len(ranges)
+
+        def open_one(r: int, first: int, stop: int) -> None:
+            try:
+                opened[r] = open_record_iter(
+                    reader_source(plan, first, stop), record_floats=p.schema.record_floats,
+                    batch_size=min(p.native_batch, stop - first), shuffle=p.shuffle,
+                    seed=seeds[r], preprocess_threads=p.preprocess_threads,
+                    prefetch_buffer=1)
+            except BaseException as exc:  # raised below, in the producer thread
+                opened[r] = exc
+
+        threads = [threading.Thread(target=open_one, args=(r, a, b), name="shardgen-open", daemon=True)
+                   for r, (a, b) in enumerate(ranges)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for item in opened:
+            if isinstance(item, BaseException):
+                raise item
+        floats = p.schema.record_floats  # each reader: [native, records left, its label buffer]
+        return [[native, b - a, np.empty((min(p.native_batch, b - a), floats), np.float32)]
+                for native, (a, b) in zip(opened, ranges)]
+
+    def _run(self) -> None:
+        natives: list = []
+        if self._behind:
+            # Started from the caller's next() (the next epoch, half way through this one): let go of
+            # the GIL first, or start() returns only when this thread lets go of it (up to a switch
+            # interval, 5 ms, in the middle of next()).
+            time.sleep(BEHIND_S)
+        try:
+            p = self.params
+            seeds, rng = epoch_shuffle(p.seed, self.epoch, p.part_index, len(self.split.readers), p.shuffle)
+            natives = self._open(seeds)
+            self._produce(natives, rng)
+            for native, left, _buffer in natives:
+                if not left:  # at its end, MXNet 1.9.1's iterator holds no batch: freeing it leaks none
+                    while native.iter_next():
+                        pass
+        except BaseException as exc:  # handed to the caller's next()
+            if isinstance(exc, StopIteration):  # an empty native iterator; never the caller's end
+                exc = LoaderError(f"MXNet's reader found no records (generation {self.plan.generation})")
+            if isinstance(exc, mx.base.MXNetError):
+                exc = LoaderError(f"MXNet's reader failed on generation {self.plan.generation} "
+                                  f"({len(self.plan.shards)} shards in {self.plan.store}): {mxnet_reason(exc)}")
+            self._offer(exc)
+        finally:
+            self._producing = False
+            self.past_half = True  # ended (or failed) before it: nobody else will ask
+            natives.clear()  # frees the native iterators (their threads stop) in this thread
+            with self._cond:
+                self._ended = True
+                halted = self._halt.is_set()
+            if halted:  # closed without waiting for this thread (else the caller gives back)
+                self._give_back()
+
+    def _shared(self) -> Optional[SharedRecords]:
+        """The records this part shares with a neighbour (None: none)."""
+        trims, plan = self.split.trims, self.plan
+        if not trims:
+            return None
+        return SharedRecords(trims, [plan.day_of(t.record) for t in trims], [plan.keys[t.record] for t in trims],
+                             [plan.counts[t.record] for t in trims], self.params.schema.key_words,
+                             self.params.schema.pack)
+
+    def _produce(self, natives: list, rng: Optional[np.random.Generator]) -> None:
+        p = self.params
+        bs = p.batch_size
+        self._buffer = buffer = self._arena.shuffle_buffer(buffer_capacity(p))
+        shared = self._shared()
+        last_real = math.ceil(self.samples / bs) - 1  # batches after it (if any) are all filler
+        turn, saved = 0, None
+        for index in range(self.batches):
+            if self._halt.is_set():
+                return
+            if index == self.batches // 2:
+                if self._on_half is not None:
+                    self._on_half(self)
+                self.past_half = True
+            valid = min(bs, self.samples - index * bs)
+            if valid <= 0:
+                # Parts differ by one sample, so a shorter part can run out a batch early (README,
+                # "Several workers and machines"): it repeats its last real batch, pad = batch - 1.
+                if index >= self._skip and not self._offer((index, self._repeat(saved), 1)):
+                    return
+                continue
+            # Fill: shuffling, until the buffer is full; in order, until the batch is there.
+            while any(r[1] for r in natives) and (
+                    buffer.free_slots >= p.native_batch if p.shuffle else buffer.count < valid):
+                reader = natives[turn % len(natives)]
+                turn += 1
+                if not reader[1]:
+                    continue
+                if self._yield_to is not None:  # the next epoch's fill waits while this epoch runs short
+                    while self._yield_to(self) and not self._halt.is_set():
+                        time.sleep(YIELD_S)
+                label = next_label(reader[0])
+                if label is None:
+                    raise LoaderError(f"MXNet's reader ended {reader[1]} records early (generation "
+                                      f"{self.plan.generation})")
+                rows = copy_into(label, reader[2])[:reader[1]]
+                reader[1] -= len(rows)
+                buffer.add(rows, *(shared.spans(rows) if shared else ()))
+            if buffer.count < valid or (index == last_real and (buffer.count != valid or (
+                    shared is not None and not shared.each_seen_once))):
+                raise LoaderError(f"part {p.part_index} of {p.num_parts} read {buffer.count} samples for its batch "
+                                  f"{index} of {valid} (generation {self.plan.generation}): records changed "
+                                  "under the reader?")
+            codes = buffer.draw(valid, rng)
+            if index < self._skip and not (index == last_real and self.batches - 1 >= self._skip):
+                buffer.release(codes)
+                continue
+            flat = self._arena.batch()
+            x = flat[:self._x_size].reshape(self._x_shape)
+            arrays = self._arrays(flat, x, *buffer.gather(codes, out=x[:valid])[1:])
+            if index == last_real and self.batches - 1 > last_real:
+                saved = flat.copy()  # what the filler batches after it repeat
+            if index >= self._skip and not self._offer((index, arrays, valid)):
+                return
+
+    def _arrays(self, flat: np.ndarray, x: np.ndarray, labels: np.ndarray, days: np.ndarray) -> list:
+        """The caller's named arrays: views of ONE buffer lent to MXNet without a copy
+        (``loader.pipeline.zerocopy``: given back without Python). A short batch is filled with its
+        own rows (MXNet would leave uninitialised memory there, and padding must always be valid data)."""
+        p, s = self.params, self.params.schema
+        b, n = p.batch_size, len(labels)
+        if n < b:
+            fill = np.arange(b) % n
+            x[n:] = x[fill[n:]]
+            labels, days = labels[fill], days[fill]
+        views, col = iter(self._views[1:]), 0
+        for lab in s.labels[:-1]:
+            if lab.name in p.label_names:
+                a, z, _shape = next(views)
+                flat[a:z].reshape(b, lab.width)[...] = labels[:, col:col + lab.width]
+            col += lab.width
+        if "date" in p.label_names:
+            a, z, _shape = next(views)
+            flat[a:z] = days
+        return self._arena.hand_out(flat, self._views)
+
+    def _repeat(self, saved: np.ndarray) -> list:
+        """A batch that repeats the last real one (the README's exception), in a buffer of its own:
+        the caller may have changed the original in place."""
+        flat = self._arena.batch()
+        flat[:] = saved
+        return self._arena.hand_out(flat, self._views)

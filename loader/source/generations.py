@@ -1,0 +1,121 @@
+"""Which manifest generation an iterator reads: the newest, one pinned by hand, or the one all
+workers of a kvstore agree on.
+
+The rule for ``ShardIter.for_kvstore``: at construction and at every ``reset()``, each worker
+proposes the newest generation it sees in ``manifest.json``; rank 0's proposal wins. It reaches
+every worker through the kvstore itself: ``kv.broadcast`` (``init`` + ``pull``: in ``dist_sync``
+rank 0 alone pushes the initial value, then every worker passes a barrier) of a 2-float NDArray
+under a fresh reserved integer key per agreement (``AGREE_KEY_BASE`` and up; string keys if the
+kvstore already uses string keys). Every worker then opens exactly that generation, from its
+immutable snapshot ``generations/<N>.json``: the same shards, the same record count, so equal
+batches and every record once. No clock, no side channel. A kvstore with one worker (``local``,
+``device``) is not used at all.
+
+Each agreement is a collective call: every worker must construct and reset its iterators in the
+same order (which a ``dist_sync`` training loop does anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import mxnet as mx
+
+from loader.errors import LoaderError, mxnet_reason
+from loader.source.objcache import lease_for, mirror_of
+from loader.source.selection import load_manifest, manifest_path_of
+from shardgen.errors import ManifestError
+from shardgen.store.manifest import Manifest
+
+__all__ = ["AGREE_KEY_BASE", "Choice", "open_generation", "agree", "agreed_start"]
+
+AGREE_KEY_BASE = 1 << 30  # integer kvstore keys from here on are the loader's (Gluon uses 0, 1, ...)
+_MAX_GENERATION = 1 << 40  # sent as two float32 values of 20 bits each (exact)
+_ROUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kv -> its agreement counter
+_STR_KEYS: weakref.WeakSet = weakref.WeakSet()  # kvstores found to use string keys
+
+
+def open_generation(manifest_path: Path, generation: int) -> Manifest:
+    """Generation ``generation`` of a store exactly; LoaderError naming it when it is gone."""
+    manifest_path = manifest_path_of(Path(manifest_path))
+    store, cache = manifest_path.parent, mirror_of(manifest_path)
+    try:
+        if cache is not None:
+            cache.pull_manifest()
+            cache.pull_snapshot(generation)
+        return Manifest.load_generation(store, generation)
+    except ManifestError as exc:
+        raise LoaderError(f"cannot open generation {generation} of {store}: {exc}") from None
+
+
+def _check_generation(generation: object) -> int:
+    if not isinstance(generation, int) or isinstance(generation, bool) or not 1 <= generation < _MAX_GENERATION:
+        raise LoaderError(f"generation must be an integer >= 1, got {generation!r}")
+    return generation
+
+
+def agree(kv: Any, proposal: int) -> int:
+    """Rank 0's ``proposal``, on every worker of ``kv`` (a collective call)."""
+    if kv.num_workers <= 1:
+        return proposal
+    rounds = _ROUNDS.setdefault(kv, itertools.count())
+    n = next(rounds)
+    value = mx.nd.array([proposal >> 20, proposal & 0xFFFFF]) if kv.rank == 0 else mx.nd.zeros(2)
+    out = mx.nd.zeros(2)
+    key: Any = AGREE_KEY_BASE + n
+    if kv in _STR_KEYS:
+        key = f"__shardgen_generation_{n}"
+    try:
+        kv.broadcast(key, value, out=out)
+    except mx.base.MXNetError as exc:
+        if "Mixed key types" not in str(exc) or isinstance(key, str):
+            raise LoaderError(f"workers could not agree on a generation through the kvstore: "
+                              f"{mxnet_reason(exc)}") from None
+        _STR_KEYS.add(kv)  # the model's keys are strings (Module): use string keys too
+        kv.broadcast(f"__shardgen_generation_{n}", value, out=out)
+    hi, lo = (int(v) for v in out.asnumpy())
+    return (hi << 20) + lo
+
+
+class Choice:
+    """How an iterator picks each epoch's generation: ``pin`` (always that one), ``kv`` (rank
+    0's newest, agreed through the kvstore), or neither (this process's newest)."""
+
+    def __init__(self, *, pin: Optional[int] = None, kv: Any = None):
+        self.pin = None if pin is None else _check_generation(pin)
+        self.kv = kv
+
+    @staticmethod
+    def propose(manifest_path: Path) -> Manifest:
+        """The newest generation this process sees."""
+        return load_manifest(manifest_path)
+
+    def manifest(self, manifest_path: Path) -> Manifest:
+        """The manifest of the generation to read next (a collective call with a kvstore)."""
+        if self.pin is not None:
+            return open_generation(manifest_path, self.pin)
+        newest = self.propose(manifest_path)
+        if self.kv is None:
+            return newest
+        agreed = agree(self.kv, newest.generation)
+        return newest if agreed == newest.generation else open_generation(manifest_path, agreed)
+
+
+@contextlib.contextmanager
+def agreed_start(kv: Any, manifest_path: Path) -> Iterator[int]:
+    """The generation a new ``for_kvstore`` iterator starts on. Until the block ends (the
+    iterator then holds its own lease), a temporary lease on this worker's proposal keeps gc
+    from removing the agreed snapshot: gc keeps every snapshot at or above the oldest live lease,
+    and rank 0 proposed the agreed one."""
+    manifest_path = manifest_path_of(Path(manifest_path))
+    newest = Choice.propose(manifest_path)
+    hold = lease_for(manifest_path.parent)
+    hold.renew(newest.generation)
+    try:
+        yield agree(kv, newest.generation)
+    finally:
+        hold.release()

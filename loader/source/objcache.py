@@ -1,0 +1,348 @@
+"""Reading a store on an object store: ``ShardIter("s3://bucket/prefix/manifest.json", cache_dir=...)``.
+
+What an epoch reads is first downloaded into a local cache folder that mirrors the store
+(``<cache>/objects/<bucket>/<prefix>/``: the same file names), and then read natively from
+there, exactly as a store folder is, every shard checked before MXNet reads it. So:
+
+* the manifest (and a pinned or agreed generation's snapshot) is fetched whenever the iterator
+  reads one (construction, ``reset()``);
+* an epoch's shards are downloaded before it starts, in parallel, only those not cached yet
+  (the next epoch fetches only what is new). Half way through an epoch, a newer generation's
+  new shards are fetched in the background, so ``reset()`` finds them cached;
+* every download goes to a temp file, is checked against the manifest's size and sha256, and
+  only then renamed into place: a file in the cache is whole and verified. Bytes that differ
+  are fetched once more, then refused with a LoaderError naming the date;
+* several processes may share one cache folder (say, the ``dist_sync`` workers of a host): a
+  per-file ``flock`` makes one of them download each file while the others wait for it;
+* ``cache_limit`` (bytes, or a string such as ``"20GB"``): files no epoch of this process needs
+  are evicted, least recently used first, to make room; an epoch whose shards alone exceed the
+  limit, or the free disk space, is refused with an error that says how much it needs. The disk
+  is never filled.
+
+Why not fsspec's ``filecache``: it checks no hash, and its cache index is not safe to share
+between processes. The cache here is a folder of plain files, named as in the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+from loader.errors import LoaderError
+from shardgen.format.check import needs_index
+from shardgen.format.schema import Schema
+from shardgen.fsutil import atomic_write, clean_temp_files
+from shardgen.store.lease import Lease
+from shardgen.store.manifest import Manifest, ShardEntry
+from shardgen.store.naming import MANIFEST_NAME, SNAPSHOT_DIR
+from shardgen.store.objstore import ObjectStore, ObjectStoreError, is_remote, parse_url, store_errors_as
+
+__all__ = ["ObjectCache", "resolve", "mirror_of", "lease_for", "parse_size", "DOWNLOAD_THREADS"]
+
+log = logging.getLogger(__name__)
+DOWNLOAD_THREADS = 8
+_LOCKS = ".locks"
+_RESERVE = 64 << 20  # never leave the disk with less than this free
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20,
+          "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(value: Union[int, str, None], what: str = "cache_limit") -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        number = text.rstrip("KMGTIB")
+        unit = text[len(number):]
+        with contextlib.suppress(ValueError):
+            if unit in _UNITS and float(number) > 0:
+                return int(float(number) * _UNITS[unit])
+    raise LoaderError(f"{what} must be a positive number of bytes or a size such as '20GB', got {value!r}")
+
+
+def default_object_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "shardgen-objects"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+class ObjectCache:
+    """One store on an object store, mirrored into ``folder``."""
+
+    def __init__(self, url: str, folder: Path, limit: Optional[int]):
+        self.remote = ObjectStore(url)
+        self.folder, self.limit = Path(folder), limit
+        self.wanted: dict[str, set] = {}  # who -> names its epochs use (never evicted)
+        self.downloads = 0  # files this process downloaded (not found in the cache)
+        self._ahead: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self._ensure_folder()
+        for path in clean_temp_files(self.folder):  # downloads of killed processes of this host
+            log.info("removed %s left by a dead process", path.name)
+        with store_errors_as(LoaderError):
+            self.remote.check()
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.folder / MANIFEST_NAME
+
+    # -- manifests ----------------------------------------------------------------------------------
+
+    def pull_manifest(self) -> None:
+        """The store's newest manifest into the mirror (checked before it replaces the old one)."""
+        with store_errors_as(LoaderError):
+            data = self.remote.get(MANIFEST_NAME)
+        if data is None:
+            raise LoaderError(f"{self.remote.where(MANIFEST_NAME)}: no manifest (run `shardgen build` first)")
+        Manifest.parse(data, self.remote.where(MANIFEST_NAME))  # ManifestError: the loader says it
+        self._ensure_folder()
+        atomic_write(self.manifest_path, data, fsync=False)
+
+    def pull_snapshot(self, generation: int) -> None:
+        name = f"{SNAPSHOT_DIR}/{int(generation)}.json"
+        if (self.folder / name).is_file():  # snapshots are immutable
+            return
+        with store_errors_as(LoaderError):
+            data = self.remote.get(name)
+        if data is not None:
+            (self.folder / SNAPSHOT_DIR).mkdir(exist_ok=True)
+            atomic_write(self.folder / name, data, fsync=False)
+
+    # -- shards ------------------------------------------------------------------------------------
+
+    def fetch(self, shards: Iterable[ShardEntry], *, who: str = "", schema: Optional[Schema] = None) -> float:
+        """Every file of ``shards`` in the cache, checked; seconds spent. ``who`` names the user
+        whose files are kept from eviction from now on (an iterator). With the ``schema``, a shard
+        comes without its ``.idx`` unless reading it needs one (``needs_index``; ``fetch_index``
+        gets it later if the check asks for it after all)."""
+        t0 = time.perf_counter()
+        self._ensure_folder()
+        shards = list(shards)
+        files = {}
+        for s in shards:
+            files[s.rec] = (s, "rec")
+            if schema is None or needs_index(s, schema) or (self.folder / s.idx).exists():
+                files[s.idx] = (s, "idx")
+        with self._lock:
+            self.wanted[who] = set(files)
+        missing = [n for n in files if not self._cached(n, files[n])]
+        self._check_limit(shards)
+        if missing:
+            self._make_room(missing, files)
+            with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(missing)), thread_name_prefix="shardgen-fetch") as pool:
+                for done in [pool.submit(self._download, n, *files[n]) for n in missing]:
+                    done.result()  # the first download's error, if any
+            log.info("%s: %d files downloaded in %.1fs", self.remote.url, len(missing), time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    def fetch_index(self, shard: ShardEntry) -> None:
+        """The ``.idx`` of one shard (see ``fetch``)."""
+        with self._lock:
+            self.wanted.setdefault(f"index-{shard.idx}", set()).add(shard.idx)
+        try:
+            if not self._cached(shard.idx, (shard, "idx")):
+                self._download(shard.idx, shard, "idx")
+        finally:
+            self.release(f"index-{shard.idx}")
+
+    def _ensure_folder(self) -> None:
+        try:
+            (self.folder / _LOCKS).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LoaderError(f"{self.folder}: cannot create the object cache ({exc.strerror}); pass cache_dir= "
+                              "a writable folder") from None
+
+    def release(self, who: str) -> None:
+        with self._lock:
+            self.wanted.pop(who, None)
+
+    def _cached(self, name: str, what: tuple) -> bool:
+        """Whether ``name`` is in the cache as this shard needs it: for a ``.rec``, the size and
+        the sha256 it was verified against at download (a store rebuilt under the same URL, or
+        another endpoint's bucket of the same name, has other hashes: downloaded again)."""
+        shard, kind = what
+        try:
+            size = (self.folder / name).stat().st_size
+            if kind == "rec":
+                return size == shard.bytes and self._marker(name).read_text() == shard.sha256
+        except OSError:
+            return False
+        return size > 0
+
+    def _marker(self, name: str) -> Path:
+        return self.folder / _LOCKS / (name + ".sha256")
+
+    def _download(self, name: str, shard: ShardEntry, kind: str) -> None:
+        with self._file_lock(name):
+            if self._cached(name, (shard, kind)):
+                return  # another process fetched it while we waited
+            self.downloads += 1
+            try:
+                if kind == "rec":
+                    with contextlib.suppress(FileNotFoundError):
+                        self._marker(name).unlink()
+                    self.remote.download(name, self.folder / name, size=shard.bytes, sha256=shard.sha256,
+                                         what=f"shard {shard.date}")
+                    atomic_write(self._marker(name), shard.sha256.encode(), fsync=False)
+                else:
+                    self.remote.download(name, self.folder / name, what=f"index of {shard.date}")
+            except ObjectStoreError as exc:
+                raise LoaderError(f"{shard.date}: {exc}") from None
+            except OSError as exc:
+                raise LoaderError(f"{shard.date}: cannot write {self.folder / name} ({exc.strerror})") from None
+
+    @contextlib.contextmanager
+    def _file_lock(self, name: str, *, wait: bool = True):
+        fd = os.open(self.folder / _LOCKS / (name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EACCES):
+                    yield False
+                    return
+                raise
+            yield True
+        finally:
+            os.close(fd)
+
+    def _check_limit(self, shards: list) -> None:
+        need = sum(s.bytes for s in shards)
+        if self.limit is not None and need > self.limit:
+            raise LoaderError(f"{self.remote.url}: this epoch's shards need {_mb(need)} in the cache, but "
+                              f"cache_limit is {_mb(self.limit)}; raise cache_limit to at least {_mb(need)} or "
+                              "select fewer dates")
+
+    def _make_room(self, missing: list, files: dict) -> None:
+        """Evict what no epoch of ours uses until the new files fit; refuse to fill the disk."""
+        incoming = sum(files[n][0].bytes for n in missing if files[n][1] == "rec")
+        if self.limit is not None:
+            left = self._evict(self._cache_bytes() + incoming - self.limit)
+            if left > 0:
+                raise LoaderError(f"{self.folder}: cache_limit {_mb(self.limit)} is full of files other processes "
+                                  f"are using; {_mb(left)} more is needed for this epoch")
+        free = shutil.disk_usage(self.folder).free
+        if incoming + _RESERVE > free:
+            raise LoaderError(f"{self.folder}: downloading this epoch's shards needs {_mb(incoming)} more, but the "
+                              f"disk has {_mb(free)} free (keeping {_mb(_RESERVE)}); free space, set cache_limit, "
+                              "or pass another cache_dir")
+
+    def _cache_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self._entries())
+
+    def _entries(self) -> list:
+        out = []
+        for p in self.folder.iterdir():
+            if p.is_file() and not p.name.startswith(".") and p.name != MANIFEST_NAME:
+                out.append(p)
+        return out
+
+    def _evict(self, excess: int) -> int:
+        """Evict until ``excess`` bytes are freed; what could not be freed."""
+        if excess <= 0:
+            return 0
+        with self._lock:
+            keep = set().union(*self.wanted.values()) if self.wanted else set()
+        candidates = []
+        for p in self._entries():
+            with contextlib.suppress(OSError):
+                if p.name not in keep:
+                    st = p.stat()
+                    candidates.append((max(st.st_atime, st.st_mtime), p, st.st_size))
+        for _, path, size in sorted(candidates, key=lambda c: c[0]):
+            if excess <= 0:
+                break
+            with self._file_lock(path.name, wait=False) as mine:
+                if not mine:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()  # a process reading it holds it open: its epoch goes on
+                    excess -= size
+                    log.info("evicted %s from the object cache", path.name)
+        return max(0, excess)
+
+    # -- ahead of the next epoch ------------------------------------------------------------------
+
+    def fetch_ahead(self, select) -> None:
+        """In the background: the newest generation's shards (``select(manifest)`` picks them),
+        if they fit; nothing is said if it fails (``reset()`` will fetch and say why)."""
+        if self._ahead is not None and self._ahead.is_alive():
+            return
+
+        def run():
+            try:
+                data = self.remote.get(MANIFEST_NAME)
+                if data is None:
+                    return
+                manifest = Manifest.parse(data, self.remote.where(MANIFEST_NAME))
+                shards = select(manifest)
+                with self._lock:
+                    busy = set().union(*self.wanted.values()) if self.wanted else set()
+                new = [s for s in shards if s.rec not in busy]
+                if new and (self.limit is None or sum(s.bytes for s in shards) <= self.limit):
+                    self.fetch(new, who="ahead", schema=manifest.schema)  # no .idx the reading won't need
+            except Exception as exc:  # noqa: BLE001 - a background hint only
+                log.info("%s: fetching the next generation ahead failed (%s)", self.remote.url, exc)
+            finally:
+                self.release("ahead")
+
+        self._ahead = threading.Thread(target=run, name="shardgen-fetch-ahead", daemon=True)
+        self._ahead.start()
+
+
+_MIRRORS: dict[Path, ObjectCache] = {}
+_MIRRORS_LOCK = threading.Lock()
+
+
+def resolve(manifest: Union[os.PathLike, str], cache_dir: Optional[os.PathLike] = None,
+            cache_limit: Union[int, str, None] = None) -> Path:
+    """The local path to read ``manifest`` from: itself, or for ``s3://...`` the manifest of its
+    mirror in the object cache (``cache_dir/objects``, default ``~/.cache/shardgen-objects``)."""
+    if not is_remote(str(manifest)):
+        if cache_limit is not None:
+            raise LoaderError("cache_limit is only used for s3:// stores")
+        return Path(manifest)
+    url = str(manifest)
+    if url.endswith("/" + MANIFEST_NAME):
+        url = url[: -len(MANIFEST_NAME) - 1]
+    try:
+        bucket, prefix = parse_url(url)
+    except ObjectStoreError as exc:
+        raise LoaderError(str(exc)) from None
+    base = Path(cache_dir) / "objects" if cache_dir is not None else default_object_cache()
+    folder = (base / bucket / prefix).resolve()
+    limit = parse_size(cache_limit)
+    with _MIRRORS_LOCK:
+        cache = _MIRRORS.get(folder / MANIFEST_NAME)
+        if cache is None or cache.limit != limit:
+            cache = ObjectCache(url, folder, limit)
+            _MIRRORS[cache.manifest_path] = cache
+    return cache.manifest_path
+
+
+def mirror_of(manifest_path: Path) -> Optional[ObjectCache]:
+    """The object cache whose mirror ``manifest_path`` is, if any."""
+    if not _MIRRORS:
+        return None
+    with _MIRRORS_LOCK:
+        return _MIRRORS.get(Path(manifest_path).resolve())
+
+
+def lease_for(store: Path) -> Lease:
+    """A reader lease in the store itself: in the object store for a mirror."""
+    cache = mirror_of(Path(store) / MANIFEST_NAME)
+    return Lease(cache.remote if cache is not None else store)

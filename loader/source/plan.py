@@ -1,0 +1,296 @@
+"""What one epoch reads: the selected shards of a manifest generation, checked, and for each native
+reader an MXNet index over exactly its range of records (:func:`reader_source`).
+
+dmlc's ``IndexedRecordIOSplitter`` takes exactly one ``.idx`` whose offsets are global across the
+``;``-joined ``.rec`` files. A range of records ``[first, stop)`` is read exactly by joining only
+the files it touches, with the index ``shardgen.format.index.reader_index`` writes (which says
+how dmlc is made to stop at ``stop``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime as dt
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from loader.errors import LoaderError
+from loader.source.objcache import mirror_of
+from shardgen.errors import ShardError
+from shardgen.format.check import VERIFY_MODES, check_shard
+from shardgen.format.index import reader_index
+from shardgen.format.schema import day_number
+from shardgen.fsutil import HOST_TOKEN, pid_alive
+from shardgen.store.manifest import Manifest, ShardEntry
+
+__all__ = ["EpochPlan", "ReaderSource", "reader_source", "make_plan", "default_cache_dir", "hold", "drop", "recheck"]
+
+def default_cache_dir() -> Path:
+    """Where plan folders go: ``$XDG_CACHE_HOME`` if set; else ``/dev/shm`` when it is a writable
+    tmpfs (a plan is an index and one link per shard: metadata-heavy, small, per process); else
+    ``~/.cache``."""
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "shardgen-loader"
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm / f"shardgen-loader-{os.getuid()}"
+    return Path(os.path.expanduser("~")) / ".cache" / "shardgen-loader"
+
+
+class PlanFiles:
+    """The shard files a plan reads, held open: MXNet opens them through ``/proc/self/fd``, so a
+    file deleted or replaced in the store mid-epoch is still the one checked and read."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.folder: Optional[Path] = None
+        self.sources: dict = {}  # (first, stop) -> ReaderSource written in the folder
+        self.checked: dict = {}  # fd -> its file's identity (stat, verify) when recheck() last found it good
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """An immutable description of what an epoch reads."""
+
+    store: Path
+    generation: int
+    fingerprint: str
+    shards: tuple[ShardEntry, ...]
+    folder: Path  # this process's private folder for the plan: the combined index, links to the .rec files
+    records: int
+    counts: np.ndarray = field(compare=False, repr=False, default=None)  # samples per record, global order
+    files: Optional[PlanFiles] = field(compare=False, repr=False, default=None)
+    offsets: np.ndarray = field(compare=False, repr=False, default=None)  # int64 byte offset of each record
+    keys: np.ndarray = field(compare=False, repr=False, default=None)  # float32 key words of each record
+    shard_first: np.ndarray = field(compare=False, repr=False, default=None)  # first record of each shard, + n
+
+    @property
+    def samples(self) -> int:
+        return int(self.counts.sum())
+
+    def shard_of(self, record: int) -> int:
+        return int(np.searchsorted(self.shard_first, record, side="right")) - 1
+
+    def can_split(self, record: int) -> bool:
+        """True when no other record of its shard has the same key and window count (see
+        ``Schema.key_words``), so a reader can tell it apart from the others of its date."""
+        s = self.shard_of(record)
+        span = slice(self.shard_first[s], self.shard_first[s + 1])
+        same = (self.keys[span] == self.keys[record]).all(axis=1) & (self.counts[span] == self.counts[record])
+        return int(np.count_nonzero(same)) == 1
+
+    def day_of(self, record: int) -> int:
+        return day_number(dt.date.fromisoformat(self.shards[self.shard_of(record)].date))
+
+
+@dataclass(frozen=True)
+class ReaderSource:
+    """What one native iterator is opened on: ``path_imgrec``, ``path_imgidx`` and dmlc's part."""
+
+    rec_paths: str
+    index: Path
+    num_parts: int
+    part_index: int
+
+
+def reader_source(plan: EpochPlan, first: int, stop: int) -> ReaderSource:
+    """The files and index that make MXNet read exactly records ``[first, stop)`` of the plan
+    (see the module docstring); written once per plan and range."""
+    key = (first, stop)
+    files = plan.files
+    with files.lock:
+        hit = files.sources.get(key)
+        if hit is not None:
+            return hit
+        f0, f1 = plan.shard_of(first), plan.shard_of(stop - 1)
+        base = plan.offsets[plan.shard_first[f0]]
+        end = plan.offsets[stop] - base if stop < plan.shard_first[f1 + 1] else None  # ends inside a file
+        text, parts = reader_index(plan.offsets[first:stop] - base, end)
+        index = plan.folder / f"r{first}-{stop}.idx"
+        tmp = index.with_suffix(".tmp")
+        try:
+            tmp.write_bytes(text)
+            os.replace(tmp, index)
+        except OSError as exc:
+            raise LoaderError(f"{index}: cannot write a reader's index ({exc.strerror}); pass cache_dir= a "
+                              "writable folder with room (or set XDG_CACHE_HOME)") from None
+        rec_paths = ";".join(str(plan.folder / f"{i:06d}" / "s.rec") for i in range(f0, f1 + 1))
+        files.sources[key] = source = ReaderSource(rec_paths, index, parts, 0)
+        return source
+
+
+def recheck(plan: EpochPlan, schema: Any, verify: str) -> None:
+    """Check the plan's open files again if they changed since (size, mtime or ctime): a file
+    damaged in place is caught before the next epoch reads it. This runs at every reset(): a file
+    as it was when last found good costs one fstat."""
+    files = plan.files
+    if files is None:
+        return
+    store = os.path.join(str(plan.store), "")
+    for s, fd in zip(plan.shards, files.fds):
+        st = os.fstat(fd)
+        seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, verify)
+        if files.checked.get(fd) == seen:
+            continue
+        try:
+            check_shard(fd, store + s.rec, store + s.idx, s, schema, verify=verify)
+        except ShardError as exc:
+            raise LoaderError(str(exc)) from None
+        files.checked[fd] = seen
+
+
+def _ensure_fd_room(needed: int) -> None:
+    """A plan holds one descriptor per shard (two plans overlap at a reset): raise the soft
+    RLIMIT_NOFILE toward the hard one when needed, or say clearly what to do."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    want = in_use + needed + 64
+    if soft != resource.RLIM_INFINITY and want > soft:
+        target = want * 2 if hard == resource.RLIM_INFINITY else min(hard, want * 2)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and want > soft:
+            raise LoaderError(f"reading {needed} shards needs about {want} open files, the limit is {soft} (hard "
+                              f"{hard}); raise it (`ulimit -n {want * 2}`) or select fewer dates")
+
+
+def _open_shard(store: Path, s: ShardEntry) -> int:
+    rec = store / s.rec
+    try:
+        return os.open(rec, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise LoaderError(f"{rec}: shard file is missing (listed in the manifest for {s.date})") from None
+    except OSError as exc:
+        raise LoaderError(f"{rec}: cannot open the shard of {s.date} ({exc.strerror})") from None
+
+
+_SEQ = itertools.count()
+
+
+def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry, ...], cache_dir: Path, *,
+              verify: str = "frame", fetcher: str = "") -> EpochPlan:
+    """Open and check the shards' files and return a plan with its own folder for MXNet.
+
+    dmlc resolves each ``.rec`` path (and the index) by listing its folder and ``stat``-ing every
+    entry there, which fails if a file is renamed meanwhile -- as the watcher's temp files are in
+    the store -- and costs O(shards^2) stats when all links share a folder (0.7 s at 400 shards).
+    So MXNet only ever sees the plan's own folder: written once, then left unchanged, holding the
+    combined index and, one per subfolder, a link to each shard file this process holds open.
+    """
+    if verify not in VERIFY_MODES:
+        raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    store = Path(manifest_path).resolve().parent
+    if not shards:
+        raise LoaderError(f"{manifest_path}: no shards selected (generation {manifest.generation})")
+    cache = mirror_of(Path(manifest_path))
+    if cache is not None:  # a store on an object store: this epoch's files into the local cache first
+        cache.fetch(shards, who=fetcher, schema=manifest.schema)
+    mine = Path(cache_dir).resolve() / f"{HOST_TOKEN}-{os.getpid()}"
+    if ";" in str(mine):
+        raise LoaderError(f"{mine}: a path given to MXNet may not contain ';' (it joins .rec paths with it)")
+    _ensure_fd_room(len(shards))
+    files = PlanFiles()
+    try:
+        parts, counts, keys, base = [], [], [], 0
+        for s in shards:
+            fd = _open_shard(store, s)
+            files.fds.append(fd)
+            if cache is None and not (store / s.idx).is_file():
+                raise LoaderError(f"{store / s.idx}: index file is missing (shard {s.date})")
+            try:
+                frames = check_shard(fd, str(store / s.rec), str(store / s.idx), s, manifest.schema, verify=verify)
+            except ShardError as exc:
+                if cache is None or (store / s.idx).is_file():
+                    raise LoaderError(str(exc)) from None
+                cache.fetch_index(s)  # the check asked for the index the cache left out: fetched, checked again
+                try:
+                    frames = check_shard(fd, str(store / s.rec), str(store / s.idx), s, manifest.schema,
+                                         verify=verify)
+                except ShardError as exc2:
+                    raise LoaderError(str(exc2)) from None
+            parts.append(frames.offsets + base)
+            counts.append(frames.counts)
+            keys.append(frames.keys)
+            base += s.bytes
+        shard_first = np.concatenate(([0], np.cumsum([len(c) for c in counts]))).astype(np.int64)
+        offsets, counts, keys = np.concatenate(parts), np.concatenate(counts), np.concatenate(keys)
+        proc_fd = Path("/proc/self/fd")
+        key = hashlib.sha256(json.dumps([str(store)] + [s.to_json() for s in shards]).encode()).hexdigest()[:12]
+        folder = mine / f"{next(_SEQ):05d}-{key}"
+        try:
+            _clean_dead_processes(Path(cache_dir))
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            files.folder = folder
+            for i, (s, fd) in enumerate(zip(shards, files.fds)):
+                target = proc_fd / str(fd) if proc_fd.is_dir() else store / s.rec
+                (folder / f"{i:06d}").mkdir()  # one link per folder: dmlc lists a path's folder to find it
+                os.symlink(target, folder / f"{i:06d}" / "s.rec")
+        except OSError as exc:
+            raise LoaderError(f"{mine}: cannot write the loader's index folder ({exc.strerror}); pass "
+                              "cache_dir= a writable folder (or set XDG_CACHE_HOME)") from None
+    except BaseException:
+        files.close()
+        raise
+    return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, folder, len(offsets),
+                     counts, files, offsets, keys, shard_first)
+
+
+def _clean_dead_processes(cache_dir: Path) -> None:
+    """Remove plan folders of processes that are gone. ``HOST_TOKEN`` names this host, pid namespace
+    and boot, so only folders whose pid can be checked here are matched."""
+    for entry in cache_dir.glob(f"{HOST_TOKEN}-*"):
+        pid = entry.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+_HELD: collections.Counter = collections.Counter()  # plan folder -> iterators of this process using it
+_HELD_LOCK = threading.Lock()
+
+
+def hold(plan: EpochPlan) -> None:
+    with _HELD_LOCK:
+        _HELD[plan.folder] += 1
+
+
+def drop(plan: EpochPlan) -> None:
+    """One user less; the last one closes the plan's files and removes its folder."""
+    with _HELD_LOCK:
+        _HELD[plan.folder] -= 1
+        last = _HELD[plan.folder] <= 0
+        if last:
+            del _HELD[plan.folder]
+    if last and plan.files is not None:
+        plan.files.close()

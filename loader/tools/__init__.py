@@ -1,0 +1,1 @@
+"""Programs built on the loader: the example trainer and the dist_sync launcher."""

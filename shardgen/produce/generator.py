@@ -1,0 +1,364 @@
+"""Run the user's generator for one date and load its ``.npy`` output, checked.
+
+The command is an argv (never a shell). A run past ``timeout_s`` has its whole process group
+killed. A failed run, or one whose output does not load, is retried ``retries`` times with
+exponential backoff; the final error names the date, what failed and the generator's last stderr.
+
+Stopping (``request_stop``, called by the watcher on SIGINT/SIGTERM) abandons running generators,
+killing their process groups, in this process and in its worker processes (loky workers are its
+children: they see a marker file named after their parent, since they cannot see its ``STOP``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime as dt
+import errno
+import functools
+import logging
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from shardgen.config import Config
+from shardgen.errors import GeneratorError, Interrupted, RawDataError
+
+__all__ = ["load_raw", "run_generator", "obtain_raw", "STOP", "request_stop", "clear_stop", "stop_marker",
+           "abandon_with"]
+
+log = logging.getLogger(__name__)
+_STDERR_TAIL = 5
+STOP = threading.Event()  # set by request_stop: abandon running generators of this process
+_LOCAL = threading.local()  # .abandon: an Event that abandons this thread's generators (see abandon_with)
+_POLL_S = 0.05
+
+
+def _process_key(pid: int) -> str:
+    """``pid-starttime``: names one process on this host, even after its pid is reused."""
+    try:
+        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        start = "0"
+    return f"{pid}-{start}"
+
+
+def stop_marker(pid: int) -> Path:
+    """The file whose existence tells the worker processes of process ``pid`` to stop."""
+    return Path(tempfile.gettempdir()) / f"shardgen-stopping-{_process_key(pid)}"
+
+
+def request_stop() -> None:
+    """Abandon the generators run by this process and by its worker processes."""
+    STOP.set()
+    with contextlib.suppress(OSError):
+        stop_marker(os.getpid()).touch()
+
+
+def clear_stop() -> None:
+    STOP.clear()
+    with contextlib.suppress(OSError):
+        stop_marker(os.getpid()).unlink()
+
+
+@contextlib.contextmanager
+def abandon_with(event: threading.Event) -> Iterator[None]:
+    """Generators this thread runs inside the block are abandoned (killed, ``Interrupted``) once
+    ``event`` is set, as after ``request_stop`` (a build running one ahead, stopped early)."""
+    saved = getattr(_LOCAL, "abandon", None)
+    _LOCAL.abandon = event
+    try:
+        yield
+    finally:
+        _LOCAL.abandon = saved
+
+
+class _StopCheck:
+    """Whether to stop: ``STOP`` here, the marker of the process that started this worker, or
+    this thread's ``abandon_with`` event."""
+
+    def __init__(self) -> None:
+        self.marker = stop_marker(os.getppid())
+        self.abandon = getattr(_LOCAL, "abandon", None)
+
+    def __call__(self) -> bool:
+        return STOP.is_set() or (self.abandon is not None and self.abandon.is_set()) or self.marker.exists()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True (at once) if a stop is requested meanwhile."""
+        deadline = time.monotonic() + seconds
+        while not self():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            STOP.wait(min(left, _POLL_S))
+        return True
+
+
+@functools.cache
+def _setpriv() -> Optional[str]:
+    """util-linux ``setpriv`` (looked up on the system path only, never the user's PATH) if it can
+    set the parent-death signal (``--pdeathsig``) and there is a ``/bin/sh``, else None."""
+    found = shutil.which("setpriv", path=os.confstr("CS_PATH")) if sys.platform.startswith("linux") else None
+    if not found or not os.access(_SH, os.X_OK):
+        return None
+    try:
+        out = subprocess.run([found, "--help"], capture_output=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found if b"--pdeathsig" in out else None
+
+
+_SH = "/bin/sh"
+# What the shell that setpriv starts runs, once the parent-death signal is set: if the process that
+# started it died before that (its parent is no longer "$1"), nothing would kill it, so it stops.
+_GUARD = '[ "$PPID" = "$1" ] || exit 255; shift; exec "$@"'
+
+
+def _executable(exe: str, cwd: Path) -> str:
+    """The absolute path of what exec would run for ``exe`` started in ``cwd``; else the OSError
+    Popen would have raised."""
+    if os.sep in exe:
+        candidates = [Path(cwd) / exe]
+    else:  # relative PATH entries are relative to cwd, as for exec in the child
+        candidates = [Path(cwd) / d / exe for d in os.get_exec_path()]
+    code = errno.ENOENT
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c.absolute())
+        if c.exists():
+            code = errno.EACCES
+    raise OSError(code, os.strerror(code), exe)
+
+
+@functools.cache
+def _host_elf() -> bytes:
+    """This Python's ELF class, byte order and machine (a generator built for another is refused
+    by the kernel, and said so through Popen)."""
+    try:
+        with open(sys.executable, "rb") as fh:
+            head = fh.read(20)
+    except OSError:
+        return b""
+    return head[4:6] + head[18:20] if head.startswith(b"\x7fELF") else b""
+
+
+def _starts_like_a_program(path: str, cwd: Path) -> bool:
+    """An ELF executable for this machine, or a script whose ``#!`` interpreter (read as the
+    kernel reads it: up to a space or tab, a ``\\r`` kept; relative to ``cwd``) is an executable
+    file. Anything else (no ``#!``, a missing interpreter, another machine's binary) starts
+    through Popen, whose error is the kernel's own: a shell would run a file it cannot exec as
+    a shell script, or name it "not found"."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(256)
+    except OSError:
+        return False
+    if head.startswith(b"\x7fELF"):
+        return len(head) >= 20 and head[16:18] in (b"\x02\x00", b"\x03\x00") and \
+            head[4:6] + head[18:20] == _host_elf()
+    if not head.startswith(b"#!") or b"\n" not in head:
+        return False
+    line = head[2:].split(b"\n", 1)[0].lstrip(b" \t")
+    interpreter = line.replace(b"\t", b" ").split(b" ", 1)[0]
+    if not interpreter:
+        return False
+    target = Path(cwd) / os.fsdecode(interpreter)
+    return target.is_file() and os.access(target, os.X_OK)
+
+
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_SHELL_SETS = frozenset({"PPID", "IFS", "OPTIND"})  # the shell sets or resets these
+
+
+def _environment_passes_a_shell() -> bool:
+    """Whether ``/bin/sh`` hands this environment on unchanged: it drops variables whose names
+    are not shell names (``BASH_FUNC_module%%``, ``app.mode``) and sets a few itself. (``PWD``
+    it sets to the generator's folder, which Popen with ``cwd=`` leaves naming this process's.)"""
+    return all(_SHELL_NAME.match(name) and name not in _SHELL_SETS for name in os.environ)
+
+
+def _spawn(argv: list[str], cwd: Path, stderr) -> subprocess.Popen:
+    """Start the generator in a session of its own that gets SIGKILL if this thread's process
+    dies. Through ``setpriv --pdeathsig KILL`` and a one-line ``/bin/sh`` guard where there are
+    both, the generator is a program this machine runs and the environment passes a shell
+    unchanged: Python then starts the child with vfork (0.3 ms). Else through a ``preexec_fn``,
+    which forces a full fork and Python code in the child: 5-7 ms of every date of a ``jobs=1``
+    build, whose generator runs ~100 ms. Through the guard the generator's ``argv[0]`` is its
+    absolute path and ``$PWD`` its folder; a file replaced between the check and the exec (a
+    window of microseconds) is exec'd as it then is."""
+    setpriv = _setpriv()
+    if setpriv is not None:
+        path = _executable(argv[0], cwd)
+        if _starts_like_a_program(path, cwd) and _environment_passes_a_shell():
+            return subprocess.Popen([setpriv, "--pdeathsig", "KILL", "--", _SH, "-c", _GUARD, "sh", str(os.getpid()),
+                                     path, *argv[1:]], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=stderr, cwd=cwd, start_new_session=True)
+    parent = os.getpid()
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, cwd=cwd,
+                            preexec_fn=lambda: _new_session_dying_with_parent(parent))
+
+
+def _new_session_dying_with_parent(parent: int) -> None:
+    """In the child: own process group, and SIGKILL if the worker that started it dies."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the worker died before prctl took effect
+            os._exit(255)
+
+
+def load_raw(path: Path, date: dt.date, min_cols: int) -> np.ndarray:
+    """Load a generator's output: a real 2-D float ``.npy`` with at least ``min_cols`` columns."""
+    where = f"{date}: {path}"
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise RawDataError(f"{where}: the generator wrote no output file") from None
+    except (ValueError, OSError, EOFError) as exc:
+        raise RawDataError(f"{where}: not a readable .npy array ({exc})") from None
+    if not isinstance(arr, np.ndarray):
+        raise RawDataError(f"{where}: expected one array, found {type(arr).__name__}")
+    if arr.ndim != 2:
+        raise RawDataError(f"{where}: expected a 2-D array (rows, columns), got shape {arr.shape}")
+    if arr.dtype.kind != "f":
+        raise RawDataError(f"{where}: expected float32/float64 values, got dtype {arr.dtype}")
+    if arr.shape[1] < min_cols:
+        raise RawDataError(f"{where}: expected at least {min_cols} columns, got {arr.shape[1]}")
+    return arr
+
+
+def _tail(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return " | ".join(lines[-_STDERR_TAIL:]) or "(no stderr)"
+
+
+def _stderr_tail(err) -> str:
+    """The last lines of a generator's stderr file, reading only its last 64 KiB (a generator
+    may have written gigabytes there)."""
+    size = err.seek(0, os.SEEK_END)
+    err.seek(max(0, size - _STDERR_READ))
+    return _tail(err.read().decode(errors="replace"))
+
+
+_STDERR_READ = 64 << 10
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextlib.contextmanager
+def _exit_watch(proc: subprocess.Popen) -> Iterator[Callable[[float], int]]:
+    """``wait(seconds)``: the exit code, or TimeoutExpired. Through a pidfd where Linux has one, so
+    an exit is seen at once: ``Popen.wait(timeout)`` polls with sleeps growing to 50 ms, which
+    added ~10 ms to every date of a build. ``poll``, not ``select``: any descriptor number works.
+    The pidfd is closed when the block ends (not left to the garbage collector)."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        yield lambda seconds: proc.wait(timeout=seconds)
+        return
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+
+        def wait(seconds: float) -> int:
+            if proc.returncode is None and not poller.poll(max(0, int(seconds * 1000))):
+                raise subprocess.TimeoutExpired(proc.args, seconds)
+            return proc.wait()
+
+        yield wait
+    finally:
+        os.close(fd)
+
+
+def _wait_or_stop(proc: subprocess.Popen, exited: Callable[[float], int], deadline: float, stopping: _StopCheck,
+                  date: dt.date, timeout: float, err) -> int:
+    """The generator's exit code; killed (and an error raised) on a stop request or at ``deadline``."""
+    while True:
+        try:
+            return exited(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if stopping():
+                _kill_group(proc)
+                raise Interrupted(f"{date}: generator abandoned (stopping)") from None
+            if time.monotonic() >= deadline:
+                _kill_group(proc)
+                raise GeneratorError(
+                    f"{date}: generator timed out after {timeout:g}s and was killed; "
+                    f"stderr: {_stderr_tail(err)}") from None
+
+
+def run_generator(cfg: Config, date: dt.date) -> None:
+    """One run of the generator for ``date``; GeneratorError on failure or timeout."""
+    argv = cfg.argv(date)
+    Path(cfg.fields(date)["output"]).parent.mkdir(parents=True, exist_ok=True)
+    timeout = cfg.generator.timeout_s
+    stopping = _StopCheck()
+    if stopping():
+        raise Interrupted(f"{date}: generator not started (stopping)")
+    with tempfile.TemporaryFile() as err:
+        try:
+            proc = _spawn(argv, cfg.config_dir, err)
+        except OSError as exc:
+            raise GeneratorError(f"{date}: cannot start generator {argv[0]!r} ({exc.strerror})") from None
+        deadline = time.monotonic() + timeout
+        try:
+            with _exit_watch(proc) as exited:
+                code = _wait_or_stop(proc, exited, deadline, stopping, date, timeout, err)
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            # Anything the generator left running in its group goes with it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if code != 0:
+            raise GeneratorError(f"{date}: generator exited with code {code}; stderr: {_stderr_tail(err)}")
+
+
+def obtain_raw(cfg: Config, date: dt.date, *, force: bool = False, generate: bool = True) -> np.ndarray:
+    """The raw array for ``date``: the existing output if it loads, else from the generator
+    (``generate=False``: the existing output or a RawDataError, e.g. for dropped-in files)."""
+    path = cfg.raw_path(date)
+    min_cols = cfg.schema.num_inputs + sum(lab.width for lab in cfg.schema.labels[:-1])
+    if not generate:
+        return load_raw(path, date, min_cols)
+    if not force and path.exists():
+        try:
+            return load_raw(path, date, min_cols)
+        except RawDataError as exc:
+            log.warning("%s; regenerating", exc)
+    attempts = cfg.generator.retries + 1
+    stopping = _StopCheck()
+    for attempt in range(attempts):
+        if attempt:
+            delay = cfg.generator.backoff_s * 2 ** (attempt - 1)
+            log.info("%s: retry %d/%d in %.1fs", date, attempt, attempts - 1, delay)
+            if stopping.wait(delay):
+                raise Interrupted(f"{date}: abandoned before retry (stopping)")
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        try:
+            run_generator(cfg, date)
+            return load_raw(path, date, min_cols)
+        except (GeneratorError, RawDataError) as exc:
+            last = exc
+            log.debug("%s: attempt %d failed: %s", date, attempt + 1, exc)
+    suffix = f" (after {attempts} attempts)" if attempts > 1 else ""
+    raise type(last)(f"{last}{suffix}")

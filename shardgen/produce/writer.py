@@ -1,0 +1,92 @@
+"""Write one date's windows as a shard: ``<date>.rec``, ``<date>.idx``, then ``<date>.json``.
+
+The bytes come from :mod:`shardgen.format`: the layout's codec encodes the payloads,
+``framing.frame_records`` frames them in bulk, ``index.shard_index_text`` writes the index. This
+module publishes them: a hashing thread beside the writes, temp-and-rename, the sidecar last.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import queue
+import threading
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Optional, Union
+
+import numpy as np
+
+from shardgen.errors import ShardError
+from shardgen.format.framing import frame_records
+from shardgen.format.index import shard_index_text
+from shardgen.format.schema import Schema, day_number
+from shardgen.fsutil import atomic_write
+from shardgen.process import RunSpec, WindowSet, as_window_set
+from shardgen.store.manifest import Manifest, Sidecar
+from shardgen.store.naming import shard_paths
+from shardgen.store.publish import publish
+
+__all__ = ["write_shard", "write_store", "shard_paths"]
+
+
+def _records(ws: WindowSet, schema: Schema, date: dt.date) -> tuple[int, Callable]:
+    """How many records the date's windows make in the store's layout, and how to fill them."""
+    try:
+        return schema.codec.encode(ws, schema, day_number(date))
+    except ValueError as exc:
+        raise ShardError(f"{date}: {exc}") from None
+
+
+def write_shard(store: Path, date: dt.date, x: Union[np.ndarray, RunSpec, WindowSet],
+                labels: Optional[Mapping[str, np.ndarray]], schema: Schema, *, fsync: bool = True,
+                version: int = 1) -> Sidecar:
+    """Pack and publish one shard's files (sidecar last); returns its sidecar.
+
+    ``x`` is the windows ``(n, T, C)`` with ``labels``, or a ``RunSpec`` / checked ``WindowSet``
+    (then ``labels`` is None). ``version`` > 1 names the files ``<date>.v<version>.*`` (a rewrite
+    never replaces published files).
+    """
+    ws = x if isinstance(x, WindowSet) else as_window_set(x, labels, schema, date)
+    if ws.n == 0:
+        raise ShardError(f"{date}: no windows (fewer rows than time_steps?); no shard written")
+    paths = shard_paths(store, date, version)
+    n_records, fill = _records(ws, schema, date)
+    # sha256 is the slowest pass: a thread hashes each block as soon as it is packed, beside the
+    # packing, the writes and the fsyncs (hashlib and file I/O release the GIL).
+    digest, blocks = hashlib.sha256(), queue.SimpleQueue()
+
+    def hash_blocks() -> None:
+        for block in iter(blocks.get, None):
+            digest.update(block)
+
+    hasher = threading.Thread(target=hash_blocks, name="shard-sha256")
+    hasher.start()
+    try:
+        packed = frame_records(n_records, fill, day_number(date), schema.record_floats, schema.image,
+                               on_block=blocks.put)
+        idx = shard_index_text(packed.offsets)
+        atomic_write(paths["rec"], packed.chunks, fsync=fsync)
+        atomic_write(paths["idx"], idx, fsync=fsync)
+    finally:
+        blocks.put(None)
+        hasher.join()
+    if not packed.streamed:  # a split record changed the bytes after some blocks were hashed
+        digest = hashlib.sha256()
+        for chunk in packed.chunks:
+            digest.update(chunk)
+    sidecar = Sidecar(date=date.isoformat(), records=packed.records, bytes=packed.size,
+                      sha256=digest.hexdigest(), idx_bytes=len(idx), fingerprint=schema.fingerprint,
+                      rec=paths["rec"].name, idx=paths["idx"].name, windows=ws.n)
+    atomic_write(paths["json"], json.dumps(sidecar.to_json(), sort_keys=True).encode(), fsync=fsync)
+    return sidecar
+
+
+def write_store(store: Path, schema: Schema, shards: Iterable[tuple], *, window: int = 0,
+                fsync: bool = True) -> Optional[Manifest]:
+    """Write shards from windows already in hand and publish them as one generation: for stores
+    made without a generator (tests, benchmarks, a notebook). ``shards`` yields ``(date, x,
+    labels)`` as :func:`write_shard` takes them; returns the new manifest."""
+    Path(store).mkdir(parents=True, exist_ok=True)
+    entries = [write_shard(store, date, x, labels, schema, fsync=fsync).entry() for date, x, labels in shards]
+    return publish(store, schema, window, entries)

@@ -1,0 +1,319 @@
+"""The rolling manifest, its immutable per-generation snapshots and the per-shard sidecar.
+
+Shared by the writer (shardgen) and the reader (loader). Format ``shardgen/2``:
+
+``<store>/generations/<N>.json``
+    The snapshot of generation ``N``: the full manifest as it was published. Written (temp,
+    fsync, rename) *before* ``manifest.json`` names ``N``, and never changed afterwards, so a
+    reader can open generation ``N`` exactly for as long as the snapshot is kept. gc removes a
+    snapshot once it is not the newest, no live reader lease names it or an older generation,
+    and it was superseded more than ``grace_s`` ago. A number is never reused: a snapshot left
+    by a writer killed before it renamed ``manifest.json`` is skipped over.
+``<store>/manifest.json``
+    A copy of the newest snapshot (simple readers only read this file)::
+
+        {"format": "shardgen/2", "generation": 7, "updated": "2026-01-01T00:00:00Z",
+         "schema": {...}, "window": 40,
+         "shards":  [{"date", "rec", "idx", "records", "bytes", "sha256"}, ...],   # sorted by date
+         "retired": [{"date", "rec", "idx", "retired_at", "retired_generation"}, ...]}
+
+    ``retired`` lists every file set that left the live list (window, or replaced by a
+    rewrite) and is not deleted yet; it may list a date more than once (one per version).
+Shard files are immutable: version 1 of a date is ``<date>.rec|.idx|.json``, a rewrite
+(``build --force``) writes version ``k`` as ``<date>.v<k>.rec|.idx|.json`` and publishes it in a
+new generation; the old files are retired like any others. Every name read from a manifest,
+snapshot or sidecar must be a plain file name inside the store (no ``/``, not starting with
+``.``, no NUL or ``;``): anything else is refused before any open or unlink.
+
+Format ``shardgen/1`` (no snapshots, ``retired`` one entry per date) is read as is and
+written as ``shardgen/2`` at the next publish. Readers never lock; the single writer (under
+the manifest lock) bumps ``generation`` on every change.
+
+The file names (``MANIFEST_NAME``, snapshot paths, shard stems and versions) are built in
+``naming`` and re-exported here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+from shardgen.clock import parse_utc, utc_now
+from shardgen.errors import ManifestError, ShardError
+from shardgen.format.schema import Schema
+from shardgen.fsutil import atomic_write
+from shardgen.store.naming import (
+    MANIFEST_NAME,
+    SNAPSHOT_DIR,
+    check_name,
+    name_version,
+    next_generation,
+    shard_stem,
+    sidecar_of,
+    snapshot_generations,
+    snapshot_path,
+)
+
+__all__ = ["FORMAT", "MANIFEST_NAME", "SNAPSHOT_DIR", "ShardEntry", "RetiredEntry", "Manifest", "Sidecar",
+           "utc_now", "parse_utc", "check_name", "shard_stem", "name_version", "snapshot_path",
+           "snapshot_generations", "next_generation"]
+
+FORMAT = "shardgen/2"
+READABLE_FORMATS = ("shardgen/1", FORMAT)
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+def _check_date(value: object, where: str) -> str:
+    try:
+        if not _DATE_RE.match(str(value)):
+            raise ValueError
+        dt.date.fromisoformat(str(value))
+    except ValueError:
+        raise ValueError(f"{where}: date {value!r} is not YYYY-MM-DD") from None
+    return str(value)
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One published shard; paths are relative to the store."""
+
+    date: str
+    rec: str
+    idx: str
+    records: int
+    bytes: int
+    sha256: str
+    windows: int = 0  # samples in the shard (0 in format 1 manifests: one per record)
+
+    def __post_init__(self) -> None:
+        _check_date(self.date, "shard")
+        for name in (self.rec, self.idx):
+            check_name(name, f"shard {self.date}")
+        if self.records < 1 or self.bytes < 1:
+            raise ValueError(f"shard {self.date}: records and bytes must be >= 1")
+
+    @property
+    def samples(self) -> int:
+        return self.windows or self.records
+
+    @property
+    def sidecar(self) -> Optional[str]:
+        """The sidecar's file name (per version, next to the ``.rec``)."""
+        return sidecar_of(self.rec)
+
+    def to_json(self) -> dict:
+        out = dict(self.__dict__)
+        if not self.windows:
+            del out["windows"]
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict) -> ShardEntry:
+        return cls(str(obj["date"]), str(obj["rec"]), str(obj["idx"]), int(obj["records"]),
+                   int(obj["bytes"]), str(obj["sha256"]), int(obj.get("windows", 0)))
+
+
+@dataclass(frozen=True)
+class RetiredEntry:
+    """A shard that left the window; its files stay until garbage collection deletes them."""
+
+    date: str
+    rec: str
+    idx: str
+    retired_at: str
+    retired_generation: int = 0  # the first generation that no longer lists the shard
+
+    def __post_init__(self) -> None:
+        _check_date(self.date, "retired shard")
+        for name in (self.rec, self.idx):
+            check_name(name, f"retired shard {self.date}")
+        try:
+            parse_utc(self.retired_at)
+        except ValueError:
+            raise ValueError(f"retired shard {self.date}: retired_at {self.retired_at!r} is not "
+                             "YYYY-MM-DDTHH:MM:SSZ") from None
+
+    @property
+    def sidecar(self) -> Optional[str]:
+        return sidecar_of(self.rec)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> RetiredEntry:
+        return cls(str(obj["date"]), str(obj["rec"]), str(obj["idx"]), str(obj["retired_at"]),
+                   int(obj.get("retired_generation", 0)))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The store's list of live shards (sorted by date) and of retired ones."""
+
+    schema: Schema
+    window: int
+    generation: int = 0
+    updated: str = ""
+    shards: tuple[ShardEntry, ...] = ()
+    retired: tuple[RetiredEntry, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        dates = [s.date for s in self.shards]
+        if dates != sorted(set(dates)):
+            raise ValueError("manifest shards must be sorted by date without repeats")
+
+    def files(self) -> set[str]:
+        """Every file name the live shards use (``.rec``, ``.idx`` and sidecar)."""
+        return {n for s in self.shards for n in (s.rec, s.idx, s.sidecar) if n}
+
+    @property
+    def records(self) -> int:
+        return sum(s.records for s in self.shards)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "generation": self.generation,
+            "updated": self.updated,
+            "schema": self.schema.to_json(),
+            "window": self.window,
+            "shards": [s.to_json() for s in self.shards],
+            "retired": [r.to_json() for r in self.retired],
+        }
+
+    @classmethod
+    def from_json(cls, obj: object, *, where: str = "manifest") -> Manifest:
+        if not isinstance(obj, dict):
+            raise ManifestError(f"{where}: expected a JSON object")
+        if obj.get("format") not in READABLE_FORMATS:
+            raise ManifestError(f"{where}: format {obj.get('format')!r}, expected one of {READABLE_FORMATS}")
+        try:
+            return cls(
+                schema=Schema.from_json(obj["schema"]),
+                window=int(obj["window"]),
+                generation=int(obj["generation"]),
+                updated=str(obj.get("updated", "")),
+                shards=tuple(ShardEntry.from_json(s) for s in obj["shards"]),
+                retired=tuple(RetiredEntry.from_json(r) for r in obj.get("retired", ())),
+            )
+        except ValueError as exc:
+            raise ManifestError(f"{where}: refused: {exc}") from None
+        except (KeyError, TypeError) as exc:
+            raise ManifestError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def load(cls, path: Path) -> Manifest:
+        """Read a manifest; ManifestError names the file and what is wrong."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ManifestError(f"{path}: no manifest (run `shardgen build` first)") from None
+        except OSError as exc:
+            raise ManifestError(f"{path}: cannot read ({exc.strerror})") from None
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_json(obj, where=str(path))
+
+    @classmethod
+    def load_generation(cls, store: Path, generation: int) -> Manifest:
+        """Generation ``generation`` exactly: its snapshot, or ``manifest.json`` if that is it (a
+        ``shardgen/1`` store has no snapshots). ManifestError when it is gone."""
+        path = snapshot_path(store, generation)
+        if path.is_file():
+            found = cls.load(path)
+        else:
+            found = cls.load(Path(store) / MANIFEST_NAME)
+            if found.generation != generation:
+                raise ManifestError(
+                    f"{path}: generation {generation} is gone (its snapshot was garbage-collected, or the "
+                    f"store predates snapshots); the newest is {found.generation}")
+        if found.generation != generation:
+            raise ManifestError(f"{path}: holds generation {found.generation}, expected {generation}")
+        return found
+
+    def dumps(self) -> bytes:
+        """The bytes of ``manifest.json`` and of a snapshot."""
+        return (json.dumps(self.to_json(), sort_keys=True, indent=1) + "\n").encode()
+
+    @classmethod
+    def parse(cls, text: bytes, where: str) -> Manifest:
+        """A manifest from its bytes; ManifestError naming ``where`` if they are not one."""
+        try:
+            obj = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"{where}: not valid JSON ({exc})") from None
+        return cls.from_json(obj, where=where)
+
+    def save(self, path: Path) -> Manifest:
+        """Publish as the next generation: its snapshot first, then ``manifest.json`` (both
+        atomic); returns what was written. The caller holds the manifest lock."""
+        path = Path(path)
+        number = next_generation(path.parent, self)
+        new = replace(self, generation=number, updated=utc_now())
+        text = new.dumps()
+        snapshot_path(path.parent, number).parent.mkdir(exist_ok=True)
+        atomic_write(snapshot_path(path.parent, number), text)
+        atomic_write(path, text)
+        return new
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """``<date>.json``: written last, its presence marks a shard complete."""
+
+    date: str
+    records: int
+    bytes: int
+    sha256: str
+    idx_bytes: int
+    fingerprint: str
+    rec: str
+    idx: str
+    windows: int = 0
+
+    def __post_init__(self) -> None:
+        _check_date(self.date, "sidecar")
+        if self.records:  # an empty-date marker (records 0) names no files
+            for name in (self.rec, self.idx):
+                check_name(name, f"sidecar {self.date}")
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+    def entry(self) -> ShardEntry:
+        return ShardEntry(self.date, self.rec, self.idx, self.records, self.bytes, self.sha256, self.windows)
+
+    @classmethod
+    def load(cls, path: Path) -> Optional[Sidecar]:
+        """The sidecar at ``path``, or None if there is none; ShardError if it is malformed."""
+        try:
+            text = Path(path).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ShardError(f"{path}: malformed sidecar ({exc})") from None
+        return cls.parse(text, str(path))
+
+    @classmethod
+    def parse(cls, text: bytes, where: str) -> Sidecar:
+        """A sidecar from its bytes; ShardError naming ``where`` if they are not one."""
+        try:
+            obj = json.loads(text)
+            return cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k in obj or k != "windows"})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ShardError(f"{where}: malformed sidecar ({exc})") from None

@@ -1,0 +1,397 @@
+"""A store folder on an S3-compatible object store (``s3://bucket/prefix``), through boto3.
+
+The endpoint and credentials come the standard AWS way: ``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROFILE``, ``~/.aws/credentials`` and ``~/.aws/config``,
+``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``) for S3-compatible servers, ``AWS_DEFAULT_REGION``.
+
+What this module promises:
+
+* ``put``/``upload`` are one ``PUT`` each (an object appears whole or not at all) sent with
+  ``Content-MD5`` (the server refuses bytes that differ from what we hashed), and checked after
+  upload with a ``HEAD``: size and ETag (the MD5 of a single-part upload) must match. The sha256
+  rides along as metadata.
+* ``download`` writes a temp file next to the target, checks size and sha256, then renames it:
+  a file at the target name is always whole and verified. Bytes that differ are fetched once more,
+  then refused (``ObjectMismatch``).
+* Transient faults (connection refused or reset, timeouts, 5xx, throttling) are retried with
+  backoff a bounded number of times; then ``StoreUnreachable`` names the endpoint and the object.
+  Refused credentials are ``CredentialsRefused``: one line that says so.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, TypeVar, Union
+
+from shardgen.errors import ShardgenError
+from shardgen.fsutil import temp_name
+
+__all__ = ["is_remote", "parse_url", "ObjectStore", "ObjectInfo", "ObjectStoreError", "StoreUnreachable",
+           "CredentialsRefused", "ObjectMismatch", "NoSuchStore", "ATTEMPTS", "store_errors_as"]
+
+ATTEMPTS = 4  # tries of one request or download before giving up (backoff 0.5, 1, 2 s)
+_BACKOFF_S = 0.5
+_CHUNK = 1 << 20
+T = TypeVar("T")
+
+
+class ObjectStoreError(ShardgenError):
+    """An object store refused or failed a request; the message names the URL."""
+
+
+class StoreUnreachable(ObjectStoreError):
+    """The endpoint cannot be reached (down, refused, timed out) after the retries."""
+
+
+class CredentialsRefused(ObjectStoreError):
+    """The server refused our credentials, or there are none."""
+
+
+class NoSuchStore(ObjectStoreError):
+    """The bucket does not exist."""
+
+
+class ObjectMismatch(ObjectStoreError):
+    """An object's bytes differ from what the manifest or the upload says."""
+
+
+def is_remote(location: object) -> bool:
+    return isinstance(location, str) and location.startswith("s3://")
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> ``("bucket", "a/b/")`` (the prefix ends with '/' unless empty)."""
+    if not is_remote(url):
+        raise ObjectStoreError(f"{url!r}: not an s3:// URL")
+    rest = url[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket or any(c in bucket for c in " \\"):
+        raise ObjectStoreError(f"{url!r}: no bucket name (expected s3://bucket/prefix)")
+    prefix = prefix.strip("/")
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise ObjectStoreError(f"{url!r}: empty, '.' and '..' parts are not allowed in the prefix")
+    return bucket, (prefix + "/" if prefix else "")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    size: int
+    mtime: float  # by the store's clock (whole seconds on most servers)
+    etag: str
+
+
+_clients: dict = {}
+_clients_lock = threading.RLock()  # re-entered when a finalizer (a lease release) runs during client creation
+
+
+def _client():
+    """One boto3 client per process (clients are thread-safe; a forked child makes its own)."""
+    key = os.getpid()
+    with _clients_lock:
+        if key not in _clients:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError:
+                raise ObjectStoreError("s3:// stores need boto3: pip install 'shardgen[s3]'") from None
+
+            config = Config(connect_timeout=3, read_timeout=30, retries={"max_attempts": 1, "mode": "standard"},
+                            max_pool_connections=32,
+                            # S3-compatible servers may answer ranged GETs with whole-object checksums:
+                            # we check sizes and hashes ourselves.
+                            response_checksum_validation="when_required",
+                            request_checksum_calculation="when_required")
+            _clients.clear()
+            try:
+                _clients[key] = boto3.session.Session().client("s3", config=config)
+            except ValueError as exc:  # e.g. AWS_ENDPOINT_URL without http:// or https://
+                endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                raise ObjectStoreError(f"S3 endpoint {endpoint!r}: {exc} (an endpoint URL starts with http:// "
+                                       "or https://)") from None
+        return _clients[key]
+
+
+def _endpoint() -> str:
+    try:
+        return _client().meta.endpoint_url
+    except Exception:  # noqa: BLE001 - only for messages
+        return "the S3 endpoint"
+
+
+def _missing(exc: BaseException) -> bool:
+    """Whether a failed request says there is no such object."""
+    from botocore.exceptions import ClientError
+
+    return isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code")) in (
+        "404", "NoSuchKey", "NotFound")
+
+
+def _unless_missing(request: Callable[[], Any]) -> Any:
+    """``request()``'s answer, or None when it says there is no such object."""
+    try:
+        return request()
+    except Exception as exc:
+        if _missing(exc):
+            return None
+        raise
+
+
+def _md5(path_or_bytes) -> tuple[str, str, int]:
+    """(base64 MD5, hex sha256, size) of bytes or of a file."""
+    md5, sha = hashlib.md5(), hashlib.sha256()
+    if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
+        md5.update(path_or_bytes)
+        sha.update(path_or_bytes)
+        size = len(path_or_bytes)
+    else:
+        size = 0
+        with open(path_or_bytes, "rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                md5.update(chunk)
+                sha.update(chunk)
+                size += len(chunk)
+    return base64.b64encode(md5.digest()).decode(), sha.hexdigest(), size
+
+
+class ObjectStore:
+    """The store folder ``url`` (``s3://bucket/prefix``): objects by their plain file names."""
+
+    def __init__(self, url: str):
+        self.bucket, self.prefix = parse_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.url!r})"
+
+    def __reduce__(self):  # joblib/dask workers rebuild it (and their own client)
+        return (ObjectStore, (self.url,))
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    def where(self, name: str = "") -> str:
+        return f"{self.url}/{name}" if name else self.url
+
+    # -- requests, with bounded retries and one clear error ------------------------------------------
+
+    def _error(self, exc: BaseException, what: str, name: str) -> Optional[ObjectStoreError]:
+        """The clear error for a failed request, or None if it is worth trying again."""
+        from botocore.exceptions import ClientError, NoCredentialsError
+
+        if isinstance(exc, NoCredentialsError):
+            return CredentialsRefused(f"{self.where(name)}: no AWS credentials found (set AWS_ACCESS_KEY_ID "
+                                      "and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)")
+        if not isinstance(exc, ClientError):
+            return None
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if code in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403", "InvalidToken",
+                    "ExpiredToken"):
+            return CredentialsRefused(f"{self.where(name)}: {_endpoint()} refused our credentials ({code}); "
+                                      "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
+        if code == "NoSuchBucket" or (code == "404" and not name):  # HEAD of the bucket has no error body
+            return NoSuchStore(f"{self.where()}: bucket {self.bucket!r} does not exist at {_endpoint()}")
+        if code == "BadDigest":
+            return ObjectMismatch(f"{self.where(name)}: the server received other bytes than were sent "
+                                  "(Content-MD5 mismatch)")
+        if status >= 500 or code in ("SlowDown", "RequestTimeout", "Throttling"):
+            return None
+        message = exc.response.get("Error", {}).get("Message", "")
+        return ObjectStoreError(f"{self.where(name)}: {what} failed ({code or status}: {message})")
+
+    def _call(self, what: str, name: str, fn: Callable[[], T]) -> T:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        last = None
+        for attempt in range(ATTEMPTS):
+            try:
+                return fn()
+            except (ClientError, BotoCoreError, ConnectionError, OSError) as exc:
+                error = self._error(exc, what, name)
+                if error is not None:
+                    raise error from None
+                last = f"{type(exc).__name__}: {exc}"
+            if attempt + 1 < ATTEMPTS:
+                time.sleep(_BACKOFF_S * 2 ** attempt)
+        raise StoreUnreachable(f"{self.where(name)}: {what} failed {ATTEMPTS} times; cannot reach "
+                               f"{_endpoint()} ({last})")
+
+    def check(self) -> None:
+        """Raise a clear error unless the bucket is reachable with our credentials."""
+        self._call("checking the bucket", "", lambda: _client().head_bucket(Bucket=self.bucket))
+
+    def head(self, name: str) -> Optional[ObjectInfo]:
+        def go():
+            r = _unless_missing(lambda: _client().head_object(Bucket=self.bucket, Key=self.key(name)))
+            if r is None:
+                return None
+            return ObjectInfo(int(r["ContentLength"]), r["LastModified"].timestamp(), r.get("ETag", "").strip('"'))
+
+        return self._call("HEAD", name, go)
+
+    def get(self, name: str) -> Optional[bytes]:
+        """The object's bytes, or None if there is no such object."""
+        found = self.get_with_info(name)
+        return None if found is None else found[0]
+
+    def get_with_info(self, name: str) -> Optional[tuple[bytes, ObjectInfo]]:
+        """The object's bytes and its size, mtime and ETag (one request), or None."""
+        def go():
+            r = _unless_missing(lambda: _client().get_object(Bucket=self.bucket, Key=self.key(name)))
+            if r is None:
+                return None
+            body = r["Body"].read()
+            if len(body) != int(r["ContentLength"]):
+                raise ConnectionError(f"short read: {len(body)} of {r['ContentLength']} bytes")
+            return body, ObjectInfo(len(body), r["LastModified"].timestamp(), r.get("ETag", "").strip('"'))
+
+        return self._call("GET", name, go)
+
+    def put(self, name: str, data: bytes, *, verify: bool = True) -> None:
+        """Write one object whole (one PUT with Content-MD5); with ``verify``, HEAD it after."""
+        self._put(name, data, verify=verify)
+
+    def upload(self, name: str, path: Path) -> str:
+        """Upload a local file as one object, checked after upload; its sha256."""
+        return self._put(name, Path(path), verify=True)
+
+    def _put(self, name: str, source: Union[bytes, Path], *, verify: bool) -> str:
+        md5, sha, size = _md5(source)
+
+        def go():
+            with contextlib.ExitStack() as stack:
+                body = source if isinstance(source, bytes) else stack.enter_context(open(source, "rb"))
+                _client().put_object(Bucket=self.bucket, Key=self.key(name), Body=body, ContentMD5=md5,
+                                     ContentLength=size, Metadata={"sha256": sha})
+
+        self._call("PUT", name, go)
+        if verify:
+            self._check_uploaded(name, size, md5)
+        return sha
+
+    def _check_uploaded(self, name: str, size: int, md5_b64: str) -> None:
+        info = self.head(name)
+        want = base64.b64decode(md5_b64).hex()
+        if info is None:
+            raise ObjectMismatch(f"{self.where(name)}: missing right after its upload")
+        if info.size != size:
+            raise ObjectMismatch(f"{self.where(name)}: {info.size} bytes after upload, expected {size}")
+        if info.etag and "-" not in info.etag and info.etag != want:
+            raise ObjectMismatch(f"{self.where(name)}: ETag {info.etag} after upload, expected MD5 {want}")
+
+    def delete(self, name: str) -> None:
+        self._call("DELETE", name, lambda: _client().delete_object(Bucket=self.bucket, Key=self.key(name)))
+
+    def list(self, under: str = "") -> dict[str, ObjectInfo]:
+        """Objects whose name starts with ``under``: name (relative to the store) -> info."""
+
+        def go():
+            found = {}
+            pages = _client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.key(under))
+            for page in pages:
+                for o in page.get("Contents", []):
+                    found[o["Key"][len(self.prefix):]] = ObjectInfo(int(o["Size"]), o["LastModified"].timestamp(),
+                                                                     o.get("ETag", "").strip('"'))
+            return found
+
+        return self._call("LIST", under, go)
+
+    def clock(self, name: str) -> float:
+        """"Now" by the store's own clock: the mtime of an object we just wrote (``name``)."""
+        self.put(name, b"", verify=False)
+        info = self.head(name)
+        return info.mtime if info is not None else time.time()
+
+    def download(self, name: str, dest: Path, *, size: Optional[int] = None, sha256: Optional[str] = None,
+                 what: str = "") -> None:
+        """Fetch an object into ``dest`` (temp file, checks, rename). Transient faults are retried;
+        bytes that differ from ``size``/``sha256`` are fetched once more, then ObjectMismatch."""
+        dest = Path(dest)
+        mismatches, faults = 0, 0
+        while True:
+            tmp = temp_name(dest)
+            try:
+                got_size, got_sha = self._fetch(name, tmp)
+                problem = None
+                if size is not None and got_size != size:
+                    problem = f"{got_size} bytes, the manifest says {size}"
+                elif sha256 is not None and got_sha != sha256:
+                    problem = f"sha256 {got_sha[:16]}..., the manifest says {sha256[:16]}..."
+                if problem is None:
+                    os.replace(tmp, dest)
+                    return
+            except _LocalWrite as exc:
+                raise ObjectStoreError(f"{tmp.parent}: cannot write the download of {self.where(name)} "
+                                       f"({exc.__cause__})") from None
+            except (ConnectionError, OSError, _Transient) as exc:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                faults += 1
+                if faults >= ATTEMPTS:
+                    raise StoreUnreachable(f"{self.where(name)}: download failed {faults} times; cannot reach "
+                                           f"{_endpoint()} ({exc})") from None
+                time.sleep(_BACKOFF_S * 2 ** (faults - 1))
+                continue
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            mismatches += 1
+            if mismatches >= 2:
+                raise ObjectMismatch(f"{self.where(name)}{' (' + what + ')' if what else ''}: refused after "
+                                     f"{mismatches} downloads: {problem}")
+
+    def _fetch(self, name: str, tmp: Path) -> tuple[int, str]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        sha, size = hashlib.sha256(), 0
+        try:
+            r = _client().get_object(Bucket=self.bucket, Key=self.key(name))
+            try:
+                fh = open(tmp, "wb")
+            except OSError as exc:
+                raise _LocalWrite() from exc
+            with fh:
+                for chunk in r["Body"].iter_chunks(_CHUNK):
+                    sha.update(chunk)
+                    try:
+                        fh.write(chunk)
+                    except OSError as exc:  # a full disk is not a network fault: said at once
+                        raise _LocalWrite() from exc
+                    size += len(chunk)
+        except ClientError as exc:
+            if _missing(exc):
+                raise ObjectMismatch(f"{self.where(name)}: no such object (listed in the manifest)") from None
+            error = self._error(exc, "GET", name)
+            if error is not None:
+                raise error from None
+            raise _Transient(str(exc)) from None
+        except BotoCoreError as exc:
+            error = self._error(exc, "GET", name)
+            if error is not None:
+                raise error from None
+            raise _Transient(f"{type(exc).__name__}: {exc}") from None
+        return size, sha.hexdigest()
+
+
+class _Transient(Exception):
+    pass
+
+
+class _LocalWrite(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def store_errors_as(kind: type) -> Iterator[None]:
+    """Re-raise object-store errors as ``kind`` (e.g. the loader's LoaderError), same message."""
+    try:
+        yield
+    except ObjectStoreError as exc:
+        raise kind(str(exc)) from None

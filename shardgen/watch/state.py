@@ -1,0 +1,80 @@
+"""The watcher's state file ``<store>/.watch-state.json``: which dates are failing and why.
+
+Written atomically by ``shardgen watch`` after every cycle, read by ``shardgen status``::
+
+    {"format": "shardgen-watch/1", "updated": "2026-01-01T00:00:00Z", "pid": 123,
+     "failing": [{"date": "2024-01-02", "kind": "due", "attempts": 2,
+                  "error": "2024-01-02: raw/2024-01-02.npy: not a readable .npy array (...)",
+                  "next_retry": "2026-01-01T00:00:02Z"}]}
+
+``kind`` is ``due`` (a date the watcher generates: retried with backoff, ``next_retry`` set) or
+``dropped`` (a raw file dropped by others for a date it does not generate: retried when the
+file changes, ``next_retry`` null).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from shardgen.fsutil import atomic_write
+from shardgen.store.naming import WATCH_STATE
+
+__all__ = ["WATCH_STATE", "FORMAT", "Failing", "state_bytes", "save_state", "load_state", "parse_state"]
+
+log = logging.getLogger(__name__)
+FORMAT = "shardgen-watch/1"
+
+
+@dataclass(frozen=True)
+class Failing:
+    date: str
+    kind: str  # "due" | "dropped"
+    attempts: int
+    error: str
+    next_retry: Optional[str]  # UTC, or None: when the dropped file changes
+
+
+def state_bytes(*, updated: str, pid: int, failing: list[Failing]) -> bytes:
+    """The state file's bytes."""
+    doc = {"format": FORMAT, "updated": updated, "pid": pid,
+           "failing": [asdict(f) for f in sorted(failing, key=lambda f: f.date)]}
+    return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+
+def save_state(store: Path, *, updated: str, pid: int, failing: list[Failing]) -> bytes:
+    """Write the state file; its bytes."""
+    data = state_bytes(updated=updated, pid=pid, failing=failing)
+    atomic_write(Path(store) / WATCH_STATE, data, fsync=False)
+    return data
+
+
+def load_state(store: Path) -> Optional[dict]:
+    """The last state a watcher wrote, or None (no watcher ran, or the file is unreadable)."""
+    path = Path(store) / WATCH_STATE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("%s: unreadable watcher state (%s)", path, exc)
+        return None
+    return parse_state(data, str(path))
+
+
+def parse_state(data: Optional[bytes], where: str) -> Optional[dict]:
+    """The state from its bytes (None: none, or unreadable, with a warning)."""
+    if data is None:
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        log.warning("%s: unreadable watcher state (%s)", where, exc)
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        log.warning("%s: unknown watcher state format %r", where, doc.get("format") if isinstance(doc, dict) else None)
+        return None
+    return doc

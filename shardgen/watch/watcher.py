@@ -1,0 +1,329 @@
+"""``shardgen watch``: keep the rolling manifest fed, every ``interval`` seconds (or ``--once``).
+
+Each cycle:
+1. due dates (``[dates] start`` up to ``end`` or today, not yet published) are generated and
+   sharded, and raw files dropped at the ``output`` location by others are sharded without
+   running the generator -- both through ``build``, the one code path;
+2. complete shards written into the store by other producers are checked and published;
+3. the window is applied (older dates move to ``retired``);
+4. garbage collection deletes retired shards past ``grace_s`` that no live reader uses.
+
+A dropped raw file is read once its mtime is ``settle_s`` old (write it under another name and
+rename it into place to make that instant). A due date that fails -- including one whose raw file
+(say, a generator's truncated output) does not load -- is generated again on later cycles with
+exponential backoff; it never holds up other dates. A bad raw file dropped for a date that is not
+due is reported once and read again when it changes. Every failing date, with its last error,
+attempts and next retry, is written to ``<store>/.watch-state.json`` after each cycle
+(``shardgen status`` shows it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from shardgen.backoff import retry_delay
+from shardgen.clock import utc_stamp
+from shardgen.config import Config
+from shardgen.errors import LockError, ShardError, ShardgenError
+from shardgen.produce import generator
+from shardgen.produce.build import BuildReport, build, wanted
+from shardgen.store import s3store
+from shardgen.store.gc import collect
+from shardgen.store.lock import StoreLock
+from shardgen.store.manifest import Sidecar
+from shardgen.store.naming import WATCH_LOCK, dated_sidecars
+from shardgen.store.publish import check_sidecar, open_manifest, publish
+from shardgen.store.verify import verify_shard
+from shardgen.watch.state import Failing, save_state
+
+__all__ = ["Watcher", "CycleReport"]
+
+log = logging.getLogger(__name__)
+MAX_BACKOFF_S = 3600.0
+
+
+@dataclass
+class _Failure:
+    attempts: int
+    error: str
+    retry_at: Optional[float]  # time.monotonic(); None: a dropped file, retried when it changes
+
+    @property
+    def kind(self) -> str:
+        return "dropped" if self.retry_at is None else "due"
+
+
+@dataclass
+class CycleReport:
+    build: Optional[BuildReport] = None
+    adopted: list = field(default_factory=list)
+    deleted: list = field(default_factory=list)
+    failed: list = field(default_factory=list)  # (date, message) new this cycle
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+class Watcher:
+    """One store's watcher. ``run()`` loops until ``stop()``; ``cycle()`` does one pass."""
+
+    def __init__(self, cfg: Config, *, interval: float = 60.0, jobs: Optional[int] = None,
+                 today: Callable[[], dt.date] = dt.date.today):
+        self.cfg, self.interval, self.jobs, self.today = cfg, interval, jobs, today
+        self._stop = False
+        self._failures: dict[dt.date, _Failure] = {}
+        self._bad_files: set[tuple[str, float, int]] = set()  # reported once per file version
+        self._lock = StoreLock(cfg.store.dir / WATCH_LOCK, timeout=0, what="watch")
+        remote = cfg.store.objects()
+        self._writer = s3store.WriterLock(remote, what="watch", ttl_s=cfg.store.lease_ttl_s) if remote else None
+
+    @property
+    def lock_path(self) -> Path:
+        return self._lock.path
+
+    def stop(self) -> None:
+        """Stop after this cycle; running generators (in worker processes too) are abandoned."""
+        self._stop = True
+        generator.request_stop()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop
+
+    def __enter__(self) -> Watcher:
+        self.cfg.store.dir.mkdir(parents=True, exist_ok=True)
+        self._lock.acquire()
+        if self._writer is not None:
+            try:
+                self._writer.remote.check()
+                self._writer.acquire()
+            except BaseException:
+                self._lock.release()
+                raise
+        self._warm_workers()
+        return self
+
+    def _warm_workers(self) -> None:
+        """Start the worker processes now, so the first date that falls due does not wait for them."""
+        jobs = self.jobs or self.cfg.run.jobs
+        if jobs > 1 and self.cfg.run.backend == "loky":
+            from joblib import Parallel, delayed
+
+            from shardgen.produce.build import warm
+
+            # Each worker imports what producing a date needs (numpy, the writer: ~0.1 s) now too.
+            # Only a head start: if it fails, the first date starts its workers itself.
+            try:
+                Parallel(n_jobs=jobs, backend="loky")(delayed(warm)() for _ in range(jobs))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not start the %d worker processes ahead (%s); the first due date will", jobs, exc)
+
+    def __exit__(self, *exc: object) -> None:
+        generator.clear_stop()
+        if self._writer is not None:
+            self._writer.release()
+        self._lock.release()
+
+    def run(self, sleep: Callable[[float], bool]) -> None:
+        """Cycle until stopped; ``sleep(seconds)`` returns True when woken to stop."""
+        failures = 0
+        while not self._stop:
+            try:
+                self.cycle()
+                failures = 0
+            except LockError:  # another writer has the store now: stop, never write beside it
+                raise
+            except (ShardgenError, OSError) as exc:  # disk full, an unreadable snapshot ...: never give up
+                failures += 1
+                delay = retry_delay(failures, base=self.interval, cap=MAX_BACKOFF_S)
+                where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
+                text = f"{where}{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+                log.error("cycle failed (%s); trying again in %.0fs", text, delay)
+                if self._stop or sleep(delay):
+                    break
+                continue
+            if self._stop or sleep(self.interval):
+                break
+
+    # -- one cycle ------------------------------------------------------------------------------
+
+    def cycle(self) -> CycleReport:
+        cfg, report = self.cfg, CycleReport()
+        if self._writer is not None:
+            self._writer.check()  # a writer that lost the store's lock generates and uploads nothing more
+        try:
+            manifest = self._open_manifest()
+            now = time.monotonic()
+            scheduled = cfg.dates_between(today=self.today())
+            files = cfg.raw_files()
+            raw = self._settled_raw_files(files)
+            # A due date is generated (again) whatever its raw file holds, unless someone is still
+            # writing that file, or the date is waiting for its retry.
+            due = [d for d in scheduled if (d in raw or d not in files) and self._retry_at(d) <= now]
+            arrivals = [d for d in wanted(manifest, raw) if d not in set(scheduled) and not self._known_bad(raw[d])]
+            if due or arrivals:
+                report.build = build(cfg, dates=due, raw_dates=arrivals, jobs=self.jobs, publish_every_s=0.0,
+                                     should_stop=lambda: self._stop,  # readers see each date at once
+                                     lock=self._writer)
+                self._note_results(report, arrivals, raw)
+            if self._stop:
+                return report
+            report.adopted = self._adopt()
+            st = cfg.store
+            if self._writer is not None:
+                remote = self._writer.remote
+                saved = s3store.publish(remote, self._writer, cfg.schema, st.window, report.adopted)
+                report.deleted = s3store.collect(remote, self._writer, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
+            else:
+                saved = publish(st.dir, cfg.schema, st.window, report.adopted)  # applies the window
+                report.deleted = collect(st.dir, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
+            done = {s.date for s in (saved or manifest).shards} | {a.date for a in report.adopted}
+            for date in [d for d in self._failures if d.isoformat() in done]:
+                del self._failures[date]  # published meanwhile (e.g. adopted)
+            return report
+        finally:
+            self._save_state()
+
+    def _open_manifest(self):
+        cfg = self.cfg
+        if self._writer is not None:
+            return s3store.open_manifest(self._writer.remote, cfg.schema, cfg.store.window)
+        return open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
+
+    def _retry_at(self, date: dt.date) -> float:
+        failure = self._failures.get(date)
+        return failure.retry_at if failure is not None and failure.retry_at is not None else 0.0
+
+    def _known_bad(self, path: Path) -> bool:
+        try:
+            st = path.stat()
+        except OSError:
+            return False
+        return (str(path), st.st_mtime, st.st_size) in self._bad_files
+
+    def _settled_raw_files(self, files: dict[dt.date, Path]) -> dict[dt.date, Path]:
+        """Raw files whose mtime is ``settle_s`` old (not being written any more)."""
+        settled, now = {}, time.time()
+        for date, path in files.items():
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            if now - st.st_mtime >= self.cfg.generator.settle_s:
+                settled[date] = path
+        return settled
+
+    def _save_state(self) -> None:
+        """Failing dates, for ``shardgen status``; a store we cannot write to is logged, not fatal."""
+        mono, wall = time.monotonic(), time.time()
+        failing = []
+        for date, f in self._failures.items():
+            retry = None
+            if f.retry_at is not None:
+                retry = utc_stamp(wall + max(0.0, f.retry_at - mono))
+            failing.append(Failing(date.isoformat(), f.kind, f.attempts, f.error, retry))
+        try:
+            data = save_state(self.cfg.store.dir, updated=utc_stamp(wall), pid=os.getpid(), failing=failing)
+            if self._writer is not None and self._writer.lost is None:
+                s3store.put_state(self._writer.remote, data)
+        except (OSError, ShardgenError) as exc:
+            log.warning("%s: cannot write the watcher state (%s)", self.cfg.store.where, exc)
+
+    def _note_results(self, report: CycleReport, arrivals: list, raw: dict) -> None:
+        built = report.build
+        for date in built.published:
+            self._failures.pop(date, None)
+        for date, message in built.failed:
+            report.failed.append((date, message))
+            previous = self._failures.get(date)
+            count = (previous.attempts if previous else 0) + 1
+            if date in arrivals:  # a bad dropped file: report once, retry when it changes
+                try:
+                    st = raw[date].stat()
+                    self._bad_files.add((str(raw[date]), st.st_mtime, st.st_size))
+                except OSError:
+                    pass
+                self._failures[date] = _Failure(count, message, None)
+                log.warning("%s: %s is not generated here; will read it again when it changes", date, raw[date])
+                continue
+            delay = retry_delay(count, base=self.interval, cap=MAX_BACKOFF_S)
+            self._failures[date] = _Failure(count, message, time.monotonic() + delay)
+            log.warning("%s: will retry in %.0fs (failure %d)", date, delay, count)
+
+    def _adopt(self) -> list:
+        """Complete shards of this schema that other producers wrote into the store."""
+        cfg = self.cfg
+        if self._writer is not None:
+            return self._adopt_objects()
+        manifest = open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
+        candidates = dated_sidecars(cfg.store.dir)
+        todo = set(wanted(manifest, [d for d, _ in candidates]))
+        entries = []
+        for date, path in candidates:
+            if date not in todo:
+                continue
+            st = path.stat()
+            key = (str(path), st.st_mtime, st.st_size)
+            if key in self._bad_files:
+                continue
+            problem = None
+            try:
+                sidecar = Sidecar.load(path)
+            except ShardError as exc:
+                sidecar, problem = None, str(exc)
+            if sidecar is not None and sidecar.records == 0:
+                continue  # an empty-date marker
+            if sidecar is not None:  # checked as `shardgen verify` checks a published shard
+                problem = (check_sidecar(cfg.store.dir, sidecar, cfg.schema.fingerprint)
+                           or verify_shard(cfg.store.dir, sidecar.entry(), cfg.schema, source="its sidecar"))
+            self._judge(key, date, sidecar, problem, entries)
+        return entries
+
+    def _judge(self, key: tuple, date: dt.date, sidecar: Optional[Sidecar], problem: Optional[str],
+               entries: list) -> None:
+        """Adopt a checked shard into ``entries``, or note its file as bad (once) and say why."""
+        if problem:
+            self._bad_files.add(key)
+            log.warning("%s: not adopting the shard in the store: %s", date, problem)
+            return
+        log.info("adopted %s (%d records, written by another producer)", date, sidecar.records)
+        entries.append(sidecar.entry())
+
+    def _adopt_objects(self) -> list:
+        """``_adopt`` on an object store: each candidate is downloaded and checked as ``verify`` would."""
+        cfg, remote = self.cfg, self._writer.remote
+        manifest = self._open_manifest()
+        found = {}
+        for name, info in remote.list().items():
+            if "/" not in name and name.endswith(".json") and len(name) == len("2024-01-02.json"):
+                with contextlib.suppress(ValueError):
+                    found[dt.date.fromisoformat(name[:10])] = (name, info)
+        entries = []
+        for date in wanted(manifest, sorted(found)):
+            name, info = found[date]
+            key = (remote.where(name), info.mtime, info.size)
+            if key in self._bad_files:
+                continue
+            sidecar = s3store.complete_shard(remote, date, cfg.schema.fingerprint)
+            if sidecar is not None and sidecar.records == 0:
+                continue
+            problem = None if sidecar is not None else "incomplete, or of another schema"
+            if sidecar is not None:
+                with tempfile.TemporaryDirectory(prefix="shardgen-adopt-") as tmp:
+                    try:
+                        for obj in (sidecar.rec, sidecar.idx):
+                            remote.download(obj, Path(tmp) / obj)
+                        problem = verify_shard(Path(tmp), sidecar.entry(), cfg.schema, source="its sidecar")
+                    except ShardgenError as exc:
+                        problem = str(exc)
+            self._judge(key, date, sidecar, problem, entries)
+        return entries
