@@ -13,10 +13,9 @@ from typing import Callable
 import mxnet as mx
 import numpy as np
 
-from benchmarks.stores import LAYOUTS, RUN_PACK, concat_store, evict, make_store
+from benchmarks.stores import LAYOUTS, RUN_PACK, bench_cache, concat_store, evict, make_store
 from loader.pipeline.native import quiet_native_info
 from loader.shard_iter import ShardIter
-from loader.source.plan import default_cache_dir
 from shardgen.format import LabelSpec, Schema
 from shardgen.produce.writer import write_store
 from shardgen.store.manifest import MANIFEST_NAME, Manifest
@@ -152,7 +151,7 @@ def open_reset(folder: Path, cache: Path, records: int, n_dates: int = 200) -> d
 
 
 def scale_suite(workdir: Path, *, quick: bool, seconds: float, log: Callable[[str], None]) -> dict:
-    cache = default_cache_dir() / "bench"
+    cache = bench_cache()
     total = 8000 if quick else 80_000
     out: dict = {"layouts": {}, "shards": {}}
     log("bench: layouts on the same raw rows")

@@ -13,6 +13,7 @@ from typing import Iterable
 
 import numpy as np
 
+from loader.source.location import cache_root
 from shardgen.format import LabelSpec, Layout, Schema
 from shardgen.format.index import combine, parse_index, shard_index_text
 from shardgen.process import sliding_windows
@@ -27,6 +28,15 @@ LABELS = [LabelSpec("bd_return", 1), LabelSpec("eval_y", 4)]
 RUN_PACK = 64
 PER_DATE = 2000  # windows per synthetic date in the throughput benches
 LAYOUTS = {"samples": Layout(), "windows": Layout("windows", 8), "runs": Layout("runs", RUN_PACK, T + RUN_PACK - 1)}
+
+
+def bench_cache() -> Path:
+    """The loader's ``cache_dir`` in every bench: on tmpfs where there is one (the plan folders are
+    metadata-heavy, and the numbers compare with earlier runs measured there), else the default root."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm / f"shardgen-bench-{os.getuid()}"
+    return cache_root() / "bench"
 
 
 def schema_for(layout: Layout) -> Schema:

@@ -1,4 +1,5 @@
-"""``ShardIter.state_dict()``: what it holds and when a saved state can be continued."""
+"""``ShardIter.state_dict()``: what it holds and when a saved state can be continued (of a
+:class:`loader.reader.Reader`)."""
 
 from __future__ import annotations
 
@@ -12,33 +13,33 @@ STATE_VERSION = 3  # 3: parts balanced by samples, readers over exact record ran
 MUST_MATCH = ("batch_size", "num_parts", "part_index", "shuffle", "last_batch", "seed")
 
 
-def state_of(it: Any) -> dict:
-    """Where iterator ``it`` is: enough to continue the same epoch in a new process."""
-    params = it._params
+def state_of(reader: Any, manifest: str) -> dict:
+    """Where ``reader`` is: enough to continue the same epoch in a new process."""
+    p, plan = reader.params, reader.plan
     return {
         "version": STATE_VERSION,
-        "manifest": str(it.manifest_path),
-        "generation": it.plan.generation,
-        "fingerprint": it.plan.fingerprint,
-        "shards": [s.to_json() for s in it.plan.shards],
-        "dates": list(it.dates) if it.dates else None,
-        "epoch": it.epoch,
-        "seed": it.seed,
-        "batches": it._cursor,
-        "batch_size": it.batch_size,
-        "num_parts": it.num_parts,
-        "part_index": it.part_index,
-        "shuffle": it.shuffle,
-        "last_batch": it.last_batch,
-        "readers": params.readers,
-        "native_batch": params.native_batch,
-        "shuffle_buffer": params.buffer_records,
-        "pinned": it._choice.pin,
+        "manifest": manifest,
+        "generation": plan.generation,
+        "fingerprint": plan.fingerprint,
+        "shards": [s.to_json() for s in plan.shards],
+        "dates": list(reader.dates) if reader.dates else None,
+        "epoch": reader.epoch,
+        "seed": p.seed,
+        "batches": reader.cursor,
+        "batch_size": p.batch_size,
+        "num_parts": p.num_parts,
+        "part_index": p.part_index,
+        "shuffle": p.shuffle,
+        "last_batch": p.last_batch,
+        "readers": p.readers,
+        "native_batch": p.native_batch,
+        "shuffle_buffer": p.buffer_records,
+        "pinned": reader.choice.pin,
     }
 
 
-def check_state(it: Any, state: dict) -> None:
-    """LoaderError unless iterator ``it`` can continue from ``state``."""
+def check_state(reader: Any, state: dict) -> None:
+    """LoaderError unless ``reader`` can continue from ``state``."""
     version = state.get("version")
     if version == 2 and state.get("batches"):
         raise LoaderError(f"state_dict version 2 was saved mid-epoch by a loader that split parts and readers "
@@ -47,8 +48,8 @@ def check_state(it: Any, state: dict) -> None:
     if version not in (2, STATE_VERSION):
         raise LoaderError(f"state_dict version {version!r}, expected {STATE_VERSION}")
     for key in MUST_MATCH:
-        if state[key] != getattr(it, key):
+        if state[key] != getattr(reader.params, key):
             raise LoaderError(f"state_dict was saved with {key}={state[key]!r}, this iterator has "
-                              f"{getattr(it, key)!r}")
-    if state["fingerprint"] != it.schema.fingerprint:
+                              f"{getattr(reader.params, key)!r}")
+    if state["fingerprint"] != reader.schema.fingerprint:
         raise LoaderError("state_dict was saved for another schema")

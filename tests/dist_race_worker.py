@@ -41,8 +41,8 @@ def main() -> None:
     rank, rounds, proposals = kv.rank, [0], []
     original = Choice.propose
 
-    def propose(manifest_path):
-        newest = original(manifest_path)
+    def propose(location):
+        newest = original(location)
         proposals.append(newest.generation)
         if rank == 0 and rounds[0] == args.publish_round:
             (args.flags / "proposed").write_text(str(newest.generation))

@@ -288,7 +288,7 @@ def test_new_generations_mid_epoch_let_the_old_plans_go_once_their_readers_end(t
     make_store(store, counts)
     before = len(os.listdir("/proc/self/fd"))
     with ShardIter(store, 8, cache_dir=cache) as it:
-        mine = next(cache.glob(f"*-{os.getpid()}"))
+        mine = next((cache / "plans").glob(f"*-{os.getpid()}"))
         for k in range(10):
             for _, _b in zip(range(it.batches_per_epoch // 2 + 2), it):  # past half: the next epoch is filling
                 pass
@@ -349,7 +349,7 @@ def test_the_next_epoch_fills_only_while_the_current_one_is_not_short(tmp_path, 
     make_store(store, {"2024-01-02": 400, "2024-01-03": 400})
     with ShardIter(store, 8, cache_dir=cache) as it:
         seen = [i for _, b in zip(range(it.batches_per_epoch // 2 + 2), it) for i in batch_ids(b)]
-        ahead = it._epochs.ahead
+        ahead = it.reader.epochs.ahead
         assert ahead is not None
         time.sleep(0.3)
         assert ahead._buffer is None or ahead._buffer.count == 0, "filled while the current stream was short"
@@ -361,7 +361,7 @@ def test_the_next_epoch_fills_only_while_the_current_one_is_not_short(tmp_path, 
         assert sorted(seen + [i for b in it for i in batch_ids(b)]) == list(range(800))
         short[0] = True  # the stream now current must not wait for itself
         it.reset()
-        assert it._epochs.stream is ahead
+        assert it.reader.epochs.stream is ahead
         assert sorted(i for b in it for i in batch_ids(b)) == list(range(800))
 
 
@@ -372,7 +372,7 @@ def test_the_finalizer_run_by_a_thread_holding_the_epochs_lock_closes_later(tmp_
     make_store(tmp_path / "s", {"2024-01-02": 100})
     it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
     next(it)
-    epochs = it._epochs
+    epochs = it.reader.epochs
     with epochs.lock:
         epochs.close_when_free()  # returns at once
         assert epochs.plan is not None
@@ -409,7 +409,7 @@ def test_the_finalizer_run_by_gc_in_a_producer_holding_the_arena_lock_does_not_d
     it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", prefetch_buffer=2)
     for _ in range(it.batches_per_epoch // 2 + 10):  # past half way: the next epoch's stream runs too
         next(it)
-    epochs = it._epochs
+    epochs = it.reader.epochs
     assert epochs.ahead is not None
     it.cycle = it  # only the cyclic collector can free it
     del it
@@ -436,7 +436,7 @@ def test_the_exit_hook_waits_for_a_dropped_iterators_close_thread(tmp_path):
     before = set(threading.enumerate())
     it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", readers=4)
     next(it)
-    epochs = it._epochs
+    epochs = it.reader.epochs
     del it  # no cycle: the finalizer runs here and starts the close thread
     lifecycle.close_all()
     assert epochs.plan is None and epochs.stream is None, "close_all() returned before the close thread ended"
@@ -478,7 +478,7 @@ def test_close_from_another_thread_racing_reset_leaves_nothing_running(tmp_path)
             assert "closed" in str(exc)
         timer.join()
         it.close()
-        epochs = it._epochs
+        epochs = it.reader.epochs
         assert epochs.plan is None and epochs.stream is None and epochs.ahead is None
         assert not list(store.glob("leases/*")), "a lease outlived close()"
     def mine():

@@ -420,7 +420,7 @@ def test_an_iterator_dropped_without_close_releases_everything(tmp_path):
         time.sleep(0.05)
     assert not [t.name for t in mine if t.is_alive()]
     assert not list((tmp_path / "s" / "leases").glob("*.json"))
-    assert not [p for p in (tmp_path / "c").glob("*/*") if p.is_dir()]
+    assert not [p for p in (tmp_path / "c" / "plans").glob("*/*") if p.is_dir()]
 
 
 def test_load_state_dict_restores_the_date_selection(store, cache):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from loader import LoaderError, ShardIter
-from loader.pipeline.memory import parse_size, physical_memory
+from loader.pipeline.memory import physical_memory
 from loader.pipeline.shuffle_buffer import buffer_bytes
 from shardgen.format import LabelSpec, Layout, Schema
 from shardgen.process import sliding_windows
@@ -80,9 +80,9 @@ def test_shuffle_buffer_in_bytes_or_records(store, tmp_path):
 
 
 @pytest.mark.parametrize("bad", ["16", "lots", "-1MB", 0, -5, True, 1.5])
-def test_bad_shuffle_buffer_values_say_what_is_expected(bad):
+def test_bad_shuffle_buffer_values_say_what_is_expected(store, tmp_path, bad):
     with pytest.raises(LoaderError, match="shuffle_buffer must be"):
-        parse_size(bad)
+        ShardIter(store, 64, shuffle_buffer=bad, cache_dir=tmp_path)
 
 
 def test_load_state_dict_checks_sizes_before_it_lets_go_of_the_epoch(store, tmp_path):

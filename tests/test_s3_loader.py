@@ -14,7 +14,6 @@ import pytest
 from conftest import ROOT, batch_ids, make_store
 
 from loader import LoaderError, ShardIter
-from loader.source.objcache import mirror_of
 from shardgen.store.manifest import Manifest
 
 COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}  # 131 windows
@@ -54,7 +53,7 @@ def test_reads_exactly_what_the_local_store_reads_and_caches_it(s3, tmp_path):
         want = [read_epoch(it), (it.reset(), read_epoch(it))[1]]
     with ShardIter(url + "/manifest.json", 8, seed=5, cache_dir=cache) as it:
         got = [read_epoch(it), (it.reset(), read_epoch(it))[1]]
-        downloads = mirror_of(it.manifest_path).downloads
+        downloads = it.reader.location.cache.downloads
     assert got == want
     assert sorted(i for ids, _ in got[0] for i in ids) == list(range(131))
     assert downloads == len(COUNTS)  # each .rec once (records of one size: the loader needs no .idx)
@@ -62,7 +61,7 @@ def test_reads_exactly_what_the_local_store_reads_and_caches_it(s3, tmp_path):
         assert (cache / "objects" / "data" / "store" / s.rec).read_bytes() == (local / s.rec).read_bytes()
     with ShardIter(url, 8, seed=5, cache_dir=cache) as it:  # a second reader finds everything cached
         assert read_epoch(it) == want[0]
-        assert mirror_of(it.manifest_path).downloads == downloads
+        assert it.reader.location.cache.downloads == downloads
 
 
 def test_a_reader_lease_lives_in_the_object_store(s3, tmp_path):
@@ -79,14 +78,14 @@ def test_a_new_generation_downloads_only_what_is_new(s3, tmp_path):
     cache = tmp_path / "cache"
     with ShardIter(url, 8, cache_dir=cache) as it:
         read_epoch(it)
-        first = mirror_of(it.manifest_path).downloads
+        first = it.reader.location.cache.downloads
         make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation with one more date
         upload_store(s3, local)
         it.reset()
         assert it.generation == Manifest.load(local / "manifest.json").generation
         ids = sorted(i for b in it for i in batch_ids(b))
         assert len(ids) == 151
-        assert mirror_of(it.manifest_path).downloads - first == 1  # the new date's .rec only
+        assert it.reader.location.cache.downloads - first == 1  # the new date's .rec only
 
 
 def test_fetching_ahead_takes_no_index_the_reading_does_not_need(s3, tmp_path):
@@ -96,7 +95,7 @@ def test_fetching_ahead_takes_no_index_the_reading_does_not_need(s3, tmp_path):
     cache = tmp_path / "cache"
     with ShardIter(url, 8, cache_dir=cache) as it:
         read_epoch(it)
-        mirror = mirror_of(it.manifest_path)
+        mirror = it.reader.location.cache
     before = mirror.downloads
     make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation with one more date
     upload_store(s3, local)
@@ -193,10 +192,9 @@ def test_cache_limit_refuses_an_epoch_that_cannot_fit_and_evicts_what_is_not_use
 SHARED = """
 import json, sys
 from loader import ShardIter
-from loader.source.objcache import mirror_of
 with ShardIter(sys.argv[1], 8, seed=1, cache_dir=sys.argv[2]) as it:
     ids = sorted(int(i) for b in it for i in b.label[0].asnumpy()[: 8 - b.pad])
-    print(json.dumps({"downloads": mirror_of(it.manifest_path).downloads, "n": len(ids)}))
+    print(json.dumps({"downloads": it.reader.location.cache.downloads, "n": len(ids)}))
 """
 
 
@@ -315,7 +313,7 @@ def test_a_download_that_would_nearly_fill_the_disk_is_refused(s3, tmp_path, mon
 def test_the_next_generations_shards_are_fetched_half_way_through_an_epoch(s3, tmp_path):
     local, url = store_with(s3, tmp_path)
     with ShardIter(url, 8, cache_dir=tmp_path / "cache") as it:
-        cache = mirror_of(it.manifest_path)
+        cache = it.reader.location.cache
         make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation, published mid-epoch
         upload_store(s3, local)
         for _ in range(it.batches_per_epoch // 2 + 1):

@@ -141,7 +141,7 @@ def test_buffers_are_reused_once_given_back(tmp_path):
         for _ in range(3):
             assert sorted(i for b in it for i in batch_ids(b)) == list(range(400))
             it.reset()
-        arena = it._epochs.arena
+        arena = it.reader.epochs.arena
         assert len(arena._batches) <= arena.keep and len(arena._loans) <= arena.keep
         assert len(zerocopy._OUT) <= max(64, 2 * (before + it.prefetch_buffer + 2)), "the registry is not swept"
     mx.nd.waitall()

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import sys
 import threading
-from typing import Optional, Union
+from typing import Optional
 
 import numpy as np
 
@@ -28,13 +27,10 @@ from loader.pipeline.zerocopy import Loan, lend
 from shardgen.format.schema import Schema
 
 __all__ = ["Arena", "settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "footprint",
-           "batch_buffers", "parse_size", "check_footprint", "format_bytes"]
+           "batch_buffers", "check_footprint", "format_bytes"]
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
 
 MMAP_THRESHOLD = 1 << 20  # blocks this large or larger get their own mapping, returned when freed
 _SETTLED = False
@@ -72,24 +68,6 @@ def format_bytes(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1024
     return f"{n:,.1f} TiB"  # pragma: no cover
-
-
-def parse_size(value: Union[int, str], what: str = "shuffle_buffer") -> tuple[str, int]:
-    """``("records", n)`` for an integer, ``("bytes", n)`` for a string with a unit ("256MB", "1GiB")."""
-    if isinstance(value, bool):
-        raise LoaderError(f"{what} must be a record count (int) or a size such as '256MB', got {value!r}")
-    if isinstance(value, int) or (hasattr(value, "__index__") and not isinstance(value, str)):
-        if int(value) < 1:
-            raise LoaderError(f"{what} must be >= 1 record, got {value!r}")
-        return "records", int(value)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*", str(value), re.IGNORECASE)
-    if not isinstance(value, str) or m is None:
-        raise LoaderError(f"{what} must be a record count (int) or a size with a unit such as '256MB' or "
-                          f"'1GiB', got {value!r}")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if n < 1:
-        raise LoaderError(f"{what} {value!r} is empty")
-    return "bytes", n
 
 
 def batch_buffers(prefetch_buffer: int) -> int:

@@ -10,9 +10,10 @@ from typing import Optional
 import numpy as np
 
 from loader.errors import LoaderError
-from loader.pipeline.memory import check_footprint, footprint, parse_size
+from loader.pipeline.memory import check_footprint, footprint
 from loader.pipeline.shuffle_buffer import buffer_bytes, default_capacity
 from loader.pipeline.stream import StreamParams, batch_floats, buffer_capacity
+from loader.sizes import parse_size
 from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema
 
@@ -58,8 +59,13 @@ def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], native_b
     bytes (``"256MB"``), or the default (:func:`loader.pipeline.shuffle_buffer.default_capacity`)."""
     if shuffle_buffer is None:
         return default_capacity(schema, native_batch)
-    unit, amount = parse_size(shuffle_buffer)
-    return amount if unit == "records" else max(1, amount // buffer_bytes(schema, 1))
+    if isinstance(shuffle_buffer, (int, np.integer)) and not isinstance(shuffle_buffer, (bool, np.bool_)):
+        if shuffle_buffer < 1:
+            raise LoaderError(f"shuffle_buffer must be >= 1 record, got {shuffle_buffer!r}")
+        return int(shuffle_buffer)
+    size = parse_size(shuffle_buffer, "shuffle_buffer",
+                      "a record count (int) or a size with a unit such as '256MB' or '1GiB'")
+    return max(1, size // buffer_bytes(schema, 1))
 
 
 def check_memory(params: StreamParams, shuffle_buffer: object) -> dict:

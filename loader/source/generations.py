@@ -20,36 +20,20 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import mxnet as mx
 
 from loader.errors import LoaderError, mxnet_reason
-from loader.source.objcache import lease_for, mirror_of
-from loader.source.selection import load_manifest, manifest_path_of
-from shardgen.errors import ManifestError
+from loader.source.location import Location
 from shardgen.store.manifest import Manifest
 
-__all__ = ["AGREE_KEY_BASE", "Choice", "open_generation", "agree", "agreed_start"]
+__all__ = ["AGREE_KEY_BASE", "Choice", "agree", "agreed_start"]
 
 AGREE_KEY_BASE = 1 << 30  # integer kvstore keys from here on are the loader's (Gluon uses 0, 1, ...)
 _MAX_GENERATION = 1 << 40  # sent as two float32 values of 20 bits each (exact)
 _ROUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kv -> its agreement counter
 _STR_KEYS: weakref.WeakSet = weakref.WeakSet()  # kvstores found to use string keys
-
-
-def open_generation(manifest_path: Path, generation: int) -> Manifest:
-    """Generation ``generation`` of a store exactly; LoaderError naming it when it is gone."""
-    manifest_path = manifest_path_of(Path(manifest_path))
-    store, cache = manifest_path.parent, mirror_of(manifest_path)
-    try:
-        if cache is not None:
-            cache.pull_manifest()
-            cache.pull_snapshot(generation)
-        return Manifest.load_generation(store, generation)
-    except ManifestError as exc:
-        raise LoaderError(f"cannot open generation {generation} of {store}: {exc}") from None
 
 
 def _check_generation(generation: object) -> int:
@@ -90,30 +74,29 @@ class Choice:
         self.kv = kv
 
     @staticmethod
-    def propose(manifest_path: Path) -> Manifest:
+    def propose(location: Location) -> Manifest:
         """The newest generation this process sees."""
-        return load_manifest(manifest_path)
+        return location.manifest()
 
-    def manifest(self, manifest_path: Path) -> Manifest:
+    def manifest(self, location: Location) -> Manifest:
         """The manifest of the generation to read next (a collective call with a kvstore)."""
         if self.pin is not None:
-            return open_generation(manifest_path, self.pin)
-        newest = self.propose(manifest_path)
+            return location.generation(self.pin)
+        newest = self.propose(location)
         if self.kv is None:
             return newest
         agreed = agree(self.kv, newest.generation)
-        return newest if agreed == newest.generation else open_generation(manifest_path, agreed)
+        return newest if agreed == newest.generation else location.generation(agreed)
 
 
 @contextlib.contextmanager
-def agreed_start(kv: Any, manifest_path: Path) -> Iterator[int]:
+def agreed_start(kv: Any, location: Location) -> Iterator[int]:
     """The generation a new ``for_kvstore`` iterator starts on. Until the block ends (the
     iterator then holds its own lease), a temporary lease on this worker's proposal keeps gc
     from removing the agreed snapshot: gc keeps every snapshot at or above the oldest live lease,
     and rank 0 proposed the agreed one."""
-    manifest_path = manifest_path_of(Path(manifest_path))
-    newest = Choice.propose(manifest_path)
-    hold = lease_for(manifest_path.parent)
+    newest = Choice.propose(location)
+    hold = location.lease()
     hold.renew(newest.generation)
     try:
         yield agree(kv, newest.generation)

@@ -35,45 +35,22 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional
 
 from loader.errors import LoaderError
 from shardgen.format.check import needs_index
 from shardgen.format.schema import Schema
 from shardgen.fsutil import atomic_write, clean_temp_files
-from shardgen.store.lease import Lease
 from shardgen.store.manifest import Manifest, ShardEntry
 from shardgen.store.naming import MANIFEST_NAME, SNAPSHOT_DIR
-from shardgen.store.objstore import ObjectStore, ObjectStoreError, is_remote, parse_url, store_errors_as
+from shardgen.store.objstore import ObjectStore, ObjectStoreError, store_errors_as
 
-__all__ = ["ObjectCache", "resolve", "mirror_of", "lease_for", "parse_size", "DOWNLOAD_THREADS"]
+__all__ = ["ObjectCache", "DOWNLOAD_THREADS"]
 
 log = logging.getLogger(__name__)
 DOWNLOAD_THREADS = 8
 _LOCKS = ".locks"
 _RESERVE = 64 << 20  # never leave the disk with less than this free
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20,
-          "GIB": 1 << 30, "TIB": 1 << 40}
-
-
-def parse_size(value: Union[int, str, None], what: str = "cache_limit") -> Optional[int]:
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if isinstance(value, str):
-        text = value.strip().upper().replace(" ", "")
-        number = text.rstrip("KMGTIB")
-        unit = text[len(number):]
-        with contextlib.suppress(ValueError):
-            if unit in _UNITS and float(number) > 0:
-                return int(float(number) * _UNITS[unit])
-    raise LoaderError(f"{what} must be a positive number of bytes or a size such as '20GB', got {value!r}")
-
-
-def default_object_cache() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "shardgen-objects"
 
 
 def _mb(n: int) -> str:
@@ -302,47 +279,3 @@ class ObjectCache:
 
         self._ahead = threading.Thread(target=run, name="shardgen-fetch-ahead", daemon=True)
         self._ahead.start()
-
-
-_MIRRORS: dict[Path, ObjectCache] = {}
-_MIRRORS_LOCK = threading.Lock()
-
-
-def resolve(manifest: Union[os.PathLike, str], cache_dir: Optional[os.PathLike] = None,
-            cache_limit: Union[int, str, None] = None) -> Path:
-    """The local path to read ``manifest`` from: itself, or for ``s3://...`` the manifest of its
-    mirror in the object cache (``cache_dir/objects``, default ``~/.cache/shardgen-objects``)."""
-    if not is_remote(str(manifest)):
-        if cache_limit is not None:
-            raise LoaderError("cache_limit is only used for s3:// stores")
-        return Path(manifest)
-    url = str(manifest)
-    if url.endswith("/" + MANIFEST_NAME):
-        url = url[: -len(MANIFEST_NAME) - 1]
-    try:
-        bucket, prefix = parse_url(url)
-    except ObjectStoreError as exc:
-        raise LoaderError(str(exc)) from None
-    base = Path(cache_dir) / "objects" if cache_dir is not None else default_object_cache()
-    folder = (base / bucket / prefix).resolve()
-    limit = parse_size(cache_limit)
-    with _MIRRORS_LOCK:
-        cache = _MIRRORS.get(folder / MANIFEST_NAME)
-        if cache is None or cache.limit != limit:
-            cache = ObjectCache(url, folder, limit)
-            _MIRRORS[cache.manifest_path] = cache
-    return cache.manifest_path
-
-
-def mirror_of(manifest_path: Path) -> Optional[ObjectCache]:
-    """The object cache whose mirror ``manifest_path`` is, if any."""
-    if not _MIRRORS:
-        return None
-    with _MIRRORS_LOCK:
-        return _MIRRORS.get(Path(manifest_path).resolve())
-
-
-def lease_for(store: Path) -> Lease:
-    """A reader lease in the store itself: in the object store for a mirror."""
-    cache = mirror_of(Path(store) / MANIFEST_NAME)
-    return Lease(cache.remote if cache is not None else store)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import numpy as np
 
 from loader.errors import LoaderError
-from loader.source.objcache import mirror_of
+from loader.source.location import Location
 from shardgen.errors import ShardError
 from shardgen.format.check import VERIFY_MODES, check_shard
 from shardgen.format.index import reader_index
@@ -33,19 +33,7 @@ from shardgen.format.schema import day_number
 from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.store.manifest import Manifest, ShardEntry
 
-__all__ = ["EpochPlan", "ReaderSource", "reader_source", "make_plan", "default_cache_dir", "hold", "drop", "recheck"]
-
-def default_cache_dir() -> Path:
-    """Where plan folders go: ``$XDG_CACHE_HOME`` if set; else ``/dev/shm`` when it is a writable
-    tmpfs (a plan is an index and one link per shard: metadata-heavy, small, per process); else
-    ``~/.cache``."""
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "shardgen-loader"
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
-        return shm / f"shardgen-loader-{os.getuid()}"
-    return Path(os.path.expanduser("~")) / ".cache" / "shardgen-loader"
-
+__all__ = ["EpochPlan", "ReaderSource", "reader_source", "make_plan", "hold", "drop", "recheck"]
 
 class PlanFiles:
     """The shard files a plan reads, held open: MXNet opens them through ``/proc/self/fd``, so a
@@ -198,9 +186,9 @@ def _open_shard(store: Path, s: ShardEntry) -> int:
 _SEQ = itertools.count()
 
 
-def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry, ...], cache_dir: Path, *,
-              verify: str = "frame", fetcher: str = "") -> EpochPlan:
-    """Open and check the shards' files and return a plan with its own folder for MXNet.
+def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, ...], *, verify: str = "frame",
+              fetcher: str = "") -> EpochPlan:
+    """Fetch, open and check the shards' files and return a plan with its own folder for MXNet.
 
     dmlc resolves each ``.rec`` path (and the index) by listing its folder and ``stat``-ing every
     entry there, which fails if a file is renamed meanwhile -- as the watcher's temp files are in
@@ -210,13 +198,12 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
     """
     if verify not in VERIFY_MODES:
         raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
-    store = Path(manifest_path).resolve().parent
+    store = location.store.resolve()
     if not shards:
-        raise LoaderError(f"{manifest_path}: no shards selected (generation {manifest.generation})")
-    cache = mirror_of(Path(manifest_path))
-    if cache is not None:  # a store on an object store: this epoch's files into the local cache first
-        cache.fetch(shards, who=fetcher, schema=manifest.schema)
-    mine = Path(cache_dir).resolve() / f"{HOST_TOKEN}-{os.getpid()}"
+        raise LoaderError(f"{location.manifest_path}: no shards selected (generation {manifest.generation})")
+    location.fetch(shards, who=fetcher, schema=manifest.schema)  # an object store's: into the local mirror
+    plans = location.plans.resolve()
+    mine = plans / f"{HOST_TOKEN}-{os.getpid()}"
     if ";" in str(mine):
         raise LoaderError(f"{mine}: a path given to MXNet may not contain ';' (it joins .rec paths with it)")
     _ensure_fd_room(len(shards))
@@ -226,19 +213,7 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
         for s in shards:
             fd = _open_shard(store, s)
             files.fds.append(fd)
-            if cache is None and not (store / s.idx).is_file():
-                raise LoaderError(f"{store / s.idx}: index file is missing (shard {s.date})")
-            try:
-                frames = check_shard(fd, str(store / s.rec), str(store / s.idx), s, manifest.schema, verify=verify)
-            except ShardError as exc:
-                if cache is None or (store / s.idx).is_file():
-                    raise LoaderError(str(exc)) from None
-                cache.fetch_index(s)  # the check asked for the index the cache left out: fetched, checked again
-                try:
-                    frames = check_shard(fd, str(store / s.rec), str(store / s.idx), s, manifest.schema,
-                                         verify=verify)
-                except ShardError as exc2:
-                    raise LoaderError(str(exc2)) from None
+            frames = _check(location, store, fd, s, manifest.schema, verify)
             parts.append(frames.offsets + base)
             counts.append(frames.counts)
             keys.append(frames.keys)
@@ -249,7 +224,7 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
         key = hashlib.sha256(json.dumps([str(store)] + [s.to_json() for s in shards]).encode()).hexdigest()[:12]
         folder = mine / f"{next(_SEQ):05d}-{key}"
         try:
-            _clean_dead_processes(Path(cache_dir))
+            _clean_dead_processes(plans)
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             files.folder = folder
@@ -267,10 +242,24 @@ def make_plan(manifest_path: Path, manifest: Manifest, shards: tuple[ShardEntry,
                      counts, files, offsets, keys, shard_first)
 
 
-def _clean_dead_processes(cache_dir: Path) -> None:
+def _check(location: Location, store: Path, fd: int, s: ShardEntry, schema: Any, verify: str):
+    """``check_shard`` of one open shard file; an index the location left out is fetched and the
+    check run again."""
+    try:
+        return check_shard(fd, str(store / s.rec), str(store / s.idx), s, schema, verify=verify)
+    except ShardError as exc:
+        if not location.fetch_index(s):
+            raise LoaderError(str(exc)) from None
+    try:
+        return check_shard(fd, str(store / s.rec), str(store / s.idx), s, schema, verify=verify)
+    except ShardError as exc:
+        raise LoaderError(str(exc)) from None
+
+
+def _clean_dead_processes(plans: Path) -> None:
     """Remove plan folders of processes that are gone. ``HOST_TOKEN`` names this host, pid namespace
     and boot, so only folders whose pid can be checked here are matched."""
-    for entry in cache_dir.glob(f"{HOST_TOKEN}-*"):
+    for entry in plans.glob(f"{HOST_TOKEN}-*"):
         pid = entry.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)

@@ -12,7 +12,6 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from loader.errors import LoaderError
-from loader.source.objcache import mirror_of
 from shardgen.errors import ManifestError
 from shardgen.store.manifest import MANIFEST_NAME, Manifest, ShardEntry
 
@@ -32,13 +31,10 @@ _PARSED_LOCK = threading.Lock()
 
 
 def load_manifest(path: Path) -> Manifest:
-    """The newest manifest (for a store on an object store: fetched into its mirror first). Every
-    reset() asks; an unchanged file (same inode, size, mtime and ctime: the manifest is replaced
-    by rename) is not parsed again (400 shards: ~9 ms an epoch)."""
-    cache = mirror_of(path)
+    """The manifest at ``path``, parsed. Every reset() asks; an unchanged file (same inode, size,
+    mtime and ctime: the manifest is replaced by rename) is not parsed again (400 shards: ~9 ms an
+    epoch)."""
     try:
-        if cache is not None:
-            cache.pull_manifest()
         try:
             st = os.stat(path)
         except OSError:

@@ -1,0 +1,189 @@
+"""``Reader``: what a ``ShardIter`` reads and where it is. It owns the store's location, the
+generation choice, the epoch's plan and streams (``Epochs``), the cursor, ``reset()`` and the saved
+state; the ``ShardIter`` around it is only MXNet's ``DataIter`` face.
+
+Epochs are exact: every sample of this part once, with ``pad`` counted here. The order is a
+function of seed, epoch and selection alone: reproducible, and resumable from ``state()``
+without re-reading what was consumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Callable, Optional
+
+from loader.checkpoint import check_state, state_of
+from loader.errors import LoaderError
+from loader.pipeline.epochs import Epochs
+from loader.pipeline.memory import Arena, settle_allocator
+from loader.pipeline.settings import check_memory
+from loader.pipeline.stream import StreamParams, batch_floats
+from loader.source.generations import Choice
+from loader.source.location import Location
+from loader.source.plan import EpochPlan, make_plan, recheck
+from loader.source.selection import DateRange, normalize_dates, select_shards
+from shardgen.store.manifest import Manifest, ShardEntry
+
+__all__ = ["Reader"]
+
+
+class Reader:
+    """One part of a store, epoch after epoch: ``take()`` the next batch, ``reset()`` to the next
+    epoch on the generation ``choice`` picks, ``state()``/``load()`` to resume."""
+
+    def __init__(self, location: Location, manifest: Manifest, params: StreamParams, *, choice: Choice,
+                 dates: DateRange, verify: str, memory: dict):
+        self.location, self.params, self.choice = location, params, choice
+        self.schema = manifest.schema
+        self.verify, self.memory = verify, memory
+        self.dates = normalize_dates(dates)
+        self.epoch = 0
+        self.cursor = self.batches = self.part_samples = 0
+        self.ahead_at, self.ahead_asked = 0, False
+        self.epochs = Epochs(location.lease())  # the lease tells gc which generation we read
+        self._finalizer = weakref.finalize(self, self.epochs.close_when_free)
+        settle_allocator()
+        # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
+        self.epochs.arena = Arena(self.schema, batch_floats(params), keep=2 * (params.prefetch_buffer + 4))
+        try:
+            self._start(self._plan_for(manifest, select_shards(manifest, self.dates)))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- where it is ------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Optional[EpochPlan]:
+        return self.epochs.plan
+
+    @property
+    def readers(self) -> int:
+        """Native iterators reading this part (fewer than asked when the plan is small)."""
+        return self.epochs.stream.readers if self.epochs.stream else 0
+
+    @property
+    def running(self) -> bool:
+        """An epoch's stream is open (``reset()`` did not fail, ``close()`` was not called)."""
+        return self.epochs.stream is not None
+
+    # -- epochs -----------------------------------------------------------------------------------
+
+    def take(self) -> tuple[list, int]:
+        """The next batch's arrays and pad (the caller checked that the epoch has one left)."""
+        stream = self.epochs.stream
+        if stream is None:
+            raise LoaderError(f"{self.location.manifest_path}: no epoch to read: the last reset() failed; fix the "
+                              "cause (e.g. the date selection) and call reset() again")
+        arrays, valid = stream.get()
+        if not self.ahead_asked and self.cursor + 1 >= self.ahead_at:
+            self._open_ahead()
+        self.cursor += 1
+        return arrays, self.params.batch_size - valid if self.params.last_batch == "pad" else 0
+
+    def reset(self) -> None:
+        """Start the next epoch on the generation the choice picks (the newest, agreed or pinned)."""
+        self.end_epoch()
+        manifest = self.choice.manifest(self.location)
+        if manifest.schema.fingerprint != self.schema.fingerprint:
+            raise LoaderError(f"{self.location.manifest_path}: the store's schema changed (fingerprint "
+                              f"{self.schema.fingerprint} -> {manifest.schema.fingerprint}); make a new ShardIter")
+        shards = select_shards(manifest, self.dates)
+        current = self.plan
+        if current is None:  # close() from another thread while this reset() ran
+            raise LoaderError(f"{self.location.manifest_path}: this ShardIter was closed (by another thread) "
+                              "during reset()")
+        if shards != current.shards:
+            plan = self._plan_for(manifest, shards)
+        elif manifest.generation != current.generation:  # same files: only the generation moves on
+            plan = dataclasses.replace(current, generation=manifest.generation)
+        else:
+            plan = current
+        if plan.folder == current.folder:
+            recheck(plan, self.schema, self.verify)
+        self._start(plan, epoch=self.epoch + 1)
+
+    def end_epoch(self) -> None:
+        """Stop this epoch's stream (a ``reset()`` or ``load()`` starts the next one)."""
+        stream, self.epochs.stream = self.epochs.stream, None
+        if stream is not None:
+            stream.close(wait=self.cursor < self.batches)  # read to its end: its thread is ending
+
+    def _plan_for(self, manifest: Manifest, shards: tuple) -> EpochPlan:
+        return make_plan(self.location, manifest, shards, verify=self.verify, fetcher=f"iter-{id(self)}")
+
+    def _start(self, plan: EpochPlan, *, skip: int = 0, epoch: Optional[int] = None) -> None:
+        """Make ``plan`` this reader's, reading ``epoch`` (default: the current one). Nothing
+        changes if the epoch cannot start (e.g. a part smaller than a batch): the error is raised
+        and the plan's files are let go."""
+        epoch = self.epoch if epoch is None else epoch
+        stream = self.epochs.start(plan, epoch, self.params, skip)
+        self.epoch = epoch
+        self.part_samples, self.batches = stream.samples, stream.batches
+        self.cursor = skip
+        # The next epoch's stream starts half way through this one: its buffer fills (and its native
+        # iterators open) while this epoch's batches are consumed. The stream's producer thread starts
+        # it as it gets there (Epochs._half_way); take() asks again when the caller gets there.
+        self.ahead_at = max(skip, self.batches // 2)
+        self.ahead_asked = False
+        if self.cursor >= self.ahead_at:
+            self._open_ahead()
+
+    def _open_ahead(self) -> None:
+        """The next epoch's stream, on this plan, starts filling while this epoch ends (a new
+        generation at ``reset()`` discards it); an object store's newest shards are fetched."""
+        self.ahead_asked = True
+        self.epochs.open_ahead(self.epoch + 1, self.params)
+        if self.choice.pin is None:
+            self.location.fetch_ahead(lambda m: select_shards(m, self.dates))
+
+    # -- resumption -------------------------------------------------------------------------------
+
+    def state(self, manifest_path: str) -> dict:
+        """Where this reader is: enough to continue the same epoch in a new process."""
+        return state_of(self, manifest_path)
+
+    def check(self, state: dict) -> None:
+        """LoaderError unless this reader can continue from ``state``."""
+        check_state(self, state)
+
+    def load(self, state: dict, before_end: Callable[[], None] = lambda: None) -> bool:
+        """Continue from ``state``: same shards, same epoch order, the same remaining batches. The
+        consumed batches are not assembled again: the stream passes over them. True if a new
+        epoch's stream started (``before_end()`` is called before this one's ends); False if the
+        stream this epoch already started skips ahead."""
+        check_state(self, state)
+        self.dates = normalize_dates(state.get("dates"))  # the saved selection, from the next reset() on
+        shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
+        p = self.params
+        same = (shards == self.plan.shards and int(state["epoch"]) == self.epoch and self.cursor == 0
+                and state["generation"] == self.plan.generation and state.get("pinned") == self.choice.pin
+                and (state["readers"], state["native_batch"], state["shuffle_buffer"])
+                == (p.readers, p.native_batch, p.buffer_records))
+        if same and self.epochs.stream is not None:  # the stream this epoch already started: skip ahead in it
+            self.epochs.stream.skip_to(int(state["batches"]))
+            self.cursor = int(state["batches"])
+            self.ahead_at = max(self.cursor, self.ahead_at)
+            return False
+        params = dataclasses.replace(p, readers=int(state["readers"]), native_batch=int(state["native_batch"]),
+                                     buffer_records=int(state["shuffle_buffer"]))
+        self.memory = check_memory(params, int(state["shuffle_buffer"]))
+        before_end()
+        self.end_epoch()
+        if state.get("pinned") is not None:
+            self.choice = Choice(pin=state["pinned"])
+        self.params = params
+        manifest = self.location.manifest()
+        plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
+        plan = dataclasses.replace(plan, generation=state["generation"])
+        self._start(plan, skip=int(state["batches"]), epoch=int(state["epoch"]))
+        return True
+
+    # -- the end ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the native threads, let go of the files and drop the reader lease."""
+        self.location.release(f"iter-{id(self)}")
+        self._finalizer.detach()
+        self.epochs.close()

@@ -1,0 +1,166 @@
+"""Where a ``ShardIter`` reads a store from, resolved once (:func:`resolve`) into a value the
+iterator passes down: a store folder, or a store on an object store (``s3://bucket/prefix``)
+mirrored into the local cache (:mod:`loader.source.objcache`). Both are read the same way from a
+local folder; they differ only in what happens before a file is read (nothing, or a download),
+and where the reader lease lives (in the store).
+
+Everything the loader writes locally lives under ONE root, ``cache_dir`` (default
+``$XDG_CACHE_HOME/shardgen``, else ``~/.cache/shardgen``): the plan folders of this host's
+processes in ``<cache_dir>/plans/`` and the downloads of object-store stores in
+``<cache_dir>/objects/<bucket>/<prefix>/``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Union
+
+from loader.errors import LoaderError
+from loader.sizes import parse_size
+from loader.source.objcache import ObjectCache
+from loader.source.selection import load_manifest, manifest_path_of
+from shardgen.errors import ManifestError
+from shardgen.format.schema import Schema
+from shardgen.store.lease import Lease
+from shardgen.store.manifest import Manifest, ShardEntry
+from shardgen.store.naming import MANIFEST_NAME
+from shardgen.store.objstore import ObjectStoreError, is_remote, parse_url
+
+__all__ = ["Location", "FolderLocation", "MirrorLocation", "resolve", "cache_root", "PLANS", "OBJECTS"]
+
+PLANS = "plans"  # <cache_dir>/plans: this host's plan folders (an index and one link per shard)
+OBJECTS = "objects"  # <cache_dir>/objects: the mirrors of object-store stores
+
+
+def cache_root(cache_dir: Optional[os.PathLike] = None) -> Path:
+    """The loader's local root: ``cache_dir``, else ``$XDG_CACHE_HOME/shardgen``, else ``~/.cache/shardgen``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "shardgen"
+
+
+class Location:
+    """A store as the loader reads it: ``manifest_path`` (local) and what comes before reading."""
+
+    def __init__(self, manifest_path: Path, root: Path):
+        self.manifest_path = manifest_path
+        self.root = root
+
+    @property
+    def store(self) -> Path:
+        """The local folder the shard files are read from."""
+        return self.manifest_path.parent
+
+    @property
+    def plans(self) -> Path:
+        """Where this host's plan folders go."""
+        return self.root / PLANS
+
+    def manifest(self) -> Manifest:
+        """The newest manifest."""
+        return load_manifest(self.manifest_path)
+
+    def generation(self, generation: int) -> Manifest:
+        """Generation ``generation`` exactly; LoaderError naming it when it is gone."""
+        try:
+            return Manifest.load_generation(self.store, generation)
+        except ManifestError as exc:
+            raise LoaderError(f"cannot open generation {generation} of {self.store}: {exc}") from None
+
+    def lease(self) -> Lease:
+        """A reader lease in the store (it tells gc which generation this process reads)."""
+        return Lease(self.store)
+
+    def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema) -> None:
+        """Every file reading ``shards`` needs is in ``store``: LoaderError naming what is missing."""
+        for s in shards:
+            if not (self.store / s.idx).is_file():
+                raise LoaderError(f"{self.store / s.idx}: index file is missing (shard {s.date})")
+
+    def fetch_index(self, shard: ShardEntry) -> bool:
+        """Fetch ``shard``'s ``.idx`` if it was left out; True if it was (a check may then be retried)."""
+        return False
+
+    def fetch_ahead(self, select: Callable[[Manifest], tuple]) -> None:
+        """Start fetching the newest generation's files in the background (``select`` picks the shards)."""
+
+    def release(self, who: str) -> None:
+        """``who`` (an iterator) no longer needs its files kept."""
+
+
+class FolderLocation(Location):
+    """A store folder on this host (or a shared filesystem): read in place."""
+
+
+class MirrorLocation(Location):
+    """A store on an object store, read from its mirror in ``<root>/objects`` (:class:`ObjectCache`)."""
+
+    def __init__(self, cache: ObjectCache, root: Path):
+        super().__init__(cache.manifest_path, root)
+        self.cache = cache
+
+    def manifest(self) -> Manifest:
+        self.cache.pull_manifest()
+        return super().manifest()
+
+    def generation(self, generation: int) -> Manifest:
+        try:
+            self.cache.pull_manifest()
+            self.cache.pull_snapshot(generation)
+        except ManifestError as exc:
+            raise LoaderError(f"cannot open generation {generation} of {self.store}: {exc}") from None
+        return super().generation(generation)
+
+    def lease(self) -> Lease:
+        return Lease(self.cache.remote)
+
+    def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema) -> None:
+        self.cache.fetch(shards, who=who, schema=schema)
+
+    def fetch_index(self, shard: ShardEntry) -> bool:
+        if (self.store / shard.idx).is_file():
+            return False
+        self.cache.fetch_index(shard)
+        return True
+
+    def fetch_ahead(self, select: Callable[[Manifest], tuple]) -> None:
+        self.cache.fetch_ahead(select)
+
+    def release(self, who: str) -> None:
+        self.cache.release(who)
+
+
+_MIRRORS: dict[Path, ObjectCache] = {}  # one cache per mirror folder in a process: iterators share it
+_MIRRORS_LOCK = threading.Lock()
+
+
+def resolve(manifest: Union[os.PathLike, str, Location], cache_dir: Optional[os.PathLike] = None,
+            cache_limit: Union[int, str, None] = None) -> Location:
+    """Where to read ``manifest`` (a manifest file, a store folder or an ``s3://`` URL) from. The one
+    place that tells a folder from an object store."""
+    if isinstance(manifest, Location):
+        return manifest
+    root = cache_root(cache_dir)
+    if not is_remote(str(manifest)):
+        if cache_limit is not None:
+            raise LoaderError("cache_limit is only used for s3:// stores")
+        return FolderLocation(manifest_path_of(Path(manifest)), root)
+    url = str(manifest)
+    if url.endswith("/" + MANIFEST_NAME):
+        url = url[: -len(MANIFEST_NAME) - 1]
+    try:
+        bucket, prefix = parse_url(url)
+    except ObjectStoreError as exc:
+        raise LoaderError(str(exc)) from None
+    folder = (root / OBJECTS / bucket / prefix).resolve()
+    limit = None if cache_limit is None else parse_size(
+        cache_limit, "cache_limit", "a positive number of bytes or a size such as '20GB'")
+    with _MIRRORS_LOCK:
+        cache = _MIRRORS.get(folder)
+        if cache is None or cache.limit != limit:
+            cache = ObjectCache(url, folder, limit)
+            _MIRRORS[folder] = cache
+    return MirrorLocation(cache, root)
