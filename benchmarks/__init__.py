@@ -1,2 +1,2 @@
 """The benchmarks behind ``make bench`` (``python -m benchmarks``): a sibling of the runtime
-packages, never installed with them. See the README's Performance section."""
+packages, never installed with them. A full run writes ``docs/performance.md``."""

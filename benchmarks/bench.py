@@ -1,6 +1,7 @@
 """``python -m benchmarks`` (``make bench``): the loader and the writer beside the alternatives
 users actually try, all measured in one run on the same data so that ratios are fair on a noisy
-machine. Writes a table to stdout, ``bench/results.json`` and (with matplotlib) a PNG chart.
+machine. Writes a table to stdout, ``bench/results.json``, (with matplotlib) a PNG chart and, for a
+full run, the page ``docs/performance.md`` (:mod:`benchmarks.page`).
 
 1. Loader throughput (samples/s, payload GB/s) over the same samples.
 2. Data stall: a consumer that spends a fixed time per batch outside the GIL (as a GPU step
@@ -28,14 +29,14 @@ import numpy as np
 from benchmarks.baselines import ListBatchIter, PoppedBatches, samples_from_arrays
 from benchmarks.e2e import end_to_end
 from benchmarks.objects import object_store_epoch
+from benchmarks.page import write_markdown
 from benchmarks.report import chart, machine_info, table, targets
 from benchmarks.scale import scale_suite
 from benchmarks.soak import soak_in_subprocess
-from benchmarks.stores import LAYOUTS, PER_DATE, build, evict, schema_for, touch
+from benchmarks.stores import LAYOUTS, PER_DATE, bench_cache, build, evict, schema_for, touch
 from benchmarks.training import loop_cost
 from benchmarks.writer import build_cost, writer_bandwidth
 from loader.shard_iter import ShardIter
-from loader.source.plan import default_cache_dir
 from shardgen.format import day_number
 from shardgen.process import sliding_windows
 
@@ -185,9 +186,20 @@ def _arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--dates", type=int, help="dates in the end-to-end run (default 40; quick 3)")
     p.add_argument("--step-ms", type=float, default=None, help="end-to-end consumer time per batch (default 30)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
-    p.add_argument("--chart", type=Path, default=ROOT / "bench" / "chart.png")
+    p.add_argument("--docs", type=Path, help="write the results page here (default for a full run: "
+                   "docs/performance.md; a --quick run writes none unless given)")
+    p.add_argument("--no-docs", action="store_true", help="write no results page")
+    p.add_argument("--chart", type=Path, help="the PNG chart (default: next to the results page, else "
+                   "bench/chart.png)")
     p.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder, removed after)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.no_docs:
+        args.docs = None
+    elif args.docs is None and not args.quick:
+        args.docs = ROOT / "docs" / "performance.md"
+    if args.chart is None:
+        args.chart = args.docs.with_suffix(".png") if args.docs else ROOT / "bench" / "chart.png"
+    return args
 
 
 def log(msg: str) -> None:
@@ -201,7 +213,7 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     n_dates = args.dates or (3 if args.quick else 40)
     step_s = (args.step_ms if args.step_ms is not None else (5.0 if args.quick else 30.0)) / 1000
     bs = args.batch_size
-    cache = default_cache_dir() / "bench"
+    cache = bench_cache()
     res["settings"] = {"samples": n, "batch_size": bs, "seconds": seconds, "quick": args.quick, "time_steps": 60,
                        "num_inputs": 32}
     log(f"bench: {n} samples of 60x32 ({n * SCHEMA.record_floats * 4 / 1e9:.2f} GB payload) ...")
@@ -255,7 +267,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.out.write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     print(table(res))
     note = chart(res, args.chart)
-    print(f"\nresults: {args.out}" + (f", chart: {args.chart}" if note is None else f" ({note})"))
+    written = [str(args.out)] + ([f"chart: {args.chart}"] if note is None else [f"({note})"])
+    if args.docs:
+        write_markdown(res, args.docs, args.chart if note is None else None)
+        written.append(f"page: {args.docs}")
+    print("\nresults: " + ", ".join(written))
     return 0
 
 

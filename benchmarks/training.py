@@ -1,8 +1,7 @@
 """The loader's cost to a real training loop: an imperative Gluon loop (a small LSTM on the CPU,
 as ``loader.tools.train`` runs) over the same number of batches, fed by ``ShardIter`` and by batches
 already in RAM. The loop holds the GIL for much of each step (Python, MXNet's imperative calls),
-so a loader whose Python runs in the trainer's process slows it; one in its own process only
-competes for cores."""
+so whatever Python a loader runs in the trainer's process slows it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""`python -m benchmarks --quick` runs and writes well-formed results (not timings: `make bench` does those)."""
+"""`python -m benchmarks --quick` runs and writes well-formed results and a well-formed results page (not
+timings: `make bench` does those)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -13,13 +15,24 @@ LOADERS = ["NDArrayIter (RAM)", "Python DataIter", "PrefetchingIter(Python)", "G
            "ShardIter", "ShardIter (no shuffle)"]
 
 
-def test_quick_bench_writes_results(tmp_path):
-    out = tmp_path / "results.json"
-    r = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out),
-                        "--chart", str(tmp_path / "chart.png"), "--workdir", str(tmp_path / "work")],
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One quick run for the tests below: its stdout, results and page."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out, page = tmp / "results.json", tmp / "docs" / "perf.md"
+    committed = ROOT / "docs" / "performance.md"
+    before = committed.read_bytes() if committed.exists() else None
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out), "--docs", str(page),
+                        "--chart", str(tmp / "chart.png"), "--workdir", str(tmp / "work")],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    # a quick run writes the page only where it is told: the committed one is make bench's
+    assert (committed.read_bytes() if committed.exists() else None) == before
+    return r.stdout, json.loads(out.read_text()), page.read_text()
+
+
+def test_quick_bench_writes_results(quick):
+    stdout, res, _ = quick
     assert res["machine"]["nproc"] >= 1 and res["machine"]["mxnet"] == "1.9.1"
     assert sorted(res["loaders"]) == sorted(LOADERS)
     for name, row in res["loaders"].items():
@@ -42,4 +55,41 @@ def test_quick_bench_writes_results(tmp_path):
             "Gluon LSTM loop time: ShardIter / batches in RAM",
             "ShardIter 400 shards / stock ImageRecordIter one file (shuffled)"} <= names
     assert all(isinstance(t["met"], bool) for t in res["targets"])
-    assert "targets:" in r.stdout and "ShardIter" in r.stdout
+    assert "targets:" in stdout and "ShardIter" in stdout
+    # ShardIter's stall is judged against the floor measured in the same run, plus one point
+    by_name = {t["name"]: t for t in res["targets"]}
+    for load in ("50", "90"):
+        t = by_name[f"ShardIter stall % at {load}% load (across epochs)"]
+        assert t["limit"] == pytest.approx(res["stall_floor"][f"stall_{load}"]["stall_pct"] + 1.0)
+        assert t["met"] == (res["loaders"]["ShardIter"][f"stall_{load}"]["stall_pct"] <= t["limit"])
+    assert res["machine"]["commit"] and isinstance(res["machine"]["uncommitted_changes"], bool)
+
+
+def _page_sections(text: str) -> dict:
+    """Each ``## `` section of the page by title, and what precedes the first one under ""."""
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return {"": parts[0], **dict(zip(parts[1::2], parts[2::2]))}
+
+
+def test_quick_bench_page_is_written_from_its_results(quick):
+    """The page the quick run wrote holds the run's own facts and figures, nothing typed by hand."""
+    stdout, res, text = quick
+    sections = _page_sections(text)
+    head = sections[""]
+    assert head.startswith("# Performance\n") and "Written by `make bench`" in head
+    assert res["machine"]["date"] in head and f"`{res['machine']['commit']}`" in head
+    assert f"{res['machine']['nproc']} cores" in head and "`--quick` smoke run" in head
+    assert list(sections)[1:] == ["Targets", "Results", "How to read it"]
+    targets = sections["Targets"]
+    prose = " ".join(targets.split("```")[0].split())
+    floor = res["stall_floor"]
+    assert f"{floor['stall_50']['stall_pct']:.2f}% of wall time at 50% load" in prose
+    assert "the same sleeping consumer over batches built beforehand" in prose
+    for t in res["targets"]:
+        assert f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['value']:.2f} (target {t['target']})" \
+            in targets, t["name"]
+    for name, row in res["loaders"].items():
+        assert re.search(rf"^{re.escape(name)} +{row['samples_per_s']:,.0f} ", sections["Results"], re.M), name
+    assert text.count("```") % 2 == 0
+    chart = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)  # linked only if written, relative to the page
+    assert chart == (["../chart.png"] if "chart:" in stdout else [])
