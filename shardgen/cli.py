@@ -18,12 +18,10 @@ from typing import Any, Optional, Sequence
 from shardgen.config import load_config, parse_date
 from shardgen.errors import ConfigError, LockError, ManifestError, ShardgenError
 from shardgen.produce.build import build
-from shardgen.store import s3store
 from shardgen.store.gc import collect
-from shardgen.store.naming import WATCH_STATE
 from shardgen.store.status import dumps, status, watch_fields
 from shardgen.store.verify import verify_store
-from shardgen.watch.state import load_state, parse_state
+from shardgen.watch.state import load_state
 from shardgen.watch.watcher import Watcher
 
 __all__ = ["main"]
@@ -176,24 +174,16 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 def _cmd_gc(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     st = cfg.store
-    if st.remote:
-        with s3store.WriterLock(st.objects(), what="gc", ttl_s=st.lease_ttl_s) as lock:
-            deleted = s3store.collect(lock.remote, lock, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
-    else:
-        deleted = collect(st.dir, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
+    deleted = collect(st.open(), grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
     print(f"deleted {len(deleted)} retired shards" + (f": {', '.join(deleted)}" if deleted else ""))
     return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    if cfg.store.remote:
-        remote = cfg.store.objects()
-        info = s3store.status(remote)
-        info.update(watch_fields(parse_state(s3store.get_state(remote), remote.where(WATCH_STATE))))
-    else:
-        info = status(cfg.store.dir)
-        info.update(watch_fields(load_state(cfg.store.dir)))  # read once the manifest was, as before
+    store = cfg.store.open()
+    info = status(store)
+    info.update(watch_fields(load_state(store)))  # read once the manifest was, as before
     raw = cfg.raw_files()
     info["newest_raw"] = max(raw).isoformat() if raw else None
     info["raw_lag_days"] = (dt.date.today() - max(raw)).days if raw else None
@@ -220,10 +210,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    if cfg.store.remote:
-        manifest, problems = s3store.verify_store(cfg.store.objects())
-    else:
-        manifest, problems = verify_store(cfg.store.dir)
+    manifest, problems = verify_store(cfg.store.open())
     for date, problem in problems:
         print(f"shardgen: error: {date}: {problem}", file=sys.stderr)
     print(f"verified {len(manifest.shards)} shards of generation {manifest.generation}: "

@@ -69,13 +69,12 @@ class StoreConfig:
     lease_ttl_s: float = 60.0
     remote: Optional[str] = None  # "s3://bucket/prefix": the store; ``dir`` is then the local staging folder
 
-    def objects(self):
-        """The object store holding this store (None for a store folder)."""
-        if self.remote is None:
-            return None
-        from shardgen.store.objstore import ObjectStore
+    def open(self):
+        """The store (``shardgen.store.open_store`` picks its kind from ``where``); shard files are
+        written in ``dir`` before they are in the store."""
+        from shardgen.store import open_store  # the store is above the config: imported when opened
 
-        return ObjectStore(self.remote)
+        return open_store(self.where, staging=self.dir)
 
     @property
     def where(self) -> str:

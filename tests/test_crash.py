@@ -158,7 +158,7 @@ def _generator_pids(cfg_dir):
 
 _CLI = "import runpy, sys; sys.argv[0] = 'shardgen'; runpy.run_module('shardgen.cli', run_name='__main__')"
 # the preexec_fn fallback
-_CLI_WITHOUT_SETPRIV = "import shardgen.produce.generator as g; g._setpriv = lambda: None; " + _CLI
+_CLI_WITHOUT_SETPRIV = "import shardgen.produce.launch as g; g._setpriv = lambda: None; " + _CLI
 
 
 @pytest.mark.parametrize("launch", ["setpriv", "preexec_fn"])
@@ -166,7 +166,7 @@ def test_a_generator_dies_with_a_build_killed_by_sigkill(cfg_dir, launch):
     """kill -9 of the build process alone (jobs=1: the generator is its child, in a session of its
     own, so no group kill reaches it): the generator gets SIGKILL from the kernel (parent-death
     signal), whether it was started through ``setpriv --pdeathsig`` or a ``preexec_fn``."""
-    from shardgen.produce.generator import _setpriv
+    from shardgen.produce.launch import _setpriv
 
     assert launch == "preexec_fn" or _setpriv(), "no setpriv with --pdeathsig here: the path under test is not taken"
     cfg_path = write_config(cfg_dir, modes={"*": "hang"}, timeout=120)
@@ -205,11 +205,11 @@ def test_a_generator_that_cannot_start_is_one_clear_error(cfg_dir, command):
 _RACE = """
 import os, signal, sys
 from pathlib import Path
-import shardgen.produce.generator as g
+import shardgen.produce.launch as g
 if sys.argv[1] == "preexec_fn":
     g._setpriv = lambda: None
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one CPU: the child runs only once this process is gone
-g._spawn([sys.argv[2], sys.argv[3]], Path(sys.argv[3]), open(os.devnull, "wb"))
+g.spawn([sys.argv[2], sys.argv[3]], Path(sys.argv[3]), open(os.devnull, "wb"))
 os.kill(os.getpid(), signal.SIGKILL)  # at once: before setpriv has set the parent-death signal, often
 """
 
@@ -218,7 +218,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # at once: before setpriv has set the pare
 def test_a_process_killed_right_after_starting_a_generator_leaves_none_running(tmp_path, launch):
     """The parent dies within a millisecond of Popen returning, before ``setpriv`` has set the
     parent-death signal in most runs (review: 2-4 survivors in 20 without the shell guard)."""
-    from shardgen.produce.generator import _setpriv
+    from shardgen.produce.launch import _setpriv
 
     assert launch == "preexec_fn" or _setpriv(), "no setpriv with --pdeathsig here: the path under test is not taken"
     gen = tmp_path / "gen.sh"

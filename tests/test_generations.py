@@ -20,7 +20,8 @@ from shardgen.errors import ManifestError, ShardError
 from shardgen.produce.build import build
 from shardgen.store.gc import collect
 from shardgen.store.lease import live_lease_generations
-from shardgen.store.manifest import Manifest, Sidecar, snapshot_generations, snapshot_path
+from shardgen.store.manifest import Manifest, snapshot_generations, snapshot_path
+from shardgen.store.sidecar import Sidecar
 from shardgen.store.status import status
 from shardgen.store.verify import verify_store
 

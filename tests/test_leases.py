@@ -20,7 +20,7 @@ from conftest import ROOT, make_store, shardgen_cli, write_config
 
 from shardgen import fsutil
 from shardgen.fsutil import HOST_TOKEN, clean_temp_files, pid_alive
-from shardgen.store import lease
+from shardgen.store import lease_file
 from shardgen.store.gc import collect
 from shardgen.store.lease import LEASE_DIR, Lease, live_lease_generations, store_clock
 
@@ -63,8 +63,8 @@ def retired_store(tmp_path: Path) -> Path:
 def write_lease(store: Path, name: str, **info) -> Path:
     path = store / LEASE_DIR / name
     path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps({"generation": 1, "host": lease._HOST, "pid": os.getpid(),
-                                "pidns": lease._PIDNS, "boot_id": lease._BOOT, **info}))
+    path.write_text(json.dumps({"generation": 1, "host": lease_file.HOST, "pid": os.getpid(),
+                                "pidns": lease_file.PIDNS, "boot_id": lease_file.BOOT, **info}))
     return path
 
 
@@ -92,8 +92,8 @@ def test_lease_from_another_pid_namespace_lives_while_its_heartbeat_is_fresh(tmp
         assert int(reader.stdout.readline()) == pid  # a pid that does not exist in this namespace
         [path] = (store / LEASE_DIR).glob("*.json")
         info = json.loads(path.read_text())
-        assert info["host"] == lease._HOST and info["pid"] == pid and not pid_alive(pid)
-        assert info["pidns"] != lease._PIDNS and info["boot_id"] == lease._BOOT
+        assert info["host"] == lease_file.HOST and info["pid"] == pid and not pid_alive(pid)
+        assert info["pidns"] != lease_file.PIDNS and info["boot_id"] == lease_file.BOOT
         beats, last = 0, path.stat().st_mtime_ns
         deadline = time.monotonic() + 10
         while beats < 3 and time.monotonic() < deadline:  # the heartbeat (every 0.2 s) moves the mtime
@@ -218,8 +218,13 @@ def test_renewing_the_same_generation_writes_nothing_and_a_failed_write_is_retri
     last write failed), not every epoch; the heartbeat keeps it fresh meanwhile."""
     lease_ = Lease(tmp_path, refresh_s=60)
     writes = []
-    real = lease.atomic_write
-    monkeypatch.setattr(lease, "atomic_write", lambda path, data, **kw: (writes.append(data), real(path, data, **kw)))
+    real = lease_file.atomic_write
+
+    def counted(path, data, **kw):
+        writes.append(data)
+        real(path, data, **kw)
+
+    monkeypatch.setattr(lease_file, "atomic_write", counted)
     lease_.renew(1)
     lease_.renew(1)
     assert len(writes) == 1
@@ -230,9 +235,9 @@ def test_renewing_the_same_generation_writes_nothing_and_a_failed_write_is_retri
         writes.append(data)
         raise OSError("disk full")
 
-    monkeypatch.setattr(lease, "atomic_write", failing)
+    monkeypatch.setattr(lease_file, "atomic_write", failing)
     lease_.renew(3)  # fails (a warning): the file still says 2
-    monkeypatch.setattr(lease, "atomic_write", lambda path, data, **kw: (writes.append(data), real(path, data, **kw)))
+    monkeypatch.setattr(lease_file, "atomic_write", counted)
     lease_.renew(3)  # not skipped: the lease never said 3
     assert len(writes) == 4 and json.loads(lease_.path.read_text())["generation"] == 3
     lease_.release()
@@ -291,7 +296,7 @@ def test_temp_files_of_a_writer_in_another_pid_namespace_survive(tmp_path):
 
 def test_temp_files_are_judged_by_pid_only_in_our_namespace(tmp_path, monkeypatch):
     pid = dead_pid()
-    other = tmp_path / f".2024-01-02.rec.tmp-{fsutil.host_token(lease._HOST)}_0badc0de-{pid}-0123abcd"
+    other = tmp_path / f".2024-01-02.rec.tmp-{fsutil.host_token(lease_file.HOST)}_0badc0de-{pid}-0123abcd"
     mine = tmp_path / f".2024-01-03.rec.tmp-{HOST_TOKEN}-{pid}-0123abcd"
     other.write_bytes(b"x")
     mine.write_bytes(b"x")
@@ -303,7 +308,7 @@ def test_loader_folders_are_judged_by_pid_only_in_our_namespace(tmp_path):
     from loader.source.plan import _clean_dead_processes
 
     pid = dead_pid()
-    other = tmp_path / f"{fsutil.host_token(lease._HOST)}_0badc0de-{pid}"
+    other = tmp_path / f"{fsutil.host_token(lease_file.HOST)}_0badc0de-{pid}"
     mine, alive = tmp_path / f"{HOST_TOKEN}-{pid}", tmp_path / f"{HOST_TOKEN}-{os.getpid()}"
     for folder in (other, mine, alive):
         (folder / "plan").mkdir(parents=True)

@@ -1,13 +1,13 @@
-"""The per-date pipeline (generate -> process -> shard) and ``build``: many dates in parallel.
+"""``build``: many dates through the per-date pipeline (``pipeline.produce``) in parallel, the
+finished shards published into the store as they come.
 
-``produce`` runs in joblib workers and only writes its own shard files; the coordinating process
-alone publishes the manifest. ``build`` is also the one code path the watcher calls each cycle.
+The coordinating process alone publishes the manifest, holding the store's writer lock. ``build``
+is also the one code path the watcher calls each cycle.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import threading
 import time
@@ -16,31 +16,18 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional
 
 from shardgen.config import Config
-from shardgen.errors import Interrupted, ShardgenError
-from shardgen.fsutil import atomic_write, clean_temp_files
-from shardgen.process import run_processor
-from shardgen.produce.generator import STOP, abandon_with, obtain_raw
-from shardgen.produce.writer import write_shard
-from shardgen.store import s3store
-from shardgen.store.manifest import MANIFEST_NAME, Manifest, ShardEntry, Sidecar
-from shardgen.store.naming import shard_paths
-from shardgen.store.publish import check_sidecar, next_version, open_manifest, publish
+from shardgen.fsutil import clean_temp_files
+from shardgen.produce.generator import STOP, abandon_with
+from shardgen.produce.pipeline import DateResult, prepare, produce
+from shardgen.store import Store
+from shardgen.store.base import WriterLockLike
+from shardgen.store.manifest import Manifest, ShardEntry
+from shardgen.store.publish import publish
 
-__all__ = ["DateResult", "BuildReport", "produce", "build", "complete_shard", "wanted"]
+__all__ = ["BuildReport", "build", "wanted", "run_dates"]
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 5.0  # during a long build, finished shards reach the manifest this often
-
-
-@dataclass(frozen=True)
-class DateResult:
-    """What happened to one date: written, adopted (complete on disk already), empty or failed."""
-
-    date: dt.date
-    status: str
-    entry: Optional[ShardEntry] = None
-    message: str = ""
-    seconds: float = 0.0
 
 
 @dataclass
@@ -63,81 +50,6 @@ class BuildReport:
                 f"in {self.seconds:.1f}s ({rate:,.0f} windows/s)")
 
 
-def complete_shard(cfg: Config, date: dt.date) -> Optional[Sidecar]:
-    """The date's sidecar if a complete shard (or empty marker) of this schema is on disk."""
-    if cfg.store.remote:
-        return s3store.complete_shard(cfg.store.objects(), date, cfg.schema.fingerprint)
-    sidecar = Sidecar.load(shard_paths(cfg.store.dir, date)["json"])
-    if sidecar is None:
-        return None
-    if sidecar.records == 0:
-        return sidecar if sidecar.fingerprint == cfg.schema.fingerprint else None
-    problem = check_sidecar(cfg.store.dir, sidecar, cfg.schema.fingerprint)
-    if problem:
-        log.info("%s: shard on disk not usable (%s); rebuilding", date, problem)
-        return None
-    return sidecar
-
-
-def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool = False,
-            ahead: Optional[Callable[[], tuple]] = None) -> DateResult:
-    """Make the shard of one date. Never raises: failures come back as a result naming the date.
-
-    ``raw_only``: use the raw file already there and never run the generator (watched drop-ins).
-    ``ahead``: returns what ``_prepare`` returned for this date, started earlier (``_pipelined``).
-    """
-    t0 = time.perf_counter()
-    try:
-        sidecar, raw = ahead() if ahead is not None else _prepare(cfg, date, force=force, raw_only=raw_only)
-        if sidecar is not None:
-            if cfg.store.remote:  # in the store already: a copy a killed run left in staging goes
-                for path in shard_paths(cfg.store.dir, date).values():
-                    path.unlink(missing_ok=True)
-            status = "empty" if sidecar.records == 0 else "adopted"
-            entry = sidecar.entry() if sidecar.records else None
-            return DateResult(date, status, entry, "no windows", time.perf_counter() - t0)
-        schema = cfg.schema
-        # A forced rewrite gets new file names: published files are never written over.
-        remote = cfg.store.objects()
-        if force:
-            version = s3store.next_version(remote, date) if remote else next_version(cfg.store.dir, date)
-        else:
-            version = 1
-        if remote:
-            cfg.store.dir.mkdir(parents=True, exist_ok=True)  # the staging folder of this worker
-        windows = run_processor(cfg.process.load(), raw, date, schema, dict(cfg.process.options))
-        if windows.n == 0:
-            marker = Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", "")
-            path = shard_paths(cfg.store.dir, date, version)["json"]
-            atomic_write(path, json.dumps(marker.to_json()).encode())
-            if remote:
-                s3store.upload_shard(remote, cfg.store.dir, marker, path.name)
-            return DateResult(date, "empty", None,
-                              f"{raw.shape[0]} rows, fewer than time_steps={schema.time_steps}: no windows",
-                              time.perf_counter() - t0)
-        sidecar = write_shard(cfg.store.dir, date, windows, None, schema, version=version)
-        if remote:
-            s3store.upload_shard(remote, cfg.store.dir, sidecar, shard_paths(cfg.store.dir, date, version)["json"].name)
-        return DateResult(date, "written", sidecar.entry(), seconds=time.perf_counter() - t0)
-    except Interrupted as exc:
-        return DateResult(date, "abandoned", message=str(exc), seconds=time.perf_counter() - t0)
-    except ShardgenError as exc:
-        return DateResult(date, "failed", message=str(exc), seconds=time.perf_counter() - t0)
-    except (OSError, MemoryError) as exc:
-        return DateResult(date, "failed", message=f"{date}: {type(exc).__name__}: {exc}",
-                          seconds=time.perf_counter() - t0)
-
-
-def _prepare(cfg: Config, date: dt.date, *, force: bool, raw_only: bool) -> tuple:
-    """``(sidecar, None)`` for a shard already complete (adopted), else ``(None, raw array)``:
-    what comes before the windows are cut. Raises as ``obtain_raw`` does."""
-    if not force:
-        sidecar = complete_shard(cfg, date)
-        if sidecar is not None:
-            return sidecar, None
-    return None, obtain_raw(cfg, date, force=force, generate=not raw_only)
-
-
 def wanted(manifest: Manifest, dates: Iterable[dt.date], *, force: bool = False) -> list[dt.date]:
     """The dates still to produce: not published nor retired, and not older than a full window
     (a date that old would be retired at once, and after gc regenerated again and again)."""
@@ -146,11 +58,6 @@ def wanted(manifest: Manifest, dates: Iterable[dt.date], *, force: bool = False)
     oldest = manifest.shards[0].date if manifest.shards else ""
     return [d for d in dates
             if force or (d.isoformat() not in done and not (full and d.isoformat() < oldest))]
-
-
-def warm() -> None:
-    """Nothing; a worker process that runs it has imported this module (``watch`` warms its
-    workers so before any date is due)."""
 
 
 def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = False,
@@ -182,17 +89,17 @@ def _pipelined(cfg: Config, dates: list[dt.date], *, force: bool, raw_dates: fro
     lost, Ctrl-C), the generators still running are abandoned (killed) before it returns."""
     abandon = threading.Event()
 
-    def prepare(d: dt.date) -> tuple:
+    def prepare_one(d: dt.date) -> tuple:
         with abandon_with(abandon):
-            return _prepare(cfg, d, force=force, raw_only=d in raw_dates)
+            return prepare(cfg, d, force=force, raw_only=d in raw_dates)
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="shardgen-generate")
     # Only this date's task and the next one's are held: a finished one holds a raw array.
-    ahead = pool.submit(prepare, dates[0]) if dates else None
+    ahead = pool.submit(prepare_one, dates[0]) if dates else None
     current = None
     try:
         for i, d in enumerate(dates):
-            current, ahead = ahead, (pool.submit(prepare, dates[i + 1]) if i + 1 < len(dates) else None)
+            current, ahead = ahead, (pool.submit(prepare_one, dates[i + 1]) if i + 1 < len(dates) else None)
             result = produce(cfg, d, force=force, raw_only=d in raw_dates, ahead=current.result)
             current = None  # its raw array goes now, not at the next date
             yield result
@@ -209,8 +116,8 @@ class _Pending:
     """Finished shards not yet in the manifest: ``flush`` publishes them (and notes the manifest in
     the report); ``flush_if_due`` does so once ``every_s`` passed since the last flush."""
 
-    def __init__(self, cfg: Config, report: BuildReport, every_s: float, lock: Optional[s3store.WriterLock]):
-        self.cfg, self.report, self.every_s, self.lock = cfg, report, every_s, lock
+    def __init__(self, cfg: Config, store: Store, report: BuildReport, every_s: float, lock: WriterLockLike):
+        self.cfg, self.store, self.report, self.every_s, self.lock = cfg, store, report, every_s, lock
         self.entries: list[ShardEntry] = []
         self.last = time.monotonic()
 
@@ -220,11 +127,7 @@ class _Pending:
 
     def flush(self) -> None:
         if self.entries:
-            store = self.cfg.store
-            if store.remote:
-                saved = s3store.publish(store.objects(), self.lock, self.cfg.schema, store.window, self.entries)
-            else:
-                saved = publish(store.dir, self.cfg.schema, store.window, self.entries)
+            saved = publish(self.store, self.cfg.schema, self.cfg.store.window, self.entries, lock=self.lock)
             self.report.manifest = saved or self.report.manifest
             self.entries = []
         self.last = time.monotonic()
@@ -235,15 +138,11 @@ def _clean_temp_files(store) -> None:
         log.info("removed %s left by a dead process", path.name)
 
 
-def _open_store(cfg: Config) -> Manifest:
-    """Create the store folder, remove dead processes' temp files; the manifest, with the config's window."""
-    store = cfg.store.dir
-    store.mkdir(parents=True, exist_ok=True)
-    _clean_temp_files(store)
-    if cfg.store.remote:
-        manifest = s3store.open_manifest(cfg.store.objects(), cfg.schema, cfg.store.window)
-    else:
-        manifest = open_manifest(store, cfg.schema, cfg.store.window)
+def _open_store(cfg: Config, store: Store) -> Manifest:
+    """Create the (staging) folder, remove dead processes' temp files; the manifest, with the config's window."""
+    store.staging.mkdir(parents=True, exist_ok=True)
+    _clean_temp_files(store.staging)
+    manifest = store.open_manifest(cfg.schema, cfg.store.window)
     return replace(manifest, window=cfg.store.window)
 
 
@@ -285,23 +184,23 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
           dates: Optional[list[dt.date]] = None, raw_dates: Iterable[dt.date] = (),
           progress: Optional[Callable[[int], object]] = None,
           should_stop: Callable[[], bool] = lambda: False,
-          publish_every_s: float = PUBLISH_EVERY_S, lock: Optional[s3store.WriterLock] = None) -> BuildReport:
+          publish_every_s: float = PUBLISH_EVERY_S, lock: Optional[WriterLockLike] = None) -> BuildReport:
     """Produce every due date and publish the finished shards; failures are collected, not raised.
 
     ``raw_dates`` are processed from their raw file only (never generated). ``progress(total)``
     returns a tqdm-like bar (``update``, ``set_postfix``, ``close``) or None. Once
     ``should_stop()`` is true no further result is waited for; what finished is published.
     Finished shards are published at least every ``publish_every_s`` (0: each one at once).
-    On an object store, ``lock`` is the store's writer lock if the caller holds it (else build
-    takes it for its duration).
+    ``lock`` is the store's writer lock if the caller holds it (else build takes it for its duration).
     """
-    if cfg.store.remote and lock is None:
-        with s3store.WriterLock(cfg.store.objects(), what="build", ttl_s=cfg.store.lease_ttl_s) as held:
+    store = cfg.store.open()
+    if lock is None:
+        with store.writer_lock("build", ttl_s=cfg.store.lease_ttl_s) as held:
             return build(cfg, start=start, end=end, jobs=jobs, force=force, today=today, dates=dates,
                          raw_dates=raw_dates, progress=progress, should_stop=should_stop,
                          publish_every_s=publish_every_s, lock=held)
     t0 = time.perf_counter()
-    manifest = _open_store(cfg)
+    manifest = _open_store(cfg, store)
     raw_dates = frozenset(raw_dates)
     if dates is None:
         dates = cfg.dates_between(start, end, today)
@@ -309,7 +208,7 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
     todo = wanted(manifest, dates, force=force)
     report = BuildReport(skipped=len(dates) - len(todo))
     bar = progress(len(todo)) if progress and todo else None
-    pending = _Pending(cfg, report, publish_every_s, lock)
+    pending = _Pending(cfg, store, report, publish_every_s, lock)
     try:
         for res in run_dates(cfg, todo, jobs=jobs or cfg.run.jobs, force=force, raw_dates=raw_dates):
             _tally(report, res, pending)
@@ -317,7 +216,7 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
                 bar.update(1)
                 bar.set_postfix(done=len(report.published), failed=len(report.failed), refresh=False)
             pending.flush_if_due()
-            if lock is not None and lock.lost:  # another writer has the store: publish nothing more
+            if lock.lost:  # another writer has the store: publish nothing more
                 break
             if should_stop():
                 log.info("stopping: not waiting for the remaining dates")
@@ -328,11 +227,8 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
         pending.flush()
         if bar is not None:
             bar.close()
-    store = cfg.store.dir
-    _clean_temp_files(store)  # again: a killed run's worker may still have been exiting when this run began
-    if report.manifest is None and cfg.store.remote:
-        report.manifest = s3store.load_manifest(cfg.store.objects())
-    elif report.manifest is None and (store / MANIFEST_NAME).exists():
-        report.manifest = Manifest.load(store / MANIFEST_NAME)
+    _clean_temp_files(store.staging)  # again: a killed run's worker may still have been exiting when this run began
+    if report.manifest is None:
+        report.manifest = store.load_manifest()
     report.seconds = time.perf_counter() - t0
     return report

@@ -23,9 +23,10 @@ from shardgen.format.index import shard_index_text
 from shardgen.format.schema import Schema, day_number
 from shardgen.fsutil import atomic_write
 from shardgen.process import RunSpec, WindowSet, as_window_set
-from shardgen.store.manifest import Manifest, Sidecar
+from shardgen.store.manifest import Manifest
 from shardgen.store.naming import shard_paths
 from shardgen.store.publish import publish
+from shardgen.store.sidecar import Sidecar
 
 __all__ = ["write_shard", "write_store", "shard_paths"]
 

@@ -7,6 +7,9 @@ generation its dist_sync workers agree on next), or while it was superseded less
 no live lease names a generation that still listed it, and no kept snapshot lists them. The
 manifest then drops them (generation + 1). Every name is checked to be a plain file name inside
 the store when the manifest is read: nothing outside the store is ever unlinked.
+
+``collect`` is written once for every kind of store (the rules are ``kept_snapshots`` and ``sweep``):
+under the store's ``publishing()`` lock and the writer's lock (checked before each deletion).
 """
 
 from __future__ import annotations
@@ -14,16 +17,16 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
+import os
 from dataclasses import replace
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from shardgen.clock import seconds_since, utc_datetime
 from shardgen.errors import ManifestError
-from shardgen.store.lease import live_lease_generations
-from shardgen.store.lock import StoreLock
+from shardgen.store import Store, open_store
+from shardgen.store.base import WriterLockLike
 from shardgen.store.manifest import Manifest, RetiredEntry
-from shardgen.store.naming import MANIFEST_LOCK, MANIFEST_NAME, snapshot_generations, snapshot_path
+from shardgen.store.naming import MANIFEST_NAME, snapshot_name
 
 __all__ = ["collect", "deletable", "kept_snapshots", "sweep", "entry_files"]
 
@@ -94,26 +97,31 @@ def entry_files(entry: RetiredEntry) -> list[str]:
     return [n for n in (entry.rec, entry.idx, entry.sidecar) if n]
 
 
-def collect(store: Path, *, grace_s: float, lease_ttl_s: float,
-            now: Optional[dt.datetime] = None) -> list[str]:
-    """Delete what may go; returns the dates whose retired files were deleted."""
-    store = Path(store)
-    if not (store / MANIFEST_NAME).exists():
+def collect(store: Union[Store, str, os.PathLike], *, grace_s: float, lease_ttl_s: float,
+            now: Optional[dt.datetime] = None, lock: Optional[WriterLockLike] = None) -> list[str]:
+    """Delete what may go; returns the dates whose retired files were deleted. ``lock``: the
+    store's writer lock if the caller holds it (else it is taken for this collection)."""
+    store = open_store(store)
+    if store.size(MANIFEST_NAME) is None:
         return []
+    if lock is None:
+        with store.writer_lock("gc", ttl_s=lease_ttl_s) as held:
+            return collect(store, grace_s=grace_s, lease_ttl_s=lease_ttl_s, now=now, lock=held)
     now = now or utc_datetime()
-    with StoreLock(store / MANIFEST_LOCK, what="manifest"):
-        manifest = Manifest.load(store / MANIFEST_NAME)  # refuses names outside the store
-        live = live_lease_generations(store, lease_ttl_s)
-        load = functools.lru_cache(None)(lambda n: Manifest.load(snapshot_path(store, n)))
-        kept, old_snapshots = kept_snapshots(snapshot_generations(store), manifest, live, grace_s, now, load)
+    with store.publishing():
+        manifest = store.require_manifest()  # refuses names outside the store
+        live = store.live_generations(lease_ttl_s)
+        load = functools.lru_cache(None)(store.load_generation)
+        kept, old_snapshots = kept_snapshots(store.snapshot_generations(), manifest, live, grace_s, now, load)
         gone, kept_entries = sweep(manifest, kept, live, grace_s, now, load)
         for entry in gone:
+            lock.check()
             for name in entry_files(entry):
-                (store / name).unlink(missing_ok=True)
+                store.delete(name)
             log.info("deleted retired shard %s (%s)", entry.date, entry.rec)
         if gone:
-            replace(manifest, retired=tuple(kept_entries)).save(store / MANIFEST_NAME)
+            store.save(replace(manifest, retired=tuple(kept_entries)), lock)
         for n in old_snapshots:
-            snapshot_path(store, n).unlink(missing_ok=True)
+            store.delete(snapshot_name(n))
             log.info("removed snapshot of generation %d", n)
     return [entry.date for entry in gone]

@@ -35,20 +35,18 @@ The file names (``MANIFEST_NAME``, snapshot paths, shard stems and versions) are
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from shardgen.clock import parse_utc, utc_now
-from shardgen.errors import ManifestError, ShardError
+from shardgen.errors import ManifestError
 from shardgen.format.schema import Schema
-from shardgen.fsutil import atomic_write
 from shardgen.store.naming import (
     MANIFEST_NAME,
     SNAPSHOT_DIR,
+    check_date,
     check_name,
     name_version,
     next_generation,
@@ -58,23 +56,12 @@ from shardgen.store.naming import (
     snapshot_path,
 )
 
-__all__ = ["FORMAT", "MANIFEST_NAME", "SNAPSHOT_DIR", "ShardEntry", "RetiredEntry", "Manifest", "Sidecar",
+__all__ = ["FORMAT", "MANIFEST_NAME", "SNAPSHOT_DIR", "ShardEntry", "RetiredEntry", "Manifest",
            "utc_now", "parse_utc", "check_name", "shard_stem", "name_version", "snapshot_path",
            "snapshot_generations", "next_generation"]
 
 FORMAT = "shardgen/2"
 READABLE_FORMATS = ("shardgen/1", FORMAT)
-_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
-
-
-def _check_date(value: object, where: str) -> str:
-    try:
-        if not _DATE_RE.match(str(value)):
-            raise ValueError
-        dt.date.fromisoformat(str(value))
-    except ValueError:
-        raise ValueError(f"{where}: date {value!r} is not YYYY-MM-DD") from None
-    return str(value)
 
 
 @dataclass(frozen=True)
@@ -90,7 +77,7 @@ class ShardEntry:
     windows: int = 0  # samples in the shard (0 in format 1 manifests: one per record)
 
     def __post_init__(self) -> None:
-        _check_date(self.date, "shard")
+        check_date(self.date, "shard")
         for name in (self.rec, self.idx):
             check_name(name, f"shard {self.date}")
         if self.records < 1 or self.bytes < 1:
@@ -128,7 +115,7 @@ class RetiredEntry:
     retired_generation: int = 0  # the first generation that no longer lists the shard
 
     def __post_init__(self) -> None:
-        _check_date(self.date, "retired shard")
+        check_date(self.date, "retired shard")
         for name in (self.rec, self.idx):
             check_name(name, f"retired shard {self.date}")
         try:
@@ -258,62 +245,3 @@ class Manifest:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ManifestError(f"{where}: not valid JSON ({exc})") from None
         return cls.from_json(obj, where=where)
-
-    def save(self, path: Path) -> Manifest:
-        """Publish as the next generation: its snapshot first, then ``manifest.json`` (both
-        atomic); returns what was written. The caller holds the manifest lock."""
-        path = Path(path)
-        number = next_generation(path.parent, self)
-        new = replace(self, generation=number, updated=utc_now())
-        text = new.dumps()
-        snapshot_path(path.parent, number).parent.mkdir(exist_ok=True)
-        atomic_write(snapshot_path(path.parent, number), text)
-        atomic_write(path, text)
-        return new
-
-
-@dataclass(frozen=True)
-class Sidecar:
-    """``<date>.json``: written last, its presence marks a shard complete."""
-
-    date: str
-    records: int
-    bytes: int
-    sha256: str
-    idx_bytes: int
-    fingerprint: str
-    rec: str
-    idx: str
-    windows: int = 0
-
-    def __post_init__(self) -> None:
-        _check_date(self.date, "sidecar")
-        if self.records:  # an empty-date marker (records 0) names no files
-            for name in (self.rec, self.idx):
-                check_name(name, f"sidecar {self.date}")
-
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
-
-    def entry(self) -> ShardEntry:
-        return ShardEntry(self.date, self.rec, self.idx, self.records, self.bytes, self.sha256, self.windows)
-
-    @classmethod
-    def load(cls, path: Path) -> Optional[Sidecar]:
-        """The sidecar at ``path``, or None if there is none; ShardError if it is malformed."""
-        try:
-            text = Path(path).read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise ShardError(f"{path}: malformed sidecar ({exc})") from None
-        return cls.parse(text, str(path))
-
-    @classmethod
-    def parse(cls, text: bytes, where: str) -> Sidecar:
-        """A sidecar from its bytes; ShardError naming ``where`` if they are not one."""
-        try:
-            obj = json.loads(text)
-            return cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k in obj or k != "windows"})
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ShardError(f"{where}: malformed sidecar ({exc})") from None

@@ -27,9 +27,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from shardgen.store.manifest import Manifest
 
 __all__ = ["MANIFEST_NAME", "SNAPSHOT_DIR", "MANIFEST_LOCK", "WATCH_LOCK", "WATCH_STATE", "LEASE_DIR",
-           "CLOCK_NAME", "check_name", "shard_stem", "name_version", "shard_paths", "sidecar_of",
-           "date_file_names", "dated_sidecars", "snapshot_path", "snapshot_generations", "next_generation",
-           "new_lease_name"]
+           "CLOCK_NAME", "check_date", "check_name", "shard_stem", "name_version", "shard_paths", "sidecar_of",
+           "sidecar_name", "date_file_names", "dated_sidecars", "snapshot_name", "snapshot_path",
+           "snapshot_generations", "next_generation", "new_lease_name"]
 
 MANIFEST_NAME = "manifest.json"
 SNAPSHOT_DIR = "generations"
@@ -39,6 +39,18 @@ WATCH_STATE = ".watch-state.json"
 LEASE_DIR = "leases"
 CLOCK_NAME = ".clock"  # touched by gc: its mtime is "now" by the store filesystem's clock
 _VERSION_RE = re.compile(r"^\d{4}-\d{2}-\d{2}\.v(\d+)\.[a-z]+$")
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+def check_date(value: object, where: str) -> str:
+    """``value`` if it is a date written YYYY-MM-DD; ValueError saying so otherwise."""
+    try:
+        if not _DATE_RE.match(str(value)):
+            raise ValueError
+        dt.date.fromisoformat(str(value))
+    except ValueError:
+        raise ValueError(f"{where}: date {value!r} is not YYYY-MM-DD") from None
+    return str(value)
 
 
 def check_name(name: object, where: str) -> str:
@@ -90,6 +102,16 @@ def dated_sidecars(store: Path) -> list[tuple[dt.date, Path]]:
             continue
         found.append((date, path))
     return found
+
+
+def snapshot_name(generation: int) -> str:
+    """The store-relative name of the snapshot of ``generation``."""
+    return f"{SNAPSHOT_DIR}/{int(generation)}.json"
+
+
+def sidecar_name(date: dt.date) -> str:
+    """The name of version 1 of a date's sidecar (``<date>.json``)."""
+    return f"{date.isoformat()}.json"
 
 
 def snapshot_path(store: Path, generation: int) -> Path:

@@ -1,4 +1,4 @@
-"""A store folder on an S3-compatible object store (``s3://bucket/prefix``), through boto3.
+"""The objects of a store on an S3-compatible object store (``s3://bucket/prefix``), through boto3.
 
 The endpoint and credentials come the standard AWS way: ``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROFILE``, ``~/.aws/credentials`` and ``~/.aws/config``,
@@ -16,6 +16,8 @@ What this module promises:
 * Transient faults (connection refused or reset, timeouts, 5xx, throttling) are retried with
   backoff a bounded number of times; then ``StoreUnreachable`` names the endpoint and the object.
   Refused credentials are ``CredentialsRefused``: one line that says so.
+
+The URL, ``ObjectInfo`` and the errors are in :mod:`shardgen.store.objurl` (importable from here too).
 """
 
 from __future__ import annotations
@@ -26,67 +28,26 @@ import hashlib
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
-from shardgen.errors import ShardgenError
-from shardgen.fsutil import temp_name
+from shardgen.store.objfetch import ATTEMPTS, BACKOFF_S, CHUNK, Downloads, TransientFault
+from shardgen.store.objurl import (
+    CredentialsRefused,
+    NoSuchStore,
+    ObjectInfo,
+    ObjectMismatch,
+    ObjectStoreError,
+    StoreUnreachable,
+    is_remote,
+    parse_url,
+    store_errors_as,
+)
 
 __all__ = ["is_remote", "parse_url", "ObjectStore", "ObjectInfo", "ObjectStoreError", "StoreUnreachable",
            "CredentialsRefused", "ObjectMismatch", "NoSuchStore", "ATTEMPTS", "store_errors_as"]
 
-ATTEMPTS = 4  # tries of one request or download before giving up (backoff 0.5, 1, 2 s)
-_BACKOFF_S = 0.5
-_CHUNK = 1 << 20
 T = TypeVar("T")
-
-
-class ObjectStoreError(ShardgenError):
-    """An object store refused or failed a request; the message names the URL."""
-
-
-class StoreUnreachable(ObjectStoreError):
-    """The endpoint cannot be reached (down, refused, timed out) after the retries."""
-
-
-class CredentialsRefused(ObjectStoreError):
-    """The server refused our credentials, or there are none."""
-
-
-class NoSuchStore(ObjectStoreError):
-    """The bucket does not exist."""
-
-
-class ObjectMismatch(ObjectStoreError):
-    """An object's bytes differ from what the manifest or the upload says."""
-
-
-def is_remote(location: object) -> bool:
-    return isinstance(location, str) and location.startswith("s3://")
-
-
-def parse_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/a/b`` -> ``("bucket", "a/b/")`` (the prefix ends with '/' unless empty)."""
-    if not is_remote(url):
-        raise ObjectStoreError(f"{url!r}: not an s3:// URL")
-    rest = url[len("s3://"):]
-    bucket, _, prefix = rest.partition("/")
-    if not bucket or any(c in bucket for c in " \\"):
-        raise ObjectStoreError(f"{url!r}: no bucket name (expected s3://bucket/prefix)")
-    prefix = prefix.strip("/")
-    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
-        raise ObjectStoreError(f"{url!r}: empty, '.' and '..' parts are not allowed in the prefix")
-    return bucket, (prefix + "/" if prefix else "")
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    size: int
-    mtime: float  # by the store's clock (whole seconds on most servers)
-    etag: str
-
-
 _clients: dict = {}
 _clients_lock = threading.RLock()  # re-entered when a finalizer (a lease release) runs during client creation
 
@@ -118,7 +79,8 @@ def _client():
         return _clients[key]
 
 
-def _endpoint() -> str:
+def endpoint() -> str:
+    """The S3 endpoint's URL, for messages."""
     try:
         return _client().meta.endpoint_url
     except Exception:  # noqa: BLE001 - only for messages
@@ -153,14 +115,14 @@ def _md5(path_or_bytes) -> tuple[str, str, int]:
     else:
         size = 0
         with open(path_or_bytes, "rb") as fh:
-            while chunk := fh.read(_CHUNK):
+            while chunk := fh.read(CHUNK):
                 md5.update(chunk)
                 sha.update(chunk)
                 size += len(chunk)
     return base64.b64encode(md5.digest()).decode(), sha.hexdigest(), size
 
 
-class ObjectStore:
+class ObjectStore(Downloads):
     """The store folder ``url`` (``s3://bucket/prefix``): objects by their plain file names."""
 
     def __init__(self, url: str):
@@ -172,6 +134,10 @@ class ObjectStore:
 
     def __reduce__(self):  # joblib/dask workers rebuild it (and their own client)
         return (ObjectStore, (self.url,))
+
+    @property
+    def endpoint(self) -> str:
+        return endpoint()
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -194,10 +160,10 @@ class ObjectStore:
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         if code in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403", "InvalidToken",
                     "ExpiredToken"):
-            return CredentialsRefused(f"{self.where(name)}: {_endpoint()} refused our credentials ({code}); "
+            return CredentialsRefused(f"{self.where(name)}: {endpoint()} refused our credentials ({code}); "
                                       "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
         if code == "NoSuchBucket" or (code == "404" and not name):  # HEAD of the bucket has no error body
-            return NoSuchStore(f"{self.where()}: bucket {self.bucket!r} does not exist at {_endpoint()}")
+            return NoSuchStore(f"{self.where()}: bucket {self.bucket!r} does not exist at {endpoint()}")
         if code == "BadDigest":
             return ObjectMismatch(f"{self.where(name)}: the server received other bytes than were sent "
                                   "(Content-MD5 mismatch)")
@@ -219,9 +185,9 @@ class ObjectStore:
                     raise error from None
                 last = f"{type(exc).__name__}: {exc}"
             if attempt + 1 < ATTEMPTS:
-                time.sleep(_BACKOFF_S * 2 ** attempt)
+                time.sleep(BACKOFF_S * 2 ** attempt)
         raise StoreUnreachable(f"{self.where(name)}: {what} failed {ATTEMPTS} times; cannot reach "
-                               f"{_endpoint()} ({last})")
+                               f"{endpoint()} ({last})")
 
     def check(self) -> None:
         """Raise a clear error unless the bucket is reachable with our credentials."""
@@ -309,89 +275,17 @@ class ObjectStore:
         info = self.head(name)
         return info.mtime if info is not None else time.time()
 
-    def download(self, name: str, dest: Path, *, size: Optional[int] = None, sha256: Optional[str] = None,
-                 what: str = "") -> None:
-        """Fetch an object into ``dest`` (temp file, checks, rename). Transient faults are retried;
-        bytes that differ from ``size``/``sha256`` are fetched once more, then ObjectMismatch."""
-        dest = Path(dest)
-        mismatches, faults = 0, 0
-        while True:
-            tmp = temp_name(dest)
-            try:
-                got_size, got_sha = self._fetch(name, tmp)
-                problem = None
-                if size is not None and got_size != size:
-                    problem = f"{got_size} bytes, the manifest says {size}"
-                elif sha256 is not None and got_sha != sha256:
-                    problem = f"sha256 {got_sha[:16]}..., the manifest says {sha256[:16]}..."
-                if problem is None:
-                    os.replace(tmp, dest)
-                    return
-            except _LocalWrite as exc:
-                raise ObjectStoreError(f"{tmp.parent}: cannot write the download of {self.where(name)} "
-                                       f"({exc.__cause__})") from None
-            except (ConnectionError, OSError, _Transient) as exc:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                faults += 1
-                if faults >= ATTEMPTS:
-                    raise StoreUnreachable(f"{self.where(name)}: download failed {faults} times; cannot reach "
-                                           f"{_endpoint()} ({exc})") from None
-                time.sleep(_BACKOFF_S * 2 ** (faults - 1))
-                continue
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-            mismatches += 1
-            if mismatches >= 2:
-                raise ObjectMismatch(f"{self.where(name)}{' (' + what + ')' if what else ''}: refused after "
-                                     f"{mismatches} downloads: {problem}")
-
-    def _fetch(self, name: str, tmp: Path) -> tuple[int, str]:
+    def chunks(self, name: str) -> Iterator[bytes]:
+        """The object's bytes, in chunks; ObjectMismatch if there is no such object, a clear error
+        if the request is refused, TransientFault if trying again may help."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        sha, size = hashlib.sha256(), 0
         try:
             r = _client().get_object(Bucket=self.bucket, Key=self.key(name))
-            try:
-                fh = open(tmp, "wb")
-            except OSError as exc:
-                raise _LocalWrite() from exc
-            with fh:
-                for chunk in r["Body"].iter_chunks(_CHUNK):
-                    sha.update(chunk)
-                    try:
-                        fh.write(chunk)
-                    except OSError as exc:  # a full disk is not a network fault: said at once
-                        raise _LocalWrite() from exc
-                    size += len(chunk)
+            yield from r["Body"].iter_chunks(CHUNK)
         except ClientError as exc:
             if _missing(exc):
                 raise ObjectMismatch(f"{self.where(name)}: no such object (listed in the manifest)") from None
-            error = self._error(exc, "GET", name)
-            if error is not None:
-                raise error from None
-            raise _Transient(str(exc)) from None
+            raise self._error(exc, "GET", name) or TransientFault(str(exc)) from None
         except BotoCoreError as exc:
-            error = self._error(exc, "GET", name)
-            if error is not None:
-                raise error from None
-            raise _Transient(f"{type(exc).__name__}: {exc}") from None
-        return size, sha.hexdigest()
-
-
-class _Transient(Exception):
-    pass
-
-
-class _LocalWrite(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def store_errors_as(kind: type) -> Iterator[None]:
-    """Re-raise object-store errors as ``kind`` (e.g. the loader's LoaderError), same message."""
-    try:
-        yield
-    except ObjectStoreError as exc:
-        raise kind(str(exc)) from None
+            raise self._error(exc, "GET", name) or TransientFault(f"{type(exc).__name__}: {exc}") from None

@@ -1,52 +1,43 @@
-"""Publishing into a store's manifest under the manifest lock: the rolling window, retirement,
-and the version a rewritten date's files get."""
+"""Publishing into a store's manifest: the rolling window, retirement, one new generation.
+
+``publish`` is written once for every kind of store: under the store's ``publishing()`` lock (a
+folder: the manifest lock) and the writer's lock (an object store: checked before each write), it
+reads the manifest, applies the entries and the window (``apply_entries``), and saves the next
+generation (snapshot first, then ``manifest.json``).
+"""
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
+import os
 from dataclasses import replace
-from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 from shardgen.clock import utc_now
-from shardgen.errors import ConfigError, ManifestError
 from shardgen.format.schema import Schema
-from shardgen.store.lock import StoreLock
-from shardgen.store.manifest import Manifest, RetiredEntry, ShardEntry, Sidecar
-from shardgen.store.naming import MANIFEST_LOCK, MANIFEST_NAME, date_file_names, name_version, next_generation
+from shardgen.store import Store, open_store
+from shardgen.store.base import WriterLockLike, check_schema
+from shardgen.store.manifest import Manifest, RetiredEntry, ShardEntry
 
-__all__ = ["open_manifest", "publish", "apply_entries", "log_retired", "next_version", "check_sidecar", "check_schema"]
+__all__ = ["publish", "apply_entries", "log_retired", "check_schema"]
 
 log = logging.getLogger(__name__)
 
 
-def open_manifest(store: Path, schema: Schema, window: int) -> Manifest:
-    """The store's manifest, or an empty generation-0 one; ConfigError if the schema differs."""
-    path = Path(store) / MANIFEST_NAME
-    if not path.exists():
-        return Manifest(schema=schema, window=window)
-    return check_schema(Manifest.load(path), schema, str(path))
-
-
-def check_schema(manifest: Manifest, schema: Schema, where: str) -> Manifest:
-    """``manifest`` if it holds ``schema``; ConfigError otherwise."""
-    if manifest.schema.fingerprint != schema.fingerprint:
-        raise ConfigError(
-            f"{where}: the store holds schema {manifest.schema.fingerprint} but the config gives "
-            f"{schema.fingerprint}; use a new store.dir for a new schema")
-    return manifest
-
-
-def publish(store: Path, schema: Schema, window: int, entries: Iterable[ShardEntry]) -> Optional[Manifest]:
-    """Add or replace shards under the manifest lock, apply the window; the new manifest or None."""
-    store = Path(store)
-    with StoreLock(store / MANIFEST_LOCK, what="manifest"):
-        old = open_manifest(store, schema, window)
-        new = apply_entries(old, entries, window, generation=next_generation(store, old))
+def publish(store: Union[Store, str, os.PathLike], schema: Schema, window: int, entries: Iterable[ShardEntry], *,
+            lock: Optional[WriterLockLike] = None) -> Optional[Manifest]:
+    """Add or replace shards, apply the window; the new manifest or None if nothing changed.
+    ``lock``: the store's writer lock if the caller holds it (else it is taken for this publish)."""
+    store = open_store(store)
+    if lock is None:
+        with store.writer_lock("publish") as held:
+            return publish(store, schema, window, entries, lock=held)
+    with store.publishing():
+        old = store.open_manifest(schema, window)
+        new = apply_entries(old, entries, window, generation=store.next_generation(old))
         if new is None:
             return None
-        saved = new.save(store / MANIFEST_NAME)
+        saved = store.save(new, lock)
     log_retired(saved)
     return saved
 
@@ -81,30 +72,3 @@ def log_retired(saved: Manifest) -> None:
     for r in saved.retired:
         if r.retired_generation == saved.generation:
             log.info("retired %s (left the %d-date window)", r.date, saved.window)
-
-
-def next_version(store: Path, date: dt.date) -> int:
-    """A version of ``date``'s shard files that no file on disk, in the manifest or in its
-    retired list uses: a rewrite never touches a published file."""
-    store, day = Path(store), date.isoformat()
-    names = date_file_names(store, date)
-    try:
-        m = Manifest.load(store / MANIFEST_NAME)
-        names += [e.rec for e in (*m.shards, *m.retired) if e.date == day]
-    except ManifestError:
-        pass
-    return max((name_version(n) for n in names), default=0) + 1
-
-
-def check_sidecar(store: Path, sidecar: Sidecar, fingerprint: str) -> Optional[str]:
-    """Why a shard described by its sidecar is not usable, or None if sizes and schema match."""
-    if sidecar.fingerprint != fingerprint:
-        return f"schema fingerprint {sidecar.fingerprint}, expected {fingerprint}"
-    for name, size in ((sidecar.rec, sidecar.bytes), (sidecar.idx, sidecar.idx_bytes)):
-        try:
-            actual = (Path(store) / name).stat().st_size
-        except OSError:
-            return f"{name} is missing"
-        if actual != size:
-            return f"{name} has {actual} bytes, expected {size}"
-    return None

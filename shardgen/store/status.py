@@ -1,26 +1,32 @@
 """``shardgen status``: a summary of a store's manifest, and of the watcher's state.
 
-The watcher's state is read by whoever knows about the watcher (the CLI, with
-``watchstate.load_state``) and summarised by ``watch_fields``: the store does not depend on it."""
+Written once for every kind of store. The watcher's state is read by whoever knows about the
+watcher (the CLI, with ``watch.state.load_state``) and summarised by ``watch_fields``: the store
+does not depend on it."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from pathlib import Path
-from typing import Optional
+import os
+from typing import Optional, Union
 
 from shardgen.clock import seconds_since, utc_datetime
+from shardgen.store import Store, open_store
 from shardgen.store.manifest import Manifest
-from shardgen.store.naming import MANIFEST_NAME, snapshot_generations
+from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["status", "summary", "watch_fields", "dumps"]
 
 
-def status(store: Path, *, today: Optional[dt.date] = None) -> dict:
+def status(store: Union[Store, str, os.PathLike], *, today: Optional[dt.date] = None) -> dict:
     """A summary of the manifest, as ``shardgen status --json`` prints it (with ``watch_fields``)."""
-    path = Path(store) / MANIFEST_NAME
-    return summary(Manifest.load(path), str(path), _format_of(path), snapshot_generations(Path(store)), today=today)
+    store = open_store(store)
+    data = store.manifest_bytes()
+    if data is None:
+        raise store.no_manifest()
+    where = store.where(MANIFEST_NAME)
+    return summary(Manifest.parse(data, where), where, _format_of(data), store.snapshot_generations(), today=today)
 
 
 def summary(m: Manifest, where: str, fmt: Optional[str], snapshots: list[int], *,
@@ -62,11 +68,11 @@ def watch_fields(state: Optional[dict]) -> dict:
     }
 
 
-def _format_of(path: Path) -> Optional[str]:
-    """The format the manifest file on disk declares (``shardgen/1`` until the next publish)."""
+def _format_of(data: bytes) -> Optional[str]:
+    """The format the manifest file declares (``shardgen/1`` until the next publish)."""
     try:
-        return json.loads(path.read_text()).get("format")
-    except (OSError, ValueError, AttributeError):
+        return json.loads(data).get("format")
+    except (ValueError, AttributeError):
         return None
 
 

@@ -1,30 +1,33 @@
-"""``shardgen verify``: no published file (of the manifest or of a kept snapshot) may have changed."""
+"""``shardgen verify``: no published file (of the manifest or of a kept snapshot) may have changed.
+
+Written once for every kind of store: each shard is checked in a local folder that holds its files
+(a store folder: the store itself; an object store: a temporary download of them).
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from shardgen.errors import ManifestError, ShardError
 from shardgen.format.check import check_shard
 from shardgen.format.schema import Schema
-from shardgen.store.manifest import Manifest, ShardEntry, Sidecar
-from shardgen.store.naming import MANIFEST_NAME, snapshot_generations, snapshot_path
+from shardgen.store import Store, open_store
+from shardgen.store.manifest import Manifest, ShardEntry
+from shardgen.store.naming import snapshot_name
 
 __all__ = ["verify_shard", "verify_store"]
 
 
-def verify_shard(store: Path, entry: ShardEntry, schema: Schema, *, source: str = "the manifest") -> Optional[str]:
-    """What is wrong with a shard (size, sha256, index, framing) against ``entry``, or None;
-    ``source`` names where ``entry`` came from in the messages."""
-    rec = Path(store) / entry.rec
+def _check_files(folder: Path, entry: ShardEntry, schema: Schema, source: str) -> Optional[str]:
+    rec = folder / entry.rec
     try:
         fd = os.open(rec, os.O_RDONLY)
     except OSError as exc:
         return f"{rec}: cannot read ({exc.strerror})"
     try:
-        check_shard(fd, str(rec), str(Path(store) / entry.idx), entry, schema, verify="sha256", cache=False,
+        check_shard(fd, str(rec), str(folder / entry.idx), entry, schema, verify="sha256", cache=False,
                     check_index=True)
     except ShardError as exc:
         return str(exc).replace("the manifest", source)
@@ -33,45 +36,56 @@ def verify_shard(store: Path, entry: ShardEntry, schema: Schema, *, source: str 
     return None
 
 
-def _check_published_sidecar(store: Path, entry: ShardEntry) -> Optional[str]:
+def verify_shard(store: Union[Store, str, os.PathLike], entry: ShardEntry, schema: Schema, *,
+                 source: str = "the manifest") -> Optional[str]:
+    """What is wrong with a shard in the store (size, sha256, index, framing) against ``entry``,
+    or None; ``source`` names where ``entry`` came from in the messages."""
+    store = open_store(store)
+    with store.local_files([entry.rec, entry.idx]) as folder:
+        problem = _check_files(folder, entry, schema, source)
+    return problem.replace(str(folder), store.where()) if problem else None
+
+
+def _check_published_sidecar(store: Store, entry: ShardEntry) -> Optional[str]:
     """Whether the shard's sidecar and ``.idx`` are still what was published with it."""
-    path = Path(store) / entry.sidecar if entry.sidecar else None
     try:
-        sidecar = Sidecar.load(path) if path else None
+        sidecar = store.read_sidecar(entry.sidecar) if entry.sidecar else None
     except ShardError as exc:
         return str(exc)
     if sidecar is None:
         return None  # adopted or older shards may have none; the .rec and .idx are checked anyway
     if (sidecar.records, sidecar.bytes, sidecar.sha256, sidecar.rec, sidecar.idx) != \
             (entry.records, entry.bytes, entry.sha256, entry.rec, entry.idx):
-        return f"{path}: changed since publication (differs from the manifest's entry)"
-    try:
-        size = (Path(store) / entry.idx).stat().st_size
-    except OSError as exc:
-        return f"{Path(store) / entry.idx}: cannot read ({exc.strerror})"
+        return f"{store.where(entry.sidecar)}: changed since publication (differs from the manifest's entry)"
+    size = store.size(entry.idx)
+    if size is None:
+        return f"{store.where(entry.idx)}: cannot read (missing)"
     if size != sidecar.idx_bytes:
-        return f"{Path(store) / entry.idx}: changed since publication ({size} bytes, published {sidecar.idx_bytes})"
+        return f"{store.where(entry.idx)}: changed since publication ({size} bytes, published {sidecar.idx_bytes})"
     return None
 
 
-def verify_store(store: Path) -> tuple[Manifest, list[tuple[str, str]]]:
+def verify_store(store: Union[Store, str, os.PathLike]) -> tuple[Manifest, list[tuple[str, str]]]:
     """Check every published shard of the manifest and of every kept snapshot (size, sha256,
     index, framing, sidecar): no published file may have changed. (date, problem) pairs."""
-    store = Path(store)
-    manifest = Manifest.load(store / MANIFEST_NAME)
+    store = open_store(store)
+    manifest = store.require_manifest()
     entries = {e.rec: e for e in manifest.shards}
     problems = []
-    for generation in snapshot_generations(store):
+    for generation in store.snapshot_generations():
         if generation == manifest.generation:
             continue
+        name = snapshot_name(generation)
         try:
-            snap = Manifest.load(snapshot_path(store, generation))
+            snap = store.load_manifest(name)
+            if snap is None:
+                raise ManifestError(f"{store.where(name)}: no manifest (run `shardgen build` first)")
         except ManifestError as exc:
             problems.append(("-", str(exc)))
             continue
         for e in snap.shards:
             if entries.setdefault(e.rec, e) != e:
-                problems.append((e.date, f"{snapshot_path(store, generation)}: lists {e.rec} with another "
+                problems.append((e.date, f"{store.where(name)}: lists {e.rec} with another "
                                          "size or sha256 than a newer generation (a published file was rewritten)"))
     for entry in sorted(entries.values(), key=lambda e: (e.date, e.rec)):
         problem = verify_shard(store, entry, manifest.schema) or _check_published_sidecar(store, entry)

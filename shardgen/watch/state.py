@@ -17,10 +17,9 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Optional
 
-from shardgen.fsutil import atomic_write
+from shardgen.store.base import Store
 from shardgen.store.naming import WATCH_STATE
 
 __all__ = ["WATCH_STATE", "FORMAT", "Failing", "state_bytes", "save_state", "load_state", "parse_state"]
@@ -45,24 +44,21 @@ def state_bytes(*, updated: str, pid: int, failing: list[Failing]) -> bytes:
     return json.dumps(doc, sort_keys=True, indent=1).encode()
 
 
-def save_state(store: Path, *, updated: str, pid: int, failing: list[Failing]) -> bytes:
-    """Write the state file; its bytes."""
+def save_state(store: Store, *, updated: str, pid: int, failing: list[Failing]) -> bytes:
+    """Write the state file into the store; its bytes."""
     data = state_bytes(updated=updated, pid=pid, failing=failing)
-    atomic_write(Path(store) / WATCH_STATE, data, fsync=False)
+    store.put_state(data)
     return data
 
 
-def load_state(store: Path) -> Optional[dict]:
+def load_state(store: Store) -> Optional[dict]:
     """The last state a watcher wrote, or None (no watcher ran, or the file is unreadable)."""
-    path = Path(store) / WATCH_STATE
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
+        data = store.get_state()
     except OSError as exc:
-        log.warning("%s: unreadable watcher state (%s)", path, exc)
+        log.warning("%s: unreadable watcher state (%s)", store.where(WATCH_STATE), exc)
         return None
-    return parse_state(data, str(path))
+    return parse_state(data, store.where(WATCH_STATE))
 
 
 def parse_state(data: Optional[bytes], where: str) -> Optional[dict]:

@@ -19,11 +19,9 @@ attempts and next retry, is written to ``<store>/.watch-state.json`` after each 
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,16 +30,12 @@ from typing import Callable, Optional
 from shardgen.backoff import retry_delay
 from shardgen.clock import utc_stamp
 from shardgen.config import Config
-from shardgen.errors import LockError, ShardError, ShardgenError
+from shardgen.errors import LockError, ShardgenError
 from shardgen.produce import generator
 from shardgen.produce.build import BuildReport, build, wanted
-from shardgen.store import s3store
 from shardgen.store.gc import collect
-from shardgen.store.lock import StoreLock
-from shardgen.store.manifest import Sidecar
-from shardgen.store.naming import WATCH_LOCK, dated_sidecars
-from shardgen.store.publish import check_sidecar, open_manifest, publish
-from shardgen.store.verify import verify_shard
+from shardgen.store.publish import publish
+from shardgen.watch.adopt import adoptable
 from shardgen.watch.state import Failing, save_state
 
 __all__ = ["Watcher", "CycleReport"]
@@ -82,9 +76,9 @@ class Watcher:
         self._stop = False
         self._failures: dict[dt.date, _Failure] = {}
         self._bad_files: set[tuple[str, float, int]] = set()  # reported once per file version
-        self._lock = StoreLock(cfg.store.dir / WATCH_LOCK, timeout=0, what="watch")
-        remote = cfg.store.objects()
-        self._writer = s3store.WriterLock(remote, what="watch", ttl_s=cfg.store.lease_ttl_s) if remote else None
+        self.store = cfg.store.open()
+        self._lock = self.store.watch_lock()
+        self._writer = self.store.writer_lock("watch", ttl_s=cfg.store.lease_ttl_s)
 
     @property
     def lock_path(self) -> Path:
@@ -100,15 +94,14 @@ class Watcher:
         return self._stop
 
     def __enter__(self) -> Watcher:
-        self.cfg.store.dir.mkdir(parents=True, exist_ok=True)
+        self.store.staging.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
-        if self._writer is not None:
-            try:
-                self._writer.remote.check()
-                self._writer.acquire()
-            except BaseException:
-                self._lock.release()
-                raise
+        try:
+            self.store.check()
+            self._writer.acquire()
+        except BaseException:
+            self._lock.release()
+            raise
         self._warm_workers()
         return self
 
@@ -118,7 +111,7 @@ class Watcher:
         if jobs > 1 and self.cfg.run.backend == "loky":
             from joblib import Parallel, delayed
 
-            from shardgen.produce.build import warm
+            from shardgen.produce.pipeline import warm
 
             # Each worker imports what producing a date needs (numpy, the writer: ~0.1 s) now too.
             # Only a head start: if it fails, the first date starts its workers itself.
@@ -129,8 +122,7 @@ class Watcher:
 
     def __exit__(self, *exc: object) -> None:
         generator.clear_stop()
-        if self._writer is not None:
-            self._writer.release()
+        self._writer.release()
         self._lock.release()
 
     def run(self, sleep: Callable[[float], bool]) -> None:
@@ -157,11 +149,10 @@ class Watcher:
     # -- one cycle ------------------------------------------------------------------------------
 
     def cycle(self) -> CycleReport:
-        cfg, report = self.cfg, CycleReport()
-        if self._writer is not None:
-            self._writer.check()  # a writer that lost the store's lock generates and uploads nothing more
+        cfg, store, report = self.cfg, self.store, CycleReport()
+        self._writer.check()  # a writer that lost the store's lock generates and uploads nothing more
         try:
-            manifest = self._open_manifest()
+            manifest = store.open_manifest(cfg.schema, cfg.store.window)
             now = time.monotonic()
             scheduled = cfg.dates_between(today=self.today())
             files = cfg.raw_files()
@@ -177,27 +168,16 @@ class Watcher:
                 self._note_results(report, arrivals, raw)
             if self._stop:
                 return report
-            report.adopted = self._adopt()
             st = cfg.store
-            if self._writer is not None:
-                remote = self._writer.remote
-                saved = s3store.publish(remote, self._writer, cfg.schema, st.window, report.adopted)
-                report.deleted = s3store.collect(remote, self._writer, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
-            else:
-                saved = publish(st.dir, cfg.schema, st.window, report.adopted)  # applies the window
-                report.deleted = collect(st.dir, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
+            report.adopted = adoptable(store, store.open_manifest(cfg.schema, st.window), cfg.schema, self._bad_files)
+            saved = publish(store, cfg.schema, st.window, report.adopted, lock=self._writer)  # applies the window
+            report.deleted = collect(store, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s, lock=self._writer)
             done = {s.date for s in (saved or manifest).shards} | {a.date for a in report.adopted}
             for date in [d for d in self._failures if d.isoformat() in done]:
                 del self._failures[date]  # published meanwhile (e.g. adopted)
             return report
         finally:
             self._save_state()
-
-    def _open_manifest(self):
-        cfg = self.cfg
-        if self._writer is not None:
-            return s3store.open_manifest(self._writer.remote, cfg.schema, cfg.store.window)
-        return open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
 
     def _retry_at(self, date: dt.date) -> float:
         failure = self._failures.get(date)
@@ -231,10 +211,10 @@ class Watcher:
             if f.retry_at is not None:
                 retry = utc_stamp(wall + max(0.0, f.retry_at - mono))
             failing.append(Failing(date.isoformat(), f.kind, f.attempts, f.error, retry))
+        if self._writer.lost is not None:
+            return  # the store has another writer now: its state is that writer's
         try:
-            data = save_state(self.cfg.store.dir, updated=utc_stamp(wall), pid=os.getpid(), failing=failing)
-            if self._writer is not None and self._writer.lost is None:
-                s3store.put_state(self._writer.remote, data)
+            save_state(self.store, updated=utc_stamp(wall), pid=os.getpid(), failing=failing)
         except (OSError, ShardgenError) as exc:
             log.warning("%s: cannot write the watcher state (%s)", self.cfg.store.where, exc)
 
@@ -258,72 +238,3 @@ class Watcher:
             delay = retry_delay(count, base=self.interval, cap=MAX_BACKOFF_S)
             self._failures[date] = _Failure(count, message, time.monotonic() + delay)
             log.warning("%s: will retry in %.0fs (failure %d)", date, delay, count)
-
-    def _adopt(self) -> list:
-        """Complete shards of this schema that other producers wrote into the store."""
-        cfg = self.cfg
-        if self._writer is not None:
-            return self._adopt_objects()
-        manifest = open_manifest(cfg.store.dir, cfg.schema, cfg.store.window)
-        candidates = dated_sidecars(cfg.store.dir)
-        todo = set(wanted(manifest, [d for d, _ in candidates]))
-        entries = []
-        for date, path in candidates:
-            if date not in todo:
-                continue
-            st = path.stat()
-            key = (str(path), st.st_mtime, st.st_size)
-            if key in self._bad_files:
-                continue
-            problem = None
-            try:
-                sidecar = Sidecar.load(path)
-            except ShardError as exc:
-                sidecar, problem = None, str(exc)
-            if sidecar is not None and sidecar.records == 0:
-                continue  # an empty-date marker
-            if sidecar is not None:  # checked as `shardgen verify` checks a published shard
-                problem = (check_sidecar(cfg.store.dir, sidecar, cfg.schema.fingerprint)
-                           or verify_shard(cfg.store.dir, sidecar.entry(), cfg.schema, source="its sidecar"))
-            self._judge(key, date, sidecar, problem, entries)
-        return entries
-
-    def _judge(self, key: tuple, date: dt.date, sidecar: Optional[Sidecar], problem: Optional[str],
-               entries: list) -> None:
-        """Adopt a checked shard into ``entries``, or note its file as bad (once) and say why."""
-        if problem:
-            self._bad_files.add(key)
-            log.warning("%s: not adopting the shard in the store: %s", date, problem)
-            return
-        log.info("adopted %s (%d records, written by another producer)", date, sidecar.records)
-        entries.append(sidecar.entry())
-
-    def _adopt_objects(self) -> list:
-        """``_adopt`` on an object store: each candidate is downloaded and checked as ``verify`` would."""
-        cfg, remote = self.cfg, self._writer.remote
-        manifest = self._open_manifest()
-        found = {}
-        for name, info in remote.list().items():
-            if "/" not in name and name.endswith(".json") and len(name) == len("2024-01-02.json"):
-                with contextlib.suppress(ValueError):
-                    found[dt.date.fromisoformat(name[:10])] = (name, info)
-        entries = []
-        for date in wanted(manifest, sorted(found)):
-            name, info = found[date]
-            key = (remote.where(name), info.mtime, info.size)
-            if key in self._bad_files:
-                continue
-            sidecar = s3store.complete_shard(remote, date, cfg.schema.fingerprint)
-            if sidecar is not None and sidecar.records == 0:
-                continue
-            problem = None if sidecar is not None else "incomplete, or of another schema"
-            if sidecar is not None:
-                with tempfile.TemporaryDirectory(prefix="shardgen-adopt-") as tmp:
-                    try:
-                        for obj in (sidecar.rec, sidecar.idx):
-                            remote.download(obj, Path(tmp) / obj)
-                        problem = verify_shard(Path(tmp), sidecar.entry(), cfg.schema, source="its sidecar")
-                    except ShardgenError as exc:
-                        problem = str(exc)
-            self._judge(key, date, sidecar, problem, entries)
-        return entries

@@ -1,0 +1,153 @@
+"""A store in a local (or shared, NFS-like) folder.
+
+Every file is written to a temp name in the same folder, fsynced and renamed. Writers share the
+store: each publish holds the manifest lock (``flock`` on ``.manifest.lock``) while it reads,
+changes and writes the manifest. Shards are written in place (the folder is its own staging
+area), so there is nothing to upload. Lease heartbeats are mtimes, judged by the file server's
+clock (``leases/.clock``, touched by gc).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import time
+from pathlib import Path
+from typing import ContextManager, Iterable, Optional
+
+from shardgen.fsutil import atomic_write
+from shardgen.store.base import Store
+from shardgen.store.lease_file import FileHeartbeat, judge_lease
+from shardgen.store.lock import StoreLock
+from shardgen.store.naming import (
+    CLOCK_NAME,
+    LEASE_DIR,
+    MANIFEST_LOCK,
+    date_file_names,
+    dated_sidecars,
+    snapshot_generations,
+)
+from shardgen.store.sidecar import Sidecar
+from shardgen.store.writer_lock import SharedWriters
+
+__all__ = ["FolderStore"]
+
+log = logging.getLogger(__name__)
+
+
+class FolderStore(Store):
+    """The store folder ``folder``."""
+
+    def __init__(self, folder: Path):
+        self.dir = Path(folder)
+        self.staging = self.dir
+
+    def __repr__(self) -> str:
+        return f"FolderStore({str(self.dir)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FolderStore) and other.dir == self.dir
+
+    def __hash__(self) -> int:
+        return hash(self.dir)
+
+    def path(self, name: str) -> Path:
+        return self.dir / name
+
+    def where(self, name: str = "") -> str:
+        return str(self.dir / name) if name else str(self.dir)
+
+    def read(self, name: str) -> Optional[bytes]:
+        try:
+            return self.path(name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, name: str, data: bytes, *, durable: bool = True) -> None:
+        path = self.path(name)
+        if path.parent != self.dir:
+            path.parent.mkdir(exist_ok=True)
+        atomic_write(path, data, fsync=durable)
+
+    def delete(self, name: str) -> None:
+        self.path(name).unlink(missing_ok=True)
+
+    def size(self, name: str) -> Optional[int]:
+        try:
+            return self.path(name).stat().st_size
+        except OSError:
+            return None
+
+    def snapshot_generations(self) -> list[int]:
+        return snapshot_generations(self.dir)
+
+    def date_file_names(self, date: dt.date) -> list[str]:
+        return date_file_names(self.dir, date)
+
+    def dated_sidecars(self) -> list[tuple[dt.date, str, tuple]]:
+        found = []
+        for date, path in dated_sidecars(self.dir):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            found.append((date, path.name, (str(path), st.st_mtime, st.st_size)))
+        return found
+
+    def check(self) -> None:
+        """A folder needs no check: what fails says so when it is used."""
+
+    def writer_lock(self, what: str, *, ttl_s: float = 60.0) -> SharedWriters:
+        return SharedWriters(what=what)
+
+    def publishing(self) -> StoreLock:
+        return StoreLock(self.dir / MANIFEST_LOCK, what="manifest")
+
+    def clock(self) -> float:
+        """"Now" by the store filesystem's clock: the mtime of a file we just touched there
+        (falls back to this host's clock, with a warning, if the store is read-only)."""
+        clock = self.dir / LEASE_DIR / CLOCK_NAME
+        try:
+            clock.touch()  # creates it, or utime(None): the file server sets its own "now"
+            return clock.stat().st_mtime
+        except OSError as exc:
+            log.warning("%s: cannot touch the store clock (%s); judging lease ages by this host's clock", clock, exc)
+            return time.time()
+
+    def live_generations(self, ttl_s: float, *, now: Optional[float] = None, remove_dead: bool = True) -> list[int]:
+        folder = self.dir / LEASE_DIR
+        live: list[int] = []
+        if not folder.is_dir():
+            return live
+        now = self.clock() if now is None else now
+        for path in folder.glob("*.json"):
+            age, text = None, None
+            try:
+                age = now - path.stat().st_mtime
+                text = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            except OSError:
+                pass
+            generation, dead = judge_lease(str(path), age, text, ttl_s)
+            if generation is not None:
+                live.append(generation)
+            elif dead and remove_dead:
+                path.unlink(missing_ok=True)
+        return live
+
+    def heartbeat(self, name: str) -> FileHeartbeat:
+        return FileHeartbeat(self.path(name))
+
+    def stage(self) -> Path:
+        return self.dir
+
+    def put_shard(self, sidecar: Sidecar, name: str) -> None:
+        """Written in place already: nothing to move."""
+
+    def discard_staged(self, date: dt.date) -> None:
+        """The staging folder is the store: nothing to discard."""
+
+    def local_files(self, names: Iterable[str]) -> ContextManager[Path]:
+        return contextlib.nullcontext(self.dir)

@@ -1,0 +1,159 @@
+"""One reader lease file: what it says, how it is kept fresh, and when gc counts it as dead.
+
+A lease ``leases/<host token>-<pid>-<random>.json`` holds ``{"generation", "host", "pid", "pidns",
+"boot_id"}``; its modification time is its heartbeat, judged by the store's own clock. A
+``FileHeartbeat`` (a store folder) refreshes the mtime with ``utime`` and writes the file again if
+someone deleted it; an ``ObjectHeartbeat`` (an object store) writes the object again (its
+Last-Modified). ``judge_lease`` is the rule gc applies to one lease (see :mod:`shardgen.store.lease`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Optional
+
+from shardgen.errors import ShardgenError
+from shardgen.fsutil import atomic_write, boot_id, pid_alive, pid_namespace
+
+__all__ = ["HOST", "PIDNS", "BOOT", "Heartbeat", "FileHeartbeat", "ObjectHeartbeat", "judge_lease"]
+
+log = logging.getLogger(__name__)
+HOST = socket.gethostname()
+PIDNS = pid_namespace()
+BOOT = boot_id()
+
+
+class Heartbeat:
+    """What the heartbeat thread needs, without a reference to the Lease (which it must not keep
+    alive): the generation said, and how the lease is written, refreshed and removed."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.generation: Optional[int] = None
+        self.stop = threading.Event()
+        self.lock = threading.RLock()  # orders a beat against release: a released lease is never rewritten
+        self.warned = False
+        self.written: Optional[int] = None  # the generation the lease last said
+
+    def text(self) -> bytes:
+        """What the lease holds: the generation and who reads it."""
+        return json.dumps({"generation": self.generation, "host": HOST, "pid": os.getpid(), "pidns": PIDNS,
+                           "boot_id": BOOT}, sort_keys=True).encode()
+
+    def write(self) -> bool:
+        """Write the lease (again); False, with one warning, if it cannot be written."""
+        try:
+            self.put(self.text())
+            self.written = self.generation
+        except (OSError, ShardgenError) as exc:
+            if not self.warned:
+                log.warning("%s: cannot write a reader lease (%s); gc cannot see this reader", self.where, exc)
+                self.warned = True
+            return False
+        return True
+
+    def put(self, data: bytes) -> None:  # pragma: no cover - each kind's
+        raise NotImplementedError
+
+    def present(self) -> bool:
+        """Whether the lease is still there, as far as one cheap look can tell."""
+        return True
+
+    def beat(self) -> None:
+        """Refresh the heartbeat (unless released meanwhile)."""
+        with self.lock:
+            if not self.stop.is_set() and self.generation is not None:
+                self.write()
+
+    def remove(self) -> None:  # pragma: no cover - each kind's
+        raise NotImplementedError
+
+    def release(self) -> None:
+        with self.lock:
+            self.stop.set()
+            self.generation = None
+            with contextlib.suppress(OSError, ShardgenError):
+                self.remove()
+
+
+class FileHeartbeat(Heartbeat):
+    """A lease file in a store folder: ``utime`` is its heartbeat (the file server's "now")."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self.path = Path(path)
+
+    def put(self, data: bytes) -> None:
+        self.path.parent.mkdir(exist_ok=True)
+        atomic_write(self.path, data, fsync=False)
+
+    def present(self) -> bool:
+        return self.path.exists()  # one stat: someone may have deleted it
+
+    def beat(self) -> None:
+        with self.lock:
+            if self.stop.is_set() or self.generation is None:  # released meanwhile
+                return
+            try:
+                os.utime(self.path)  # None: the file server's "now", like gc's clock file
+            except FileNotFoundError:
+                log.warning("%s: reader lease was deleted; writing it again", self.path)
+                self.write()
+            except OSError as exc:
+                if not self.warned:
+                    log.warning("%s: cannot refresh a reader lease (%s)", self.path, exc)
+                    self.warned = True
+
+    def remove(self) -> None:
+        self.path.unlink()
+
+
+class ObjectHeartbeat(Heartbeat):
+    """A lease object in an object store: writing it again is its heartbeat (its Last-Modified).
+    ``present`` does not ask (a HEAD request per ``reset()`` is not worth it): the heartbeat
+    writes the object again anyway."""
+
+    def __init__(self, objects, name: str):
+        super().__init__(objects.where(name))
+        self.objects, self.name = objects, name
+
+    def put(self, data: bytes) -> None:
+        self.objects.put(self.name, data, verify=False)
+
+    def remove(self) -> None:
+        self.objects.delete(self.name)
+
+
+def _pid_is_checkable(info: dict) -> bool:
+    """Whether the lease's pid is a pid of this host, pid namespace and boot."""
+    return (info.get("host") == HOST and bool(PIDNS) and info.get("pidns") == PIDNS
+            and bool(BOOT) and info.get("boot_id") == BOOT)
+
+
+def judge_lease(where: str, age: Optional[float], text: Optional[bytes], ttl_s: float
+                ) -> tuple[Optional[int], Optional[str]]:
+    """What one lease (its bytes, ``age`` by the store's clock) means to gc: ``(generation, None)``
+    while it is live (-1 if it is unreadable but young: it protects everything), ``(None, why)``
+    when it is dead (remove it), ``(None, None)`` when it is unreadable and old (leave it)."""
+    try:
+        if text is None:
+            raise ValueError("cannot be read")
+        info = json.loads(text)
+        generation, pid = int(info["generation"]), int(info["pid"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        log.warning("%s: unreadable lease; counting it as live until it is %gs old", where, ttl_s)
+        return (-1 if age is not None and age <= ttl_s else None), None
+    if age > ttl_s:
+        why = f"no heartbeat for {age:.0f}s"
+    elif _pid_is_checkable(info) and not pid_alive(pid):
+        why = f"process {pid} is gone"
+    else:
+        return generation, None
+    log.info("ignoring dead reader lease %s (generation %d): %s", where, generation, why)
+    return None, why

@@ -1,0 +1,103 @@
+"""Downloading an object into a local file, checked: the ``download`` of ``ObjectStore``.
+
+The bytes go to a temp file next to the target; size and sha256 are checked, then it is renamed:
+a file at the target name is always whole and verified. Bytes that differ are fetched once more,
+then refused (``ObjectMismatch``). Transient faults are retried with backoff ``ATTEMPTS`` times,
+then ``StoreUnreachable`` names the endpoint and the object. A local write that fails (a full
+disk) is not a network fault: it is said at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+from shardgen.fsutil import temp_name
+from shardgen.store.objurl import ObjectMismatch, ObjectStoreError, StoreUnreachable
+
+__all__ = ["ATTEMPTS", "BACKOFF_S", "CHUNK", "TransientFault", "Downloads"]
+
+ATTEMPTS = 4  # tries of one request or download before giving up (backoff 0.5, 1, 2 s)
+BACKOFF_S = 0.5
+CHUNK = 1 << 20
+
+
+class TransientFault(Exception):
+    """A request failed in a way worth trying again (connection reset, 5xx, throttling)."""
+
+
+class _LocalWrite(Exception):
+    pass
+
+
+class Downloads:
+    """``download`` over the object store's ``chunks(name)``, ``where(name)`` and ``endpoint``."""
+
+    def chunks(self, name: str) -> Iterator[bytes]:  # pragma: no cover - ObjectStore's
+        raise NotImplementedError
+
+    def where(self, name: str = "") -> str:  # pragma: no cover - ObjectStore's
+        raise NotImplementedError
+
+    @property
+    def endpoint(self) -> str:  # pragma: no cover - ObjectStore's
+        raise NotImplementedError
+
+    def download(self, name: str, dest: Path, *, size: Optional[int] = None, sha256: Optional[str] = None,
+                 what: str = "") -> None:
+        """Fetch an object into ``dest`` (temp file, checks, rename). Transient faults are retried;
+        bytes that differ from ``size``/``sha256`` are fetched once more, then ObjectMismatch."""
+        dest = Path(dest)
+        mismatches, faults = 0, 0
+        while True:
+            tmp = temp_name(dest)
+            try:
+                got_size, got_sha = self._fetch(name, tmp)
+                problem = None
+                if size is not None and got_size != size:
+                    problem = f"{got_size} bytes, the manifest says {size}"
+                elif sha256 is not None and got_sha != sha256:
+                    problem = f"sha256 {got_sha[:16]}..., the manifest says {sha256[:16]}..."
+                if problem is None:
+                    os.replace(tmp, dest)
+                    return
+            except _LocalWrite as exc:
+                raise ObjectStoreError(f"{tmp.parent}: cannot write the download of {self.where(name)} "
+                                       f"({exc.__cause__})") from None
+            except (ConnectionError, OSError, TransientFault) as exc:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                faults += 1
+                if faults >= ATTEMPTS:
+                    raise StoreUnreachable(f"{self.where(name)}: download failed {faults} times; cannot reach "
+                                           f"{self.endpoint} ({exc})") from None
+                time.sleep(BACKOFF_S * 2 ** (faults - 1))
+                continue
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            mismatches += 1
+            if mismatches >= 2:
+                raise ObjectMismatch(f"{self.where(name)}{' (' + what + ')' if what else ''}: refused after "
+                                     f"{mismatches} downloads: {problem}")
+
+    def _fetch(self, name: str, tmp: Path) -> tuple[int, str]:
+        """Size and sha256 of the object's bytes, written to ``tmp``."""
+        sha, size = hashlib.sha256(), 0
+        try:
+            fh = open(tmp, "wb")
+        except OSError as exc:
+            raise _LocalWrite() from exc
+        with fh:
+            for chunk in self.chunks(name):
+                sha.update(chunk)
+                try:
+                    fh.write(chunk)
+                except OSError as exc:
+                    raise _LocalWrite() from exc
+                size += len(chunk)
+        return size, sha.hexdigest()

@@ -1,0 +1,67 @@
+"""An object store's URL (``s3://bucket/prefix``) and the errors a request to it can end in."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+from shardgen.errors import ShardgenError
+
+__all__ = ["is_remote", "parse_url", "ObjectInfo", "ObjectStoreError", "StoreUnreachable", "CredentialsRefused",
+           "ObjectMismatch", "NoSuchStore", "store_errors_as"]
+
+
+class ObjectStoreError(ShardgenError):
+    """An object store refused or failed a request; the message names the URL."""
+
+
+class StoreUnreachable(ObjectStoreError):
+    """The endpoint cannot be reached (down, refused, timed out) after the retries."""
+
+
+class CredentialsRefused(ObjectStoreError):
+    """The server refused our credentials, or there are none."""
+
+
+class NoSuchStore(ObjectStoreError):
+    """The bucket does not exist."""
+
+
+class ObjectMismatch(ObjectStoreError):
+    """An object's bytes differ from what the manifest or the upload says."""
+
+
+def is_remote(location: object) -> bool:
+    """Whether ``location`` names a store on an object store (an ``s3://`` URL)."""
+    return isinstance(location, str) and location.startswith("s3://")
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> ``("bucket", "a/b/")`` (the prefix ends with '/' unless empty)."""
+    if not is_remote(url):
+        raise ObjectStoreError(f"{url!r}: not an s3:// URL")
+    rest = url[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket or any(c in bucket for c in " \\"):
+        raise ObjectStoreError(f"{url!r}: no bucket name (expected s3://bucket/prefix)")
+    prefix = prefix.strip("/")
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise ObjectStoreError(f"{url!r}: empty, '.' and '..' parts are not allowed in the prefix")
+    return bucket, (prefix + "/" if prefix else "")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    size: int
+    mtime: float  # by the store's clock (whole seconds on most servers)
+    etag: str
+
+
+@contextlib.contextmanager
+def store_errors_as(kind: type) -> Iterator[None]:
+    """Re-raise object-store errors as ``kind`` (e.g. the loader's LoaderError), same message."""
+    try:
+        yield
+    except ObjectStoreError as exc:
+        raise kind(str(exc)) from None

@@ -1,0 +1,149 @@
+"""A store on an S3-compatible object store (``s3://bucket/prefix``), over ``objstore.ObjectStore``.
+
+The object names are the store's file names (:mod:`shardgen.store.naming`), so a store folder copied
+to a bucket is a store, and back. Shards are written in a local staging folder (the config's
+``store.staging``), uploaded by the worker that made them (``.rec``, ``.idx``, then the sidecar,
+each checked after upload), and removed locally. The coordinating process publishes: the
+generation snapshot first, then ``manifest.json``, both checked after upload, so a reader never
+sees a manifest naming an object that is not whole. One writer at a time holds the store's
+``WriterLock`` (:mod:`shardgen.store.writer_lock`), checked again before every publish.
+
+Leases (``leases/*.json``) and the store clock (``leases/.clock``) work as on a filesystem, with
+the object's Last-Modified as its heartbeat, judged by the store's clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import tempfile
+from pathlib import Path
+from typing import ContextManager, Iterable, Iterator, Optional
+
+from shardgen.store.base import Store
+from shardgen.store.lease_file import ObjectHeartbeat, judge_lease
+from shardgen.store.naming import CLOCK_NAME, LEASE_DIR, SNAPSHOT_DIR, shard_paths
+from shardgen.store.objstore import ObjectMismatch, ObjectStore
+from shardgen.store.sidecar import Sidecar
+from shardgen.store.writer_lock import WriterLock
+
+__all__ = ["S3Store", "STAGING_DIR"]
+
+STAGING_DIR = ".shardgen-staging"  # default staging: <folder>/.shardgen-staging/<bucket>/<prefix>
+
+
+class S3Store(Store):
+    """The store ``url`` (``s3://bucket/prefix``), or the one an ``ObjectStore`` holds; shard files
+    are written in ``staging`` (default: ``./.shardgen-staging/<bucket>/<prefix>``) before upload."""
+
+    def __init__(self, url, *, staging: Optional[Path] = None):
+        self.objects = url if isinstance(url, ObjectStore) else ObjectStore(url)
+        self.url = self.objects.url
+        default = Path(STAGING_DIR) / self.objects.bucket / self.objects.prefix
+        self.staging = Path(staging if staging is not None else default).absolute()
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, staging={str(self.staging)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, S3Store) and (other.url, other.staging) == (self.url, self.staging)
+
+    def __hash__(self) -> int:
+        return hash((self.url, self.staging))
+
+    def where(self, name: str = "") -> str:
+        return self.objects.where(name)
+
+    def read(self, name: str) -> Optional[bytes]:
+        return self.objects.get(name)
+
+    def write(self, name: str, data: bytes, *, durable: bool = True) -> None:
+        self.objects.put(name, data, verify=durable)
+
+    def delete(self, name: str) -> None:
+        self.objects.delete(name)
+
+    def size(self, name: str) -> Optional[int]:
+        info = self.objects.head(name)
+        return None if info is None else info.size
+
+    def snapshot_generations(self) -> list[int]:
+        numbers = []
+        for name in self.objects.list(SNAPSHOT_DIR + "/"):
+            stem = name[len(SNAPSHOT_DIR) + 1:]
+            if stem.endswith(".json") and stem[:-5].isdigit():
+                numbers.append(int(stem[:-5]))
+        return sorted(numbers)
+
+    def date_file_names(self, date: dt.date) -> list[str]:
+        return list(self.objects.list(date.isoformat() + "."))
+
+    def dated_sidecars(self) -> list[tuple[dt.date, str, tuple]]:
+        found = {}
+        for name, info in self.objects.list().items():
+            if "/" not in name and name.endswith(".json") and len(name) == len("2024-01-02.json"):
+                with contextlib.suppress(ValueError):
+                    found[dt.date.fromisoformat(name[:10])] = (name, (self.where(name), info.mtime, info.size))
+        return [(date, *found[date]) for date in sorted(found)]
+
+    def check(self) -> None:
+        self.objects.check()
+
+    def writer_lock(self, what: str, *, ttl_s: float = 60.0) -> WriterLock:
+        return WriterLock(self.objects, what=what, ttl_s=ttl_s)
+
+    def publishing(self) -> ContextManager:
+        """Nothing more to hold: the writer lock is checked before every write of a publish."""
+        return contextlib.nullcontext()
+
+    def clock(self) -> float:
+        return self.objects.clock(f"{LEASE_DIR}/{CLOCK_NAME}")
+
+    def live_generations(self, ttl_s: float, *, now: Optional[float] = None, remove_dead: bool = True) -> list[int]:
+        now = self.clock() if now is None else now
+        live = []
+        for name, info in self.objects.list(LEASE_DIR + "/").items():
+            if not name.endswith(".json"):
+                continue
+            text = self.objects.get(name)
+            if text is None:  # released meanwhile
+                continue
+            generation, dead = judge_lease(self.where(name), now - info.mtime, text, ttl_s)
+            if generation is not None:
+                live.append(generation)
+            elif dead and remove_dead:
+                self.objects.delete(name)
+        return live
+
+    def heartbeat(self, name: str) -> ObjectHeartbeat:
+        return ObjectHeartbeat(self.objects, name)
+
+    def stage(self) -> Path:
+        self.staging.mkdir(parents=True, exist_ok=True)
+        return self.staging
+
+    def put_shard(self, sidecar: Sidecar, name: str) -> None:
+        """Upload a shard written in staging (``.rec``, ``.idx``, then the sidecar: its presence
+        marks the shard complete, as on disk), then remove the local files."""
+        names = [sidecar.rec, sidecar.idx] if sidecar.records else []
+        for each in [*names, name]:
+            self.objects.upload(each, self.staging / each)
+        for each in [*names, name]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.staging / each)
+
+    def discard_staged(self, date: dt.date) -> None:
+        for path in shard_paths(self.staging, date).values():
+            path.unlink(missing_ok=True)
+
+    def local_files(self, names: Iterable[str]) -> ContextManager[Path]:
+        return self._downloaded(list(names))
+
+    @contextlib.contextmanager
+    def _downloaded(self, names: list[str]) -> Iterator[Path]:
+        with tempfile.TemporaryDirectory(prefix="shardgen-objects-") as tmp:
+            for name in names:
+                with contextlib.suppress(ObjectMismatch):  # no such object: missing here too
+                    self.objects.download(name, Path(tmp) / name)
+            yield Path(tmp)

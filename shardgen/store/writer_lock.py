@@ -1,0 +1,149 @@
+"""The writer locks: who may publish into a store, for how long.
+
+On an object store (``S3Store.writer_lock``), ``build``, ``watch`` and ``gc`` hold the store's
+``WriterLock`` (``.writer.lock``, an object naming its owner, refreshed every ``ttl/6``; older than
+the TTL by the store's clock it is stale and taken over). Object stores without conditional writes
+cannot make taking it atomic: two writers starting within the same second could both take it.
+Each writer reads the lock back after a pause and again before every publish, and stops when it
+finds another owner.
+
+A store folder has many writers, one publish at a time: each publish holds the manifest lock (a
+``StoreLock``, flock) for its few milliseconds. Its ``writer_lock`` is ``SharedWriters``, which
+never refuses and is never lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Optional
+
+from shardgen.errors import LockError
+from shardgen.fsutil import HOST_TOKEN
+from shardgen.store.naming import CLOCK_NAME, LEASE_DIR
+from shardgen.store.objstore import ObjectStore, ObjectStoreError
+
+__all__ = ["WRITER_LOCK", "WriterLock", "SharedWriters"]
+
+log = logging.getLogger(__name__)
+WRITER_LOCK = ".writer.lock"
+SETTLE_S = 1.0  # a new lock is read back after this: the later of two racing writers wins
+
+
+class SharedWriters:
+    """A store folder's writer lock: nothing to hold (each publish takes the manifest lock)."""
+
+    def __init__(self, *, what: str):
+        self.what = what
+
+    lost: Optional[str] = None
+
+    def acquire(self) -> SharedWriters:
+        return self
+
+    def check(self) -> None:
+        """Never lost."""
+
+    def release(self) -> None:
+        pass
+
+    def __enter__(self) -> SharedWriters:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class WriterLock:
+    """The one writer of a store on an object store (see the module docstring)."""
+
+    def __init__(self, objects: ObjectStore, *, what: str, ttl_s: float = 60.0):
+        self.objects, self.what, self.ttl_s = objects, what, float(ttl_s)
+        self.token = f"{HOST_TOKEN}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.info = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(), "what": what}
+        self._stop = threading.Event()
+        self._lost: Optional[str] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def _holder(self) -> tuple[Optional[dict], Optional[float]]:
+        found = self.objects.get_with_info(WRITER_LOCK)
+        if found is None:
+            return None, None
+        data, info = found
+        try:
+            holder = json.loads(data) if data else {}
+        except ValueError:
+            holder = {}
+        return (holder if isinstance(holder, dict) else {}), info.mtime
+
+    def acquire(self) -> WriterLock:
+        holder, mtime = self._holder()
+        if holder is not None and holder.get("token") != self.token:
+            age = self.objects.clock(f"{LEASE_DIR}/{CLOCK_NAME}") - mtime
+            if age <= self.ttl_s:
+                raise LockError(self._refusal(holder, age))
+            log.warning("%s: taking over a stale writer lock of %s pid %s (no heartbeat for %.0fs)",
+                        self.objects.where(WRITER_LOCK), holder.get("host"), holder.get("pid"), age)
+        self.objects.put(WRITER_LOCK, json.dumps(self.info).encode())
+        time.sleep(SETTLE_S)
+        holder, _ = self._holder()
+        if holder is None or holder.get("token") != self.token:
+            raise LockError(self._refusal(holder or {}, None) + " (it took the lock at the same time as us)")
+        self._thread = threading.Thread(target=self._beat, name="shardgen-writer-lock", daemon=True)
+        self._thread.start()
+        return self
+
+    def _refusal(self, holder: dict, age: Optional[float]) -> str:
+        beat = f", heartbeat {age:.0f}s ago" if age is not None else ""
+        return (f"{self.objects.where(WRITER_LOCK)}: {self.what} refused: the store has another writer "
+                f"({holder.get('what', 'unknown')} on {holder.get('host', '?')}, pid {holder.get('pid', '?')}"
+                f"{beat}); one writer per store")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 6):
+            try:
+                holder, _ = self._holder()
+                if holder is None or holder.get("token") != self.token:
+                    self._lost = self._refusal(holder or {}, None)
+                    log.error("%s: lost the writer lock; this process publishes nothing more",
+                              self.objects.where(WRITER_LOCK))
+                    return
+                self.objects.put(WRITER_LOCK, json.dumps(self.info).encode(), verify=False)
+            except ObjectStoreError as exc:
+                log.warning("%s: cannot refresh the writer lock (%s)", self.objects.where(WRITER_LOCK), exc)
+
+    @property
+    def lost(self) -> Optional[str]:
+        """Why this writer lost the lock (None while it holds it, as far as it knows)."""
+        return self._lost
+
+    def check(self) -> None:
+        """LockError unless we still hold the lock (read from the store)."""
+        if self._lost is None:
+            holder, _ = self._holder()
+            if holder is None or holder.get("token") != self.token:
+                self._lost = self._refusal(holder or {}, None)
+        if self._lost is not None:
+            raise LockError(self._lost)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        with contextlib.suppress(ObjectStoreError):
+            holder, _ = self._holder()
+            if holder is not None and holder.get("token") == self.token:
+                self.objects.delete(WRITER_LOCK)
+
+    def __enter__(self) -> WriterLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
