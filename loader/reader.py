@@ -15,10 +15,10 @@ from typing import Callable, Optional
 
 from loader.checkpoint import check_state, state_of
 from loader.errors import LoaderError
+from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs
 from loader.pipeline.memory import Arena, settle_allocator
 from loader.pipeline.settings import check_memory
-from loader.pipeline.stream import StreamParams, batch_floats
 from loader.source.generations import Choice
 from loader.source.location import Location
 from loader.source.plan import EpochPlan, make_plan, recheck

@@ -19,6 +19,7 @@ import mxnet as mx
 
 from loader import lifecycle
 from loader.errors import LoaderError
+from loader.pipeline.batches import StreamParams
 from loader.pipeline.settings import (
     buffer_records,
     check_arguments,
@@ -26,7 +27,6 @@ from loader.pipeline.settings import (
     default_native_batch,
     default_readers,
 )
-from loader.pipeline.stream import StreamParams
 from loader.reader import Reader
 from loader.source.generations import Choice, agreed_start
 from loader.source.location import Location, resolve

@@ -13,8 +13,9 @@ import weakref
 from typing import Optional
 
 from loader.errors import LoaderError
+from loader.pipeline.batches import StreamParams
 from loader.pipeline.memory import Arena
-from loader.pipeline.stream import EpochStream, StreamParams
+from loader.pipeline.stream import EpochStream
 from loader.pipeline.zerocopy import lenders, sweep
 from loader.source.plan import EpochPlan, drop, hold
 from shardgen.store.lease import Lease

@@ -1,6 +1,6 @@
 """The knobs of a ``ShardIter`` (its keyword arguments), checked, with their defaults and what
-they hold in memory. Defaults are the ones ``make bench`` measured best here (README,
-"Performance"), or the README says why not."""
+they hold in memory. Defaults are the ones ``make bench`` measured best here
+(docs/performance.md), or docs/internals.md says why not."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Optional
 import numpy as np
 
 from loader.errors import LoaderError
+from loader.pipeline.batches import StreamParams, batch_floats, buffer_capacity
 from loader.pipeline.memory import check_footprint, footprint
 from loader.pipeline.shuffle_buffer import buffer_bytes, default_capacity
-from loader.pipeline.stream import StreamParams, batch_floats, buffer_capacity
 from loader.sizes import parse_size
 from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema

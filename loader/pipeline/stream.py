@@ -15,57 +15,24 @@ import collections
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import mxnet as mx
 import numpy as np
 
 from loader.errors import LoaderError, mxnet_reason
+from loader.pipeline.batches import StreamParams, batch_views, buffer_capacity, fill_batch
 from loader.pipeline.memory import Arena
 from loader.pipeline.native import copy_into, next_label, open_record_iter
 from loader.pipeline.parts import PartSplit, SharedRecords, split_part
 from loader.pipeline.seeding import epoch_shuffle
 from loader.pipeline.shuffle_buffer import ShuffleBuffer
 from loader.source.plan import EpochPlan, reader_source
-from shardgen.format.schema import Schema
 
 BEHIND_S = 0.002  # how long a stream started behind the caller's next() waits before it starts
 YIELD_S = 0.0005  # how long the next epoch's stream naps while the current one is short of batches
 
-__all__ = ["StreamParams", "EpochStream", "plan_part", "batch_floats", "buffer_capacity"]
-
-
-@dataclass(frozen=True)
-class StreamParams:
-    """Everything about reading that does not change between epochs."""
-
-    schema: Schema
-    batch_size: int
-    shuffle: bool
-    seed: int
-    num_parts: int
-    part_index: int
-    last_batch: str
-    readers: int
-    native_batch: int
-    buffer_records: int
-    preprocess_threads: int
-    prefetch_buffer: int
-    label_names: tuple[str, ...]
-
-
-def batch_floats(p: StreamParams) -> int:
-    """Floats in one caller batch: x and the labels asked for (one buffer, see ``Arena``)."""
-    s = p.schema
-    return p.batch_size * (s.x_floats + sum(lab.width for lab in s.labels if lab.name in p.label_names))
-
-
-def buffer_capacity(p: StreamParams) -> int:
-    """Records in the shuffle buffer: a batch may need one record per sample (a date's last pack
-    can hold a single window), so at least a batch and two native batches."""
-    floor = p.batch_size + 2 * p.native_batch
-    return max(p.buffer_records, floor) if p.shuffle else floor
+__all__ = ["EpochStream", "plan_part"]
 
 
 def plan_part(plan: EpochPlan, p: StreamParams) -> PartSplit:
@@ -97,7 +64,7 @@ class EpochStream:
             if smallest == 0:
                 why = ("fewer than parts" if plan.samples < params.num_parts else "and a part boundary fell in a "
                        "record that cannot be told apart from another of its date (same key words and window count), "
-                       "so it moved to the record's edge (README, 'Several workers'); use fewer parts")
+                       "so it moved to the record's edge (docs/distributed.md, 'Parts'); use fewer parts")
                 raise LoaderError(f"part {which} of {params.num_parts} would be empty: generation {plan.generation} "
                                   f"has {plan.samples} samples (in {plan.records} records), {why}")
             raise LoaderError(f"batch_size {bs} is larger than part {which} of {params.num_parts} "
@@ -119,12 +86,7 @@ class EpochStream:
         self._x_shape = (params.batch_size, sc.time_steps, sc.num_inputs)
         self._x_size = int(np.prod(self._x_shape))
         self._buffer: Optional[ShuffleBuffer] = None
-        b, pos, views = params.batch_size, self._x_size, [(0, self._x_size, self._x_shape)]
-        for lab in sc.labels:  # (start, stop, shape) of each array in a batch's one buffer
-            if lab.name in params.label_names:
-                views.append((pos, pos + b * lab.width, (b,) if lab.width == 1 else (b, lab.width)))
-                pos += b * lab.width
-        self._views = views
+        self._views = batch_views(params)
         self._thread = threading.Thread(target=self._run, name="shardgen-batches", daemon=True)
         self._thread.start()
 
@@ -288,8 +250,8 @@ class EpochStream:
                 self.past_half = True
             valid = min(bs, self.samples - index * bs)
             if valid <= 0:
-                # Parts differ by one sample, so a shorter part can run out a batch early (README,
-                # "Several workers and machines"): it repeats its last real batch, pad = batch - 1.
+                # Parts differ by one sample, so a shorter part can run out a batch early (docs/distributed.md,
+                # "Parts"): it repeats its last real batch, pad = batch - 1.
                 if index >= self._skip and not self._offer((index, self._repeat(saved), 1)):
                     return
                 continue
@@ -329,27 +291,12 @@ class EpochStream:
 
     def _arrays(self, flat: np.ndarray, x: np.ndarray, labels: np.ndarray, days: np.ndarray) -> list:
         """The caller's named arrays: views of ONE buffer lent to MXNet without a copy
-        (``loader.pipeline.zerocopy``: given back without Python). A short batch is filled with its
-        own rows (MXNet would leave uninitialised memory there, and padding must always be valid data)."""
-        p, s = self.params, self.params.schema
-        b, n = p.batch_size, len(labels)
-        if n < b:
-            fill = np.arange(b) % n
-            x[n:] = x[fill[n:]]
-            labels, days = labels[fill], days[fill]
-        views, col = iter(self._views[1:]), 0
-        for lab in s.labels[:-1]:
-            if lab.name in p.label_names:
-                a, z, _shape = next(views)
-                flat[a:z].reshape(b, lab.width)[...] = labels[:, col:col + lab.width]
-            col += lab.width
-        if "date" in p.label_names:
-            a, z, _shape = next(views)
-            flat[a:z] = days
+        (``loader.pipeline.zerocopy``: given back without Python)."""
+        fill_batch(self.params, self._views, flat, x, labels, days)
         return self._arena.hand_out(flat, self._views)
 
     def _repeat(self, saved: np.ndarray) -> list:
-        """A batch that repeats the last real one (the README's exception), in a buffer of its own:
+        """A batch that repeats the last real one (docs/distributed.md, "Parts"), in a buffer of its own:
         the caller may have changed the original in place."""
         flat = self._arena.batch()
         flat[:] = saved

@@ -1,0 +1,80 @@
+"""How rows become the caller's batches: the settings a stream reads with (``StreamParams``), the
+layout of a batch's one buffer (x, then each label asked for) and filling it from the shuffle
+buffer's rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardgen.format.schema import Schema
+
+__all__ = ["StreamParams", "batch_floats", "buffer_capacity", "batch_views", "fill_batch"]
+
+
+@dataclass(frozen=True)
+class StreamParams:
+    """Everything about reading that does not change between epochs."""
+
+    schema: Schema
+    batch_size: int
+    shuffle: bool
+    seed: int
+    num_parts: int
+    part_index: int
+    last_batch: str
+    readers: int
+    native_batch: int
+    buffer_records: int
+    preprocess_threads: int
+    prefetch_buffer: int
+    label_names: tuple[str, ...]
+
+
+def batch_floats(p: StreamParams) -> int:
+    """Floats in one caller batch: x and the labels asked for (one buffer, see ``Arena``)."""
+    s = p.schema
+    return p.batch_size * (s.x_floats + sum(lab.width for lab in s.labels if lab.name in p.label_names))
+
+
+def buffer_capacity(p: StreamParams) -> int:
+    """Records in the shuffle buffer: a batch may need one record per sample (a date's last pack
+    can hold a single window), so at least a batch and two native batches."""
+    floor = p.batch_size + 2 * p.native_batch
+    return max(p.buffer_records, floor) if p.shuffle else floor
+
+
+def batch_views(p: StreamParams) -> list[tuple[int, int, tuple]]:
+    """``(start, stop, shape)`` of each array in a batch's one buffer: x, then each label asked for."""
+    s, b = p.schema, p.batch_size
+    x_shape = (b, s.time_steps, s.num_inputs)
+    pos = int(np.prod(x_shape))
+    views = [(0, pos, x_shape)]
+    for lab in s.labels:
+        if lab.name in p.label_names:
+            views.append((pos, pos + b * lab.width, (b,) if lab.width == 1 else (b, lab.width)))
+            pos += b * lab.width
+    return views
+
+
+def fill_batch(p: StreamParams, views: list, flat: np.ndarray, x: np.ndarray, labels: np.ndarray,
+               days: np.ndarray) -> None:
+    """Write the labels (and dates) of ``len(labels)`` samples, whose x is already in ``x``, into
+    the batch buffer ``flat``. A short batch is filled with its own rows (MXNet would leave
+    uninitialised memory there, and padding must always be valid data)."""
+    s = p.schema
+    b, n = p.batch_size, len(labels)
+    if n < b:
+        fill = np.arange(b) % n
+        x[n:] = x[fill[n:]]
+        labels, days = labels[fill], days[fill]
+    rest, col = iter(views[1:]), 0
+    for lab in s.labels[:-1]:
+        if lab.name in p.label_names:
+            a, z, _shape = next(rest)
+            flat[a:z].reshape(b, lab.width)[...] = labels[:, col:col + lab.width]
+        col += lab.width
+    if "date" in p.label_names:
+        a, z, _shape = next(rest)
+        flat[a:z] = days
