@@ -439,3 +439,19 @@ def test_build_to_s3_on_the_dask_backend(s3, tmp_path):
     assert {p.name for p in objects(s3, "dk").glob("*.rec")} == {f"2024-01-0{d}.rec" for d in range(2, 6)}
     assert not [p for p in cfg.store.dir.iterdir() if p.suffix in (".rec", ".idx")]
     assert cli("verify", "-c", path).returncode == 0
+
+
+def test_open_store_picks_one_implementation_and_a_lease_lives_in_that_store(s3, tmp_path):
+    """The loader's path, without a config: ``open_store(url)`` and a ``Lease`` built from the Store."""
+    from shardgen.store import FolderStore, S3Store, open_store
+    from shardgen.store.lease import Lease, live_lease_generations
+
+    store = open_store(s3.url("st"))
+    assert isinstance(store, S3Store) and open_store(store) is store
+    assert isinstance(open_store(tmp_path / "folder"), FolderStore)
+    lease = Lease(store)
+    lease.renew(5)
+    assert [n for n in store.objects.list("leases/") if n.endswith(".json")]
+    assert live_lease_generations(store, 60) == [5]
+    lease.release()
+    assert live_lease_generations(store, 60) == []

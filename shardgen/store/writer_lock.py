@@ -39,10 +39,10 @@ SETTLE_S = 1.0  # a new lock is read back after this: the later of two racing wr
 class SharedWriters:
     """A store folder's writer lock: nothing to hold (each publish takes the manifest lock)."""
 
+    lost: Optional[str] = None  # never lost
+
     def __init__(self, *, what: str):
         self.what = what
-
-    lost: Optional[str] = None
 
     def acquire(self) -> SharedWriters:
         return self

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Optional, Union
 
-from shardgen.store.base import Store
+from shardgen.store import Store, open_store
 from shardgen.store.naming import WATCH_STATE
 
 __all__ = ["WATCH_STATE", "FORMAT", "Failing", "state_bytes", "save_state", "load_state", "parse_state"]
@@ -44,15 +45,16 @@ def state_bytes(*, updated: str, pid: int, failing: list[Failing]) -> bytes:
     return json.dumps(doc, sort_keys=True, indent=1).encode()
 
 
-def save_state(store: Store, *, updated: str, pid: int, failing: list[Failing]) -> bytes:
+def save_state(store: Union[Store, str, os.PathLike], *, updated: str, pid: int, failing: list[Failing]) -> bytes:
     """Write the state file into the store; its bytes."""
     data = state_bytes(updated=updated, pid=pid, failing=failing)
-    store.put_state(data)
+    open_store(store).put_state(data)
     return data
 
 
-def load_state(store: Store) -> Optional[dict]:
+def load_state(store: Union[Store, str, os.PathLike]) -> Optional[dict]:
     """The last state a watcher wrote, or None (no watcher ran, or the file is unreadable)."""
+    store = open_store(store)
     try:
         data = store.get_state()
     except OSError as exc:
