@@ -23,10 +23,11 @@ from loader.source.objcache import ObjectCache
 from loader.source.selection import load_manifest, manifest_path_of
 from shardgen.errors import ManifestError
 from shardgen.format.schema import Schema
+from shardgen.store import FolderStore, S3Store, Store, open_store
 from shardgen.store.lease import Lease
 from shardgen.store.manifest import Manifest, ShardEntry
 from shardgen.store.naming import MANIFEST_NAME
-from shardgen.store.objstore import ObjectStoreError, is_remote, parse_url
+from shardgen.store.objstore import ObjectStoreError
 
 __all__ = ["Location", "FolderLocation", "MirrorLocation", "resolve", "cache_root", "PLANS", "OBJECTS"]
 
@@ -43,9 +44,11 @@ def cache_root(cache_dir: Optional[os.PathLike] = None) -> Path:
 
 
 class Location:
-    """A store as the loader reads it: ``manifest_path`` (local) and what comes before reading."""
+    """A store as the loader reads it: ``origin`` (the ``shardgen.store.Store`` itself, where the
+    reader lease lives), ``manifest_path`` (local) and what comes before reading."""
 
-    def __init__(self, manifest_path: Path, root: Path):
+    def __init__(self, origin: Store, manifest_path: Path, root: Path):
+        self.origin = origin
         self.manifest_path = manifest_path
         self.root = root
 
@@ -72,7 +75,7 @@ class Location:
 
     def lease(self) -> Lease:
         """A reader lease in the store (it tells gc which generation this process reads)."""
-        return Lease(self.store)
+        return Lease(self.origin)
 
     def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema) -> None:
         """Every file reading ``shards`` needs is in ``store``: LoaderError naming what is missing."""
@@ -99,7 +102,7 @@ class MirrorLocation(Location):
     """A store on an object store, read from its mirror in ``<root>/objects`` (:class:`ObjectCache`)."""
 
     def __init__(self, cache: ObjectCache, root: Path):
-        super().__init__(cache.manifest_path, root)
+        super().__init__(cache.store, cache.manifest_path, root)
         self.cache = cache
 
     def manifest(self) -> Manifest:
@@ -113,9 +116,6 @@ class MirrorLocation(Location):
         except ManifestError as exc:
             raise LoaderError(f"cannot open generation {generation} of {self.store}: {exc}") from None
         return super().generation(generation)
-
-    def lease(self) -> Lease:
-        return Lease(self.cache.remote)
 
     def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema) -> None:
         self.cache.fetch(shards, who=who, schema=schema)
@@ -137,30 +137,43 @@ _MIRRORS: dict[Path, ObjectCache] = {}  # one cache per mirror folder in a proce
 _MIRRORS_LOCK = threading.Lock()
 
 
-def resolve(manifest: Union[os.PathLike, str, Location], cache_dir: Optional[os.PathLike] = None,
-            cache_limit: Union[int, str, None] = None) -> Location:
-    """Where to read ``manifest`` (a manifest file, a store folder or an ``s3://`` URL) from. The one
-    place that tells a folder from an object store."""
-    if isinstance(manifest, Location):
-        return manifest
-    root = cache_root(cache_dir)
-    if not is_remote(str(manifest)):
-        if cache_limit is not None:
-            raise LoaderError("cache_limit is only used for s3:// stores")
-        return FolderLocation(manifest_path_of(Path(manifest)), root)
-    url = str(manifest)
-    if url.endswith("/" + MANIFEST_NAME):
-        url = url[: -len(MANIFEST_NAME) - 1]
-    try:
-        bucket, prefix = parse_url(url)
-    except ObjectStoreError as exc:
-        raise LoaderError(str(exc)) from None
-    folder = (root / OBJECTS / bucket / prefix).resolve()
-    limit = None if cache_limit is None else parse_size(
-        cache_limit, "cache_limit", "a positive number of bytes or a size such as '20GB'")
+def _folder(store: FolderStore, root: Path, limit: object) -> Location:
+    """A store folder, or a manifest file named by its path (its folder is the store)."""
+    if limit is not None:
+        raise LoaderError("cache_limit is only used for s3:// stores")
+    manifest_path = manifest_path_of(store.dir)
+    if manifest_path.parent != store.dir:
+        store = FolderStore(manifest_path.parent)
+    return FolderLocation(store, manifest_path, root)
+
+
+def _mirror(store: S3Store, root: Path, limit: object) -> Location:
+    folder = (root / OBJECTS / store.objects.bucket / store.objects.prefix).resolve()
+    size = None if limit is None else parse_size(limit, "cache_limit",
+                                                 "a positive number of bytes or a size such as '20GB'")
     with _MIRRORS_LOCK:
         cache = _MIRRORS.get(folder)
-        if cache is None or cache.limit != limit:
-            cache = ObjectCache(url, folder, limit)
+        if cache is None or cache.limit != size:
+            cache = ObjectCache(store, folder, size)
             _MIRRORS[folder] = cache
     return MirrorLocation(cache, root)
+
+
+_KINDS: dict[type, Callable[..., Location]] = {FolderStore: _folder, S3Store: _mirror}
+
+
+def resolve(manifest: Union[os.PathLike, str, Location], cache_dir: Optional[os.PathLike] = None,
+            cache_limit: Union[int, str, None] = None) -> Location:
+    """Where to read ``manifest`` (a manifest file, a store folder or an ``s3://`` URL) from: the
+    store ``shardgen.store.open_store`` finds there (which alone tells a folder from an object
+    store), with what reading it locally needs."""
+    if isinstance(manifest, Location):
+        return manifest
+    text = str(manifest)
+    if text.endswith("/" + MANIFEST_NAME):
+        text = text[: -len(MANIFEST_NAME) - 1]
+    try:
+        store = open_store(text)
+    except (ObjectStoreError, ValueError) as exc:
+        raise LoaderError(str(exc)) from None
+    return _KINDS[type(store)](store, cache_root(cache_dir), cache_limit)

@@ -41,9 +41,10 @@ from loader.errors import LoaderError
 from shardgen.format.check import needs_index
 from shardgen.format.schema import Schema
 from shardgen.fsutil import atomic_write, clean_temp_files
+from shardgen.store import S3Store
 from shardgen.store.manifest import Manifest, ShardEntry
 from shardgen.store.naming import MANIFEST_NAME, SNAPSHOT_DIR
-from shardgen.store.objstore import ObjectStore, ObjectStoreError, store_errors_as
+from shardgen.store.objstore import ObjectStoreError, store_errors_as
 
 __all__ = ["ObjectCache", "DOWNLOAD_THREADS"]
 
@@ -60,8 +61,9 @@ def _mb(n: int) -> str:
 class ObjectCache:
     """One store on an object store, mirrored into ``folder``."""
 
-    def __init__(self, url: str, folder: Path, limit: Optional[int]):
-        self.remote = ObjectStore(url)
+    def __init__(self, store: S3Store, folder: Path, limit: Optional[int]):
+        self.store = store
+        self.remote = store.objects
         self.folder, self.limit = Path(folder), limit
         self.wanted: dict[str, set] = {}  # who -> names its epochs use (never evicted)
         self.downloads = 0  # files this process downloaded (not found in the cache)

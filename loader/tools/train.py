@@ -79,7 +79,7 @@ def _evaluate(net, it: ShardIter, ctx: list, target: int) -> float:
 
 
 def _cache(args: argparse.Namespace, kv) -> dict:
-    """The object cache arguments (only given when set: a local store takes none)."""
+    """The cache arguments (only given when set)."""
     out = {}
     if args.cache_dir:
         out["cache_dir"] = args.cache_dir.format(rank=kv.rank if kv is not None else 0)
@@ -185,8 +185,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loader.tools.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--manifest", default="shards/manifest.json",
                    help="store manifest: a file, a store folder, or s3://bucket/prefix[/manifest.json]")
-    p.add_argument("--cache-dir", help="local cache for an s3:// store ({rank}: the worker's rank; default "
-                                       "~/.cache/shardgen-objects)")
+    p.add_argument("--cache-dir", help="the loader's local root: plan folders and s3:// downloads ({rank}: the "
+                                       "worker's rank; default $XDG_CACHE_HOME/shardgen or ~/.cache/shardgen)")
     p.add_argument("--cache-limit", help="most bytes the s3:// cache may hold, e.g. 20GB (default: no limit)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=256, help="global batch, split over the contexts")
