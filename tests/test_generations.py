@@ -18,6 +18,7 @@ from loader.source.generations import agree
 from shardgen.config import load_config
 from shardgen.errors import ManifestError, ShardError
 from shardgen.produce.build import build
+from shardgen.store import FolderStore
 from shardgen.store.gc import collect
 from shardgen.store.lease import live_lease_generations
 from shardgen.store.manifest import Manifest, snapshot_generations, snapshot_path
@@ -42,7 +43,7 @@ def test_every_generation_is_a_snapshot_and_manifest_json_is_the_newest(tmp_path
     make_store(store, {"2024-01-03": 5}, base_id=5)
     assert snapshot_generations(store) == [1, 2]
     assert (store / "manifest.json").read_bytes() == snapshot_path(store, 2).read_bytes()
-    m1 = Manifest.load_generation(store, 1)
+    m1 = FolderStore(store).load_generation(1)
     assert m1.generation == 1 and [s.date for s in m1.shards] == ["2024-01-02"]
     assert json.loads((store / "manifest.json").read_text())["format"] == "shardgen/2"
     info = status(store)

@@ -69,7 +69,7 @@ class Location:
     def generation(self, generation: int) -> Manifest:
         """Generation ``generation`` exactly; LoaderError naming it when it is gone."""
         try:
-            return Manifest.load_generation(self.store, generation)
+            return FolderStore(self.store).load_generation(generation)
         except ManifestError as exc:
             raise LoaderError(f"cannot open generation {generation} of {self.store}: {exc}") from None
 

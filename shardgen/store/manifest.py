@@ -216,23 +216,6 @@ class Manifest:
             raise ManifestError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_json(obj, where=str(path))
 
-    @classmethod
-    def load_generation(cls, store: Path, generation: int) -> Manifest:
-        """Generation ``generation`` exactly: its snapshot, or ``manifest.json`` if that is it (a
-        ``shardgen/1`` store has no snapshots). ManifestError when it is gone."""
-        path = snapshot_path(store, generation)
-        if path.is_file():
-            found = cls.load(path)
-        else:
-            found = cls.load(Path(store) / MANIFEST_NAME)
-            if found.generation != generation:
-                raise ManifestError(
-                    f"{path}: generation {generation} is gone (its snapshot was garbage-collected, or the "
-                    f"store predates snapshots); the newest is {found.generation}")
-        if found.generation != generation:
-            raise ManifestError(f"{path}: holds generation {found.generation}, expected {generation}")
-        return found
-
     def dumps(self) -> bytes:
         """The bytes of ``manifest.json`` and of a snapshot."""
         return (json.dumps(self.to_json(), sort_keys=True, indent=1) + "\n").encode()
