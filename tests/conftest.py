@@ -13,7 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_GEN = Path(__file__).resolve().parent / "fake_gen.py"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# tests/ holds the helpers (fake generator, S3 server, process trees); tests/<part>/ the tests of
+# each part of the code (format, produce, store, watch, loader), some of which share helpers.
+_HERE = Path(__file__).resolve().parent
+for _folder in (_HERE, *sorted(p for p in _HERE.glob("[a-z]*") if p.is_dir())):
+    sys.path.insert(0, str(_folder))
 
 T, C = 5, 4  # small schema used throughout: 5 steps x 4 inputs, labels a(1) b(2)
 

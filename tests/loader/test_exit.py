@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import mxnet as mx
 import proctree
@@ -19,8 +18,8 @@ from proctree import alive, member_pids
 from loader.lifecycle import exit_steps, wait_for_engine
 
 COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}
-PLAIN_WORKER = Path(__file__).resolve().parent / "plain_worker.py"
-FAILING_WORKER = Path(__file__).resolve().parent / "failing_worker.py"
+PLAIN_WORKER = ROOT / "tests" / "plain_worker.py"
+FAILING_WORKER = ROOT / "tests" / "failing_worker.py"
 
 
 def test_exit_hook_order_waitall_then_close_then_mxnet(tmp_path):
