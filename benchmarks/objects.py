@@ -41,7 +41,7 @@ def object_store_epoch(store: Path, workdir: Path, batch_size: int, cache: Path)
     server = S3Server(workdir / "s3root").start()
     try:
         os.environ.update(server.env())
-        objstore._clients.clear()
+        objstore.forget_clients()
         remote = objstore.ObjectStore(server.url("bench"))
         files = sorted((p for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")
                         and "leases" not in p.parts),
@@ -66,4 +66,4 @@ def object_store_epoch(store: Path, workdir: Path, batch_size: int, cache: Path)
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        objstore._clients.clear()
+        objstore.forget_clients()

@@ -198,10 +198,10 @@ def s3(tmp_path, monkeypatch):
     server = S3Server(tmp_path / "s3root").start()
     for key, value in server.env().items():
         monkeypatch.setenv(key, value)
-    objstore._clients.clear()
+    objstore.forget_clients()
     try:
         yield server
     finally:
         settle()
         server.stop()
-        objstore._clients.clear()
+        objstore.forget_clients()

@@ -45,7 +45,7 @@ from shardgen.store.objurl import (
 )
 
 __all__ = ["is_remote", "parse_url", "ObjectStore", "ObjectInfo", "ObjectStoreError", "StoreUnreachable",
-           "CredentialsRefused", "ObjectMismatch", "NoSuchStore", "ATTEMPTS", "store_errors_as"]
+           "CredentialsRefused", "ObjectMismatch", "NoSuchStore", "ATTEMPTS", "store_errors_as", "forget_clients"]
 
 T = TypeVar("T")
 _clients: dict = {}
@@ -77,6 +77,13 @@ def _client():
                 raise ObjectStoreError(f"S3 endpoint {endpoint!r}: {exc} (an endpoint URL starts with http:// "
                                        "or https://)") from None
         return _clients[key]
+
+
+def forget_clients() -> None:
+    """Drop the cached client: the next call makes one from the environment as it is now (a new
+    endpoint or credentials)."""
+    with _clients_lock:
+        _clients.clear()
 
 
 def endpoint() -> str:

@@ -137,7 +137,7 @@ def test_wrong_credentials_say_so(s3, tmp_path, monkeypatch):
 
     _, url = store_with(s3, tmp_path)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
-    objstore._clients.clear()
+    objstore.forget_clients()
     with pytest.raises(LoaderError, match="refused our credentials") as info:
         ShardIter(url, 8, cache_dir=tmp_path / "cache")
     assert "\n" not in str(info.value)
@@ -294,7 +294,7 @@ def test_an_endpoint_url_without_a_scheme_is_one_clear_error(s3, tmp_path, monke
 
     _, url = store_with(s3, tmp_path)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"127.0.0.1:{s3.port}")
-    objstore._clients.clear()
+    objstore.forget_clients()
     with pytest.raises(LoaderError, match="http:// or https://"):
         ShardIter(url, 8, cache_dir=tmp_path / "cache")
 
