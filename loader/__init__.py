@@ -5,7 +5,7 @@ engine before MXNet shuts down, so a ``dist_sync`` worker exits cleanly, and end
 ``dist_sync`` worker at once with its exit code instead of hanging in MXNet's kvstore teardown.
 """
 
-from loader import lifecycle
+import loader.lifecycle as lifecycle
 from loader.errors import LoaderError
 from loader.shard_iter import ShardIter
 from loader.source.selection import to_datetime64

@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 import mxnet as mx
 
-from loader import exitcode
+import loader.exitcode as exitcode
 
 __all__ = ["EXIT_WAIT_S", "install", "track", "close_all", "wait_for_engine", "exit_steps"]
 

@@ -17,8 +17,8 @@ from typing import Any, Optional, Sequence
 
 import mxnet as mx
 
-from loader import lifecycle
 from loader.errors import LoaderError
+from loader.lifecycle import track
 from loader.pipeline.batches import StreamParams
 from loader.pipeline.settings import (
     buffer_records,
@@ -89,7 +89,7 @@ class ShardIter(mx.io.DataIter):
                              memory=memory)
         self._describe()
         self._restart_clock()
-        lifecycle.track(self)
+        track(self)
 
     @classmethod
     def for_kvstore(cls, kv: Any, manifest: os.PathLike | str, batch_size: int, **kwargs: Any) -> ShardIter:
