@@ -42,6 +42,7 @@ def test_a_manifest_file_its_folder_and_its_default_name_are_one_store(tmp_path)
         assert isinstance(location, FolderLocation)
         assert location.store == store and location.manifest_path.parent == store, given
         with ShardIter(given, 5, shuffle=False, cache_dir=tmp_path / "c") as it:
+            assert len(list((store / "leases").glob("*.json"))) == 1, "the reader lease is in the store"
             assert sorted(i for b in it for i in batch_ids(b)) == list(range(50)), given
 
 
