@@ -49,7 +49,8 @@ class ShardIter(mx.io.DataIter):
     in bytes (a string such as ``"256MB"`` or ``"1GiB"``; default 128 MB).
     ``native_batch``: records per native batch. ``prefetch_buffer``: caller batches assembled
     ahead. What these hold in memory is computed at construction (:mod:`loader.pipeline.memory`);
-    more than half the machine's memory is a LoaderError.
+    more than half the machine's memory is a LoaderError. ``producer``: ``"thread"``, the one
+    transport (``"process"`` was removed).
     """
 
     def __init__(self, manifest: os.PathLike | str | Location, batch_size: int, *, shuffle: bool = True,
@@ -58,7 +59,10 @@ class ShardIter(mx.io.DataIter):
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
                  verify: str = "frame", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
-                 cache_limit: Optional[int | str] = None):
+                 cache_limit: Optional[int | str] = None, producer: str = "thread"):
+        if producer != "thread":
+            raise LoaderError(f"producer={producer!r}: the producer process was removed; the producer thread is the "
+                              "one transport (README, 'Where the code is')")
         check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
                         preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
                         native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify)

@@ -150,7 +150,8 @@ def _folder(store: FolderStore, root: Path, limit: object) -> Location:
 def _mirror(store: S3Store, root: Path, limit: object) -> Location:
     folder = (root / OBJECTS / store.objects.bucket / store.objects.prefix).resolve()
     size = None if limit is None else parse_size(limit, "cache_limit",
-                                                 "a positive number of bytes or a size such as '20GB'")
+                                                 "a positive number of bytes or a size such as '20GB'",
+                                                 bare_bytes=True)
     with _MIRRORS_LOCK:
         cache = _MIRRORS.get(folder)
         if cache is None or cache.limit != size:

@@ -225,6 +225,7 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
         folder = mine / f"{next(_SEQ):05d}-{key}"
         try:
             _clean_dead_processes(plans)
+            _clean_dead_processes(location.root)  # where versions before 2026-12-05 put them
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             files.folder = folder

@@ -21,9 +21,9 @@ DateRange = Optional[Sequence[Optional[str]]]
 
 
 def manifest_path_of(path: Path) -> Path:
-    """Accept a manifest file or a store folder."""
+    """Accept a manifest file or a store folder (what is not a file is taken as a folder)."""
     path = Path(path)
-    return path / MANIFEST_NAME if path.is_dir() else path
+    return path if path.is_file() else path / MANIFEST_NAME
 
 
 _PARSED: dict = {}  # path -> (file identity, Manifest): parsed again only when the file changed

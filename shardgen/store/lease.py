@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from pathlib import Path
 from typing import Optional, Union
 
 from shardgen.store import Store, open_store
@@ -54,7 +53,6 @@ class Lease:
         self.refresh_s = refresh_s
         store = open_store(store)
         name = f"{LEASE_DIR}/{new_lease_name()}"
-        self.path = Path(store.where(name))
         self._state: Heartbeat = store.heartbeat(name)
         self._thread: Optional[threading.Thread] = None
         weakref.finalize(self, self._state.release)

@@ -49,7 +49,6 @@ from shardgen.store.naming import (
     check_date,
     check_name,
     name_version,
-    next_generation,
     shard_stem,
     sidecar_of,
     snapshot_generations,
@@ -58,7 +57,7 @@ from shardgen.store.naming import (
 
 __all__ = ["FORMAT", "MANIFEST_NAME", "SNAPSHOT_DIR", "ShardEntry", "RetiredEntry", "Manifest",
            "utc_now", "parse_utc", "check_name", "shard_stem", "name_version", "snapshot_path",
-           "snapshot_generations", "next_generation"]
+           "snapshot_generations"]
 
 FORMAT = "shardgen/2"
 READABLE_FORMATS = ("shardgen/1", FORMAT)

@@ -19,17 +19,14 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from shardgen.fsutil import HOST_TOKEN
-
-if TYPE_CHECKING:  # pragma: no cover
-    from shardgen.store.manifest import Manifest
 
 __all__ = ["MANIFEST_NAME", "SNAPSHOT_DIR", "MANIFEST_LOCK", "WATCH_LOCK", "WATCH_STATE", "LEASE_DIR",
            "CLOCK_NAME", "check_date", "check_name", "shard_stem", "name_version", "shard_paths", "sidecar_of",
            "sidecar_name", "date_file_names", "dated_sidecars", "snapshot_name", "snapshot_path",
-           "snapshot_generations", "next_generation", "new_lease_name"]
+           "snapshot_generations", "new_lease_name"]
 
 MANIFEST_NAME = "manifest.json"
 SNAPSHOT_DIR = "generations"
@@ -125,11 +122,6 @@ def snapshot_generations(store: Path) -> list[int]:
     if not folder.is_dir():
         return []
     return sorted(int(p.stem) for p in folder.glob("*.json") if p.stem.isdigit())
-
-
-def next_generation(store: Path, manifest: Manifest) -> int:
-    """The number the next publish of ``manifest`` gets: never one a snapshot already used."""
-    return max([manifest.generation, *snapshot_generations(store)]) + 1
 
 
 def new_lease_name() -> str:

@@ -433,3 +433,33 @@ def test_load_state_dict_restores_the_date_selection(store, cache):
         assert sum(2 - b.pad for b in it) == 14 - 2
         it.reset()
         assert it.records_per_epoch == 14, "the saved selection holds after the next reset()"
+
+
+def test_history_keeps_one_entry_per_epoch_read_and_load_state_dict_starts_a_new_one(store, cache):
+    """``history``: an epoch's statistics once it ends (reset, close, or a load_state_dict that
+    starts another stream), none for an epoch not read at all; the statistics after a
+    load_state_dict count only what was read since."""
+    with ShardIter(store, 8, cache_dir=cache) as it:
+        it.reset()  # nothing read: no entry
+        assert it.history == []
+        n = sum(1 for _ in it)
+        it.reset()
+        assert [(h["epoch"], h["batches"], h["samples"]) for h in it.history] == [(1, n, it.records_per_epoch)]
+        it.next()
+        state = it.state_dict()
+        it.next()
+        it.close()  # a partial epoch counts too
+        assert [h["batches"] for h in it.history] == [n, 2]
+    with ShardIter(store, 8, cache_dir=cache) as it:
+        it.next(), it.next()
+        it.load_state_dict(state)  # epoch 2 from its second batch: a new stream, a new clock
+        assert [(h["epoch"], h["batches"]) for h in it.history] == [(0, 2)]
+        it.next()
+        assert it.stats["samples"] == 8 and it.stats["batches"] == 2 and it.epoch == 2
+
+
+def test_producer_thread_is_still_accepted_and_the_removed_process_producer_says_so(store, cache):
+    with ShardIter(store, 8, cache_dir=cache, producer="thread") as it:
+        assert it.next().data[0].shape[0] == 8
+    with pytest.raises(LoaderError, match="producer='process': the producer process was removed"):
+        ShardIter(store, 8, cache_dir=cache, producer="process")

@@ -3,6 +3,8 @@ manifest file, its folder), and cache_dir, the one root of what the loader write
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from conftest import batch_ids, make_store
@@ -25,6 +27,21 @@ def test_sizes_read_as_bytes(text, size):
 def test_a_bad_size_names_the_argument_and_what_is_expected(bad):
     with pytest.raises(LoaderError, match=r"cache_limit (must be a size such as '20GB', got|'0MB' is empty)"):
         parse_size(bad, "cache_limit", EXPECTED)
+
+
+@pytest.mark.parametrize("text, size", [("20000000000", 20 * 10**9), ("2e10", 2 * 10**10), ("1e+3", 1000)])
+def test_a_bare_number_is_bytes_only_where_the_argument_is_bytes(text, size):
+    """``cache_limit`` (bytes, e.g. ``--cache-limit 20000000000``) takes a bare number; ``shuffle_buffer``,
+    whose int counts records, refuses a string without a unit."""
+    assert parse_size(text, "cache_limit", EXPECTED, bare_bytes=True) == size
+    with pytest.raises(LoaderError, match="shuffle_buffer must be"):
+        parse_size(text, "shuffle_buffer", EXPECTED)
+
+
+def test_a_missing_store_is_named_with_its_manifest(tmp_path):
+    for given in (tmp_path / "nope", tmp_path / "nope" / "manifest.json"):
+        with pytest.raises(LoaderError, match=f"{tmp_path / 'nope' / 'manifest.json'}"):
+            ShardIter(given, 4, cache_dir=tmp_path / "c")
 
 
 def test_cache_limit_is_refused_for_a_folder_store(tmp_path):
@@ -51,9 +68,15 @@ def test_cache_dir_is_one_root_with_plans_below_it(tmp_path, monkeypatch):
     else ~/.cache/shardgen."""
     make_store(tmp_path / "s", {"2024-01-02": 20})
     mine = f"{HOST_TOKEN}-{os.getpid()}"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for folder in (tmp_path / "c" / "plans", tmp_path / "c"):  # the latter: where older versions put them
+        (folder / f"{HOST_TOKEN}-{dead.pid}" / "00000-abc").mkdir(parents=True)
     with ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c") as it:
         assert it.cache_dir == tmp_path / "c"
         assert it.plan.folder.parent == (tmp_path / "c" / "plans" / mine).resolve()
+        assert not list((tmp_path / "c").glob(f"{HOST_TOKEN}-{dead.pid}")), "a dead process's plans are removed"
+        assert not list((tmp_path / "c" / "plans").glob(f"{HOST_TOKEN}-{dead.pid}"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == tmp_path / "xdg" / "shardgen"
     with ShardIter(tmp_path / "s", 4) as it:
