@@ -31,8 +31,10 @@ LAYOUTS = {"samples": Layout(), "windows": Layout("windows", 8), "runs": Layout(
 
 
 def bench_cache() -> Path:
-    """The loader's ``cache_dir`` in every bench: on tmpfs where there is one (the plan folders are
-    metadata-heavy, and the numbers compare with earlier runs measured there), else the default root."""
+    """The loader's ``cache_dir`` in every bench: on tmpfs where there is one (the numbers compare
+    with earlier runs, measured there), else the default root. The default root is on disk: a new
+    plan at 400 shards took 43 ms there against 34 ms on tmpfs (medians of 7, 2026-12-05), once per
+    new generation."""
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
         return shm / f"shardgen-bench-{os.getuid()}"
