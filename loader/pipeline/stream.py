@@ -96,10 +96,13 @@ class EpochStream:
         """The next batch not skipped."""
         while True:
             with self._cond:
-                while not self._ready and not self._halt.is_set():
+                while not self._ready and not self._halt.is_set() and not self._ended:
                     self._cond.wait(0.5)
                 if not self._ready:
-                    raise LoaderError("the iterator was closed (or reset) while this next() waited")
+                    if self._halt.is_set():
+                        raise LoaderError("the iterator was closed (or reset) while this next() waited")
+                    raise LoaderError(f"the stream of epoch {self.epoch} ended with no batch left for this next() "
+                                      f"(generation {self.plan.generation}): the iterator lost count of its batches")
                 item = self._ready[0]
                 if not isinstance(item, BaseException):  # an error stays: every later get() raises it
                     self._ready.popleft()
@@ -222,6 +225,7 @@ class EpochStream:
             with self._cond:
                 self._ended = True
                 halted = self._halt.is_set()
+                self._cond.notify_all()  # a get() waiting for a batch that will never come
             if halted:  # closed without waiting for this thread (else the caller gives back)
                 self._give_back()
 

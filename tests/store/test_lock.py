@@ -29,3 +29,33 @@ def test_cli_with_a_planted_manifest_lock_symlink_says_so_in_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "lock file is a symlink" in r.stderr and "Traceback" not in r.stderr
     assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("cut", [0, 1])
+def test_a_publish_cut_between_its_writes_never_names_a_generation_without_its_snapshot(tmp_path, monkeypatch, cut):
+    """A generation is published as its snapshot first, then ``manifest.json``: a writer killed
+    after either write leaves a manifest whose generation has its snapshot (a reader pinned to it,
+    or a kvstore worker told to open it, still can once the manifest moves on)."""
+    from shardgen.store import FolderStore
+    from shardgen.store.manifest import Manifest
+    from shardgen.store.publish import publish
+
+    store = tmp_path / "s"
+    make_store(store, {"2024-01-02": 10})
+    manifest = Manifest.load(store / "manifest.json")
+    entry = manifest.shards[0]
+    calls = []
+    real = FolderStore.write
+
+    def killed_after(self, name, data, *, durable=True):
+        if len(calls) == cut:
+            raise OSError("killed")
+        calls.append(name)
+        return real(self, name, data, durable=durable)
+
+    monkeypatch.setattr(FolderStore, "write", killed_after)
+    with pytest.raises(OSError, match="killed"):
+        publish(store, manifest.schema, 1, [entry.__class__(**{**entry.__dict__, "date": "2024-01-03"})])
+    monkeypatch.undo()
+    now = Manifest.load(store / "manifest.json")
+    assert (store / "generations" / f"{now.generation}.json").is_file()

@@ -452,3 +452,28 @@ def test_adopts_complete_shards_from_other_producers(tmp_path, caplog):
         assert "2024-01-04: not adopting" in caplog.text and "sha256 differs from its sidecar" in caplog.text
         assert w.cycle().adopted == []  # the bad one is reported once, left alone
     assert published(mine.store.dir) == ["2024-01-02", "2024-01-03"]
+
+
+def test_a_complete_shard_of_another_schema_is_never_adopted(tmp_path):
+    """Shard files in the store for a due date, complete and whole but written for another schema
+    (another producer's config): the date is built again for this one, never adopted."""
+    from shardgen.produce.build import build
+    from shardgen.store.sidecar import Sidecar
+    from shardgen.watch.watcher import Watcher
+
+    path = write_config(tmp_path / "other", start="2024-01-03", end="2024-01-03")
+    path.write_text(path.read_text().replace("time_steps = 5", "time_steps = 6"))
+    other = load_config(path)
+    build(other)
+    mine = load_config(write_config(tmp_path / "mine", start="2024-01-02", end="2024-01-03"))
+    assert other.schema.fingerprint != mine.schema.fingerprint
+    mine.store.dir.mkdir(parents=True)
+    for ext in ("rec", "idx", "json"):
+        shutil.copy(other.store.dir / f"2024-01-03.{ext}", mine.store.dir / f"2024-01-03.{ext}")
+    with Watcher(mine) as w:
+        report = w.cycle()
+    assert report.adopted == []
+    assert published(mine.store.dir) == ["2024-01-02", "2024-01-03"]
+    assert Sidecar.load(mine.store.dir / "2024-01-03.json").fingerprint == mine.schema.fingerprint
+    with ShardIter(mine.store.dir, 4, cache_dir=tmp_path / "c") as it:
+        assert sum(b.data[0].shape[0] - b.pad for b in it) == it.records_per_epoch > 0
