@@ -36,6 +36,11 @@ from loader.source.selection import DateRange, normalize_dates
 __all__ = ["ShardIter"]
 
 
+def _setting(name: str) -> property:
+    """A read-only attribute of the iterator: the reader's setting ``name``."""
+    return property(lambda self: getattr(self.reader.params, name), doc=f"``{name}``, as constructed")
+
+
 class ShardIter(mx.io.DataIter):
     """Batches of a shard store: ``data = [x (B, T, C)]``, ``label = [each label..., date]``.
 
@@ -175,33 +180,14 @@ class ShardIter(mx.io.DataIter):
     def schema(self) -> Any:
         return self.reader.schema
 
-    @property
-    def shuffle(self) -> bool:
-        return self.reader.params.shuffle
-
-    @property
-    def seed(self) -> int:
-        return self.reader.params.seed
-
-    @property
-    def num_parts(self) -> int:
-        return self.reader.params.num_parts
-
-    @property
-    def part_index(self) -> int:
-        return self.reader.params.part_index
-
-    @property
-    def last_batch(self) -> str:
-        return self.reader.params.last_batch
-
-    @property
-    def preprocess_threads(self) -> int:
-        return self.reader.params.preprocess_threads
-
-    @property
-    def prefetch_buffer(self) -> int:
-        return self.reader.params.prefetch_buffer
+    # The reading settings, as constructed (read-only): the reader's StreamParams.
+    shuffle = _setting("shuffle")
+    seed = _setting("seed")
+    num_parts = _setting("num_parts")
+    part_index = _setting("part_index")
+    last_batch = _setting("last_batch")
+    preprocess_threads = _setting("preprocess_threads")
+    prefetch_buffer = _setting("prefetch_buffer")
 
     @property
     def verify(self) -> str:
