@@ -21,7 +21,7 @@ from loader.pipeline.memory import Arena, settle_allocator
 from loader.pipeline.settings import check_memory
 from loader.source.generations import Choice
 from loader.source.location import Location
-from loader.source.plan import EpochPlan, make_plan, recheck
+from loader.source.plan import EpochPlan, make_plan
 from loader.source.selection import DateRange, normalize_dates, select_shards
 from shardgen.store.manifest import Manifest, ShardEntry
 
@@ -101,14 +101,12 @@ class Reader:
         else:
             plan = current
         if plan.folder == current.folder:
-            recheck(plan, self.schema, self.verify)
+            self.epochs.recheck(plan, self.schema, self.verify)
         self._start(plan, epoch=self.epoch + 1)
 
     def end_epoch(self) -> None:
         """Stop this epoch's stream (a ``reset()`` or ``load()`` starts the next one)."""
-        stream, self.epochs.stream = self.epochs.stream, None
-        if stream is not None:
-            stream.close(wait=self.cursor < self.batches)  # read to its end: its thread is ending
+        self.epochs.end_current(wait=self.cursor < self.batches)  # read to its end: its thread is ending
 
     def _plan_for(self, manifest: Manifest, shards: tuple) -> EpochPlan:
         return make_plan(self.location, manifest, shards, verify=self.verify, fetcher=f"iter-{id(self)}")

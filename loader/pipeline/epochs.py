@@ -17,7 +17,8 @@ from loader.pipeline.batches import StreamParams
 from loader.pipeline.memory import Arena
 from loader.pipeline.stream import EpochStream
 from loader.pipeline.zerocopy import lenders, sweep
-from loader.source.plan import EpochPlan, drop, hold
+from loader.source.plan import EpochPlan, drop, hold, recheck
+from shardgen.format.schema import Schema
 from shardgen.store.lease import Lease
 
 __all__ = ["Epochs", "join_closing"]
@@ -37,6 +38,7 @@ class Epochs:
         self.lease = lease
         self.stream: Optional[EpochStream] = None
         self.ahead: Optional[EpochStream] = None
+        self.ending: set = set()  # streams end_current() took out and is stopping: close() waits for them too
         self.plan: Optional[EpochPlan] = None
         self.arena: Optional[Arena] = None
         self.lock = threading.Lock()
@@ -117,7 +119,33 @@ class Epochs:
         finally:
             self.lock.release()
 
+    def recheck(self, plan: EpochPlan, schema: Schema, verify: str) -> None:
+        """``plan.recheck`` of the current plan's files, which a ``close()`` from another thread
+        cannot close meanwhile (an fstat on a closed, or reused, descriptor)."""
+        with self.lock:
+            if self.closed:
+                raise LoaderError(f"{plan.store}: the iterator was closed (by another thread) during reset()")
+            recheck(plan, schema, verify)
+
+    def end_current(self, wait: bool) -> None:
+        """Stop the current stream (``reset()``, ``load_state_dict()``); ``wait=False``: it was read
+        to its end and its thread is ending. Until it has stopped, a ``close()`` from another thread
+        waits for it too: its native readers may still be opening on the plan's files, which close()
+        lets go of (that race crashed MXNet 1 run in 8)."""
+        with self.lock:
+            stream, self.stream = self.stream, None
+            if stream is None:
+                return
+            self.ending.add(stream)
+        try:
+            stream.close(wait=wait)
+        finally:
+            self.ending.discard(stream)
+
     def close_streams(self) -> None:
+        """Stop every stream, those being ended by another thread too (under ``lock``)."""
+        for stream in list(self.ending):
+            stream.close()
         for name in ("stream", "ahead"):
             stream = getattr(self, name)
             setattr(self, name, None)
