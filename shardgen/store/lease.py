@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from pathlib import Path
 from typing import Optional, Union
 
 from shardgen.store import Store, open_store
@@ -53,6 +54,7 @@ class Lease:
         self.refresh_s = refresh_s
         store = open_store(store)
         name = f"{LEASE_DIR}/{new_lease_name()}"
+        self.path = Path(store.where(name))  # where the lease file is (a path, or the object's URL)
         self._state: Heartbeat = store.heartbeat(name)
         self._thread: Optional[threading.Thread] = None
         weakref.finalize(self, self._state.release)
