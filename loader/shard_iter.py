@@ -148,7 +148,7 @@ class ShardIter(mx.io.DataIter):
             raise StopIteration
         self._check_open()
         arrays, pad = reader.take()
-        self._samples += self.batch_size - pad if self.last_batch == "pad" else self.batch_size
+        self._samples += self.batch_size - pad  # pad is 0 with last_batch="discard"
         t1 = time.perf_counter()
         self._blocked += t1 - t0
         self._epoch_t1 = t1

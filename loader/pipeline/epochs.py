@@ -33,6 +33,10 @@ def join_closing(timeout: float) -> None:
         thread.join(timeout)
 
 
+def _closed_during_reset(plan: EpochPlan) -> LoaderError:
+    return LoaderError(f"{plan.store}: the iterator was closed (by another thread) during reset()")
+
+
 class Epochs:
     def __init__(self, lease: Lease):
         self.lease = lease
@@ -54,7 +58,7 @@ class Epochs:
             if self.closed:
                 if plan.files is not None and (self.plan is None or self.plan.folder != plan.folder):
                     plan.files.close()
-                raise LoaderError(f"{plan.store}: the iterator was closed (by another thread) during reset()")
+                raise _closed_during_reset(plan)
             previous = self.plan
             ahead, self.ahead = self.ahead, None
             if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != epoch or skip):
@@ -124,7 +128,7 @@ class Epochs:
         cannot close meanwhile (an fstat on a closed, or reused, descriptor)."""
         with self.lock:
             if self.closed:
-                raise LoaderError(f"{plan.store}: the iterator was closed (by another thread) during reset()")
+                raise _closed_during_reset(plan)
             recheck(plan, schema, verify)
 
     def end_current(self, wait: bool) -> None:
