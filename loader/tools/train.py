@@ -25,7 +25,7 @@ from mxnet import autograd, gluon
 from loader.errors import LoaderError
 from loader.shard_iter import ShardIter
 
-__all__ = ["main", "build_net", "contexts"]
+__all__ = ["main", "build_net", "batch_losses", "contexts"]
 
 log = logging.getLogger("loader.tools.train")
 
@@ -65,15 +65,19 @@ def _row_weights(batch: mx.io.DataBatch) -> mx.nd.NDArray:
     return mx.nd.array(w)
 
 
+def batch_losses(net, batch: mx.io.DataBatch, ctx: list, target: int) -> list:
+    """Squared error of each row, one array per context; the padded rows of a last batch weigh 0."""
+    xs = gluon.utils.split_and_load(batch.data[0], ctx, even_split=False)
+    ys = gluon.utils.split_and_load(batch.label[target], ctx, even_split=False)
+    ws = gluon.utils.split_and_load(_row_weights(batch), ctx, even_split=False)
+    return [((net(x) - y) ** 2) * w for x, y, w in zip(xs, ys, ws)]
+
+
 def _evaluate(net, it: ShardIter, ctx: list, target: int) -> float:
     total, count = 0.0, 0
     for batch in it:
-        xs = gluon.utils.split_and_load(batch.data[0], ctx, even_split=False)
-        ys = gluon.utils.split_and_load(batch.label[target], ctx, even_split=False)
-        ws = gluon.utils.split_and_load(_row_weights(batch), ctx, even_split=False)
-        for x, y, w in zip(xs, ys, ws):
-            total += float((((net(x) - y) ** 2) * w).sum().asscalar())
-            count += float(w.sum().asscalar())
+        total += sum(float(loss.sum().asscalar()) for loss in batch_losses(net, batch, ctx, target))
+        count += batch.data[0].shape[0] - batch.pad
     it.reset()  # ready for the next evaluation, on the newest generation
     return total / max(count, 1.0)
 
@@ -116,11 +120,8 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
             if args.record_log:
                 values = batch.label[target].asnumpy()
                 seen[-1] += values[: len(values) - batch.pad].tolist()
-            xs = gluon.utils.split_and_load(batch.data[0], ctx, even_split=False)
-            ys = gluon.utils.split_and_load(batch.label[target], ctx, even_split=False)
-            ws = gluon.utils.split_and_load(_row_weights(batch), ctx, even_split=False)
             with autograd.record():
-                losses = [((net(x) - y) ** 2) * w for x, y, w in zip(xs, ys, ws)]
+                losses = batch_losses(net, batch, ctx, target)
             for loss in losses:
                 loss.backward()
             trainer.step(args.batch_size)

@@ -12,6 +12,7 @@ import proctree
 import pytest
 from conftest import ROOT, make_store, write_config
 from proctree import alive, member_pids
+from test_train import assert_params_moved, initial_params
 
 from shardgen.config import load_config
 from shardgen.produce.build import build
@@ -51,6 +52,7 @@ def test_dist_sync_two_workers_exact_epochs_same_params(tmp_path):
     assert p0.keys() == p1.keys() and p0
     for key in p0:
         np.testing.assert_array_equal(p0[key].asnumpy(), p1[key].asnumpy())
+    assert_params_moved(initial_params(store, 4, tmp_path / "init.params"), p0)  # equal because both trained
 
 
 def test_a_killed_worker_stops_the_job(tmp_path):

@@ -4,8 +4,12 @@ import json
 import subprocess
 import sys
 
+import mxnet as mx
 import numpy as np
 from conftest import ROOT, make_store
+
+from loader.shard_iter import ShardIter
+from loader.tools.train import batch_losses, build_net
 
 
 def run_train(*args, timeout=180):
@@ -13,17 +17,54 @@ def run_train(*args, timeout=180):
                           text=True, timeout=timeout, cwd=ROOT)
 
 
+def initial_params(store, hidden, path, seed=0) -> dict:
+    """The parameters the example starts from: its net, built with the same seed, before any update."""
+    with ShardIter(store / "manifest.json", 4) as it:
+        shape = it.provide_data[0].shape[1:]
+    net = build_net(hidden, [mx.cpu()], seed)
+    net(mx.nd.zeros((1, *shape)))  # the LSTM's input size is known at the first call
+    net.save_parameters(str(path))
+    return mx.nd.load(str(path))
+
+
+def assert_params_moved(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys() and before
+    for key in before:
+        assert not np.array_equal(before[key].asnumpy(), after[key].asnumpy()), f"{key} was never updated"
+
+
 def test_gluon_two_contexts_with_validation(tmp_path):
     make_store(tmp_path / "s", {"2024-01-02": 40, "2024-01-03": 30, "2024-01-04": 25})
     r = run_train("--manifest", tmp_path / "s/manifest.json", "--epochs", "2", "--batch-size", "16",
                   "--cpu-devices", "2", "--val-from", "2024-01-04", "--target", "a", "--hidden", "8",
-                  "--history-out", tmp_path / "h.json")
+                  "--history-out", tmp_path / "h.json", "--params-out", tmp_path / "trained.params")
     assert r.returncode == 0, r.stderr
     hist = json.loads((tmp_path / "h.json").read_text())
     assert [h["epoch"] for h in hist] == [0, 1]
     assert all(h["batches"] == 5 and h["samples"] == 70 for h in hist)  # ceil(70/16), pad masked
     assert all(np.isfinite(h["train_mse"]) and np.isfinite(h["val_mse"]) for h in hist)
     assert "epoch 1: train mse" in r.stdout and "data stall" in r.stdout
+    assert_params_moved(initial_params(tmp_path / "s", 8, tmp_path / "init.params"),
+                        mx.nd.load(str(tmp_path / "trained.params")))
+
+
+def test_padded_rows_weigh_nothing_in_the_loss():
+    ctx = [mx.cpu(0), mx.cpu(1)]
+    net = build_net(4, ctx, seed=0)
+    rng = np.random.default_rng(0)
+    data, labels = rng.normal(size=(8, 5, 3)).astype(np.float32), rng.normal(size=(2, 8)).astype(np.float32)
+
+    def loss(data, labels) -> float:
+        batch = mx.io.DataBatch([mx.nd.array(data)], [mx.nd.array(v) for v in labels], pad=3)
+        return sum(float(part.sum().asscalar()) for part in batch_losses(net, batch, ctx, target=1))
+
+    base = loss(data, labels)
+    junk_data, junk_labels = data.copy(), labels.copy()
+    junk_data[5:], junk_labels[:, 5:] = 100.0, -100.0  # the 3 padded rows
+    assert loss(junk_data, junk_labels) == base
+    real_row = labels.copy()
+    real_row[1, 4] += 10.0  # the last real row does count
+    assert loss(data, real_row) > base
 
 
 def test_module_fit_example(tmp_path):
