@@ -41,7 +41,8 @@ import mxnet as mx
 
 import loader.exitcode as exitcode
 
-__all__ = ["EXIT_WAIT_S", "install", "track", "close_all", "wait_for_engine", "exit_steps"]
+__all__ = ["EXIT_WAIT_S", "RANK_FILE", "install", "track", "close_all", "wait_for_engine", "exit_steps",
+           "report_rank"]
 
 log = logging.getLogger(__name__)
 EXIT_WAIT_S = 30.0  # seconds the exit hook waits for MXNet's engine before giving up
@@ -138,3 +139,20 @@ def install() -> None:
     if _is_worker():
         exitcode.install()
     atexit.register(_at_exit)
+
+
+RANK_FILE = "SHARDGEN_RANK_FILE"  # where a worker started by this launcher reports its kvstore rank
+
+
+def report_rank(rank: int) -> None:
+    """Tell ``loader.tools.launch`` this worker's kvstore rank, so its lines and messages carry it
+    (nothing outside the launcher)."""
+    path = os.environ.get(RANK_FILE)
+    if not path:
+        return
+    try:
+        with open(path + ".tmp", "w") as fh:
+            fh.write(str(int(rank)))
+        os.replace(path + ".tmp", path)
+    except OSError:  # the launcher is gone: nobody to tell
+        pass

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import mxnet as mx
 
 from loader.errors import LoaderError
-from loader.lifecycle import track
+from loader.lifecycle import report_rank, track
 from loader.pipeline.batches import StreamParams
 from loader.pipeline.settings import (
     buffer_records,
@@ -113,6 +113,7 @@ class ShardIter(mx.io.DataIter):
             it = cls(location, batch_size, num_parts=kv.num_workers, part_index=kv.rank, generation=generation,
                      **kwargs)
         it.reader.choice = Choice(kv=kv)  # from the next reset() on, the workers agree again
+        report_rank(kv.rank)  # loader.tools.launch labels this worker's lines with it
         return it
 
     # -- the contract ---------------------------------------------------------------------------

@@ -140,14 +140,26 @@ class Tagged:
         self.close()
 
 
+def settle(tag: str, within: float = 5.0) -> set[int]:
+    """The tagged processes still alive ``within`` seconds from now (those being killed get the time
+    to die; returns as soon as none is left)."""
+    deadline = time.monotonic() + within
+    while (pids := tagged_pids(tag)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return set(pids)
+
+
 def run(argv: list, *, timeout: float, **kw) -> subprocess.CompletedProcess:
-    """``subprocess.run(capture_output=True, text=True)`` that kills every tagged process at the end;
-    ``.left_behind`` lists those still alive after the process exited (killed by now)."""
+    """``subprocess.run(capture_output=True, text=True)`` that kills every tagged process at the end.
+    ``.alive_at_exit`` holds the tagged pids still alive after the process exited (checked before the
+    cleanup, so a test can name what was left); ``.left_behind`` those the cleanup had to kill."""
     job = Tagged(argv, **kw)
     try:
         code = job.wait(timeout)
+        alive_at_exit = settle(job.tag)
     finally:
         left = job.close()
     result = subprocess.CompletedProcess(argv, code, job.stdout, job.stderr)
+    result.alive_at_exit = alive_at_exit
     result.left_behind = left
     return result

@@ -6,7 +6,10 @@ pip wheel does not ship).
 
 Workers run the command; the scheduler and servers run ``python -c "import mxnet"`` (importing
 MXNet with ``DMLC_ROLE`` = server/scheduler runs its loop). Every line a process prints is shown
-with its role and rank. The first process to fail stops the job: the others are killed (whole
+with its role; a worker's lines with its kvstore rank once the worker reported it (MXNet gives
+ranks in the order workers reach the scheduler, not in launch order): ``ShardIter.for_kvstore``
+reports it, a script of your own calls ``report_rank(kv.rank)``. The launcher prints the mapping
+(``launch: worker 1 is rank 0``) and names both in every message about a worker. The first process to fail stops the job: the others are killed (whole
 process groups) and the exit code is non-zero, never a hang. Ctrl-C / SIGTERM do the same. On
 Linux every process gets SIGKILL when the launcher dies, even by ``kill -9`` (``PR_SET_PDEATHSIG``).
 
@@ -26,14 +29,18 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
+
+from loader.lifecycle import RANK_FILE
 
 __all__ = ["main", "dmlc_env", "Job", "STRAGGLER_S", "TIMED_OUT"]
 
@@ -78,6 +85,18 @@ class Member:
     name: str
     proc: subprocess.Popen
     worker: bool
+    rank_file: Optional[str] = None
+    rank: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        """How its output lines are prefixed: ``rank 0`` once known, else ``worker 1``."""
+        return self.name if self.rank is None else f"rank {self.rank}"
+
+    @property
+    def title(self) -> str:
+        """How messages name it: ``worker 1 (rank 0)``."""
+        return self.name if self.rank is None else f"{self.name} (rank {self.rank})"
 
 
 class Job:
@@ -92,24 +111,44 @@ class Job:
         self.members: list[Member] = []
         self._print = threading.Lock()
         self._pumps: list[threading.Thread] = []
+        self._ranks = tempfile.mkdtemp(prefix="shardgen-launch-")  # workers' rank reports
 
     def _spawn(self, name: str, role: str, argv: list, rank: Optional[int] = None) -> None:
         env = {**os.environ, **dmlc_env(role, workers=self.workers, servers=self.servers, host=self.host,
                                          port=self.port)}
+        rank_file = None
         if rank is not None:
-            env["SHARDGEN_WORKER_RANK"] = str(rank)  # a hint for logs; MXNet assigns kv.rank itself
+            env["SHARDGEN_WORKER_RANK"] = str(rank)  # the launch index; MXNet assigns kv.rank itself
+            env[RANK_FILE] = rank_file = os.path.join(self._ranks, f"worker-{rank}")
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent())
-        self.members.append(Member(name, proc, role == "worker"))
-        pump = threading.Thread(target=self._pump, args=(name, proc), daemon=True)
+        member = Member(name, proc, role == "worker", rank_file)
+        self.members.append(member)
+        pump = threading.Thread(target=self._pump, args=(member,), daemon=True)
         pump.start()
         self._pumps.append(pump)
 
-    def _pump(self, name: str, proc: subprocess.Popen) -> None:
-        for raw in iter(proc.stdout.readline, b""):
+    def _pump(self, member: Member) -> None:
+        for raw in iter(member.proc.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
+            if member.rank is None:
+                self._learn_ranks()  # a worker reports its rank before it prints as that rank
             with self._print:
-                print(f"[{name}] {line}", flush=True)
+                print(f"[{member.label}] {line}", flush=True)
+
+    def _learn_ranks(self) -> None:
+        for m in self.members:
+            if m.rank_file is None or m.rank is not None:
+                continue
+            try:
+                with open(m.rank_file) as fh:
+                    rank = int(fh.read())
+            except (OSError, ValueError):
+                continue
+            with self._print:
+                if m.rank is None:
+                    m.rank = rank
+                    print(f"launch: {m.name} is rank {rank}", file=sys.stderr, flush=True)
 
     def start(self) -> None:
         boot = [sys.executable, "-c", "import mxnet"]
@@ -131,6 +170,7 @@ class Job:
             m.proc.wait()
         for pump in self._pumps:
             pump.join(timeout=5)
+        shutil.rmtree(self._ranks, ignore_errors=True)
 
     def wait(self, timeout: Optional[float] = None) -> int:
         """0 when every worker exits 0; otherwise the first failure's code (all others killed), or
@@ -139,20 +179,21 @@ class Job:
         finished: Optional[tuple[str, float]] = None  # the first worker to exit 0, and when
         try:
             while True:
+                self._learn_ranks()
                 for m in self.members:
                     code = m.proc.poll()
                     if code not in (None, 0):
                         what = f"exited with code {code}" if code > 0 else f"was killed by signal {-code}"
-                        self._say(f"launch: {m.name} {what}; stopping the job")
+                        self._say(f"launch: {m.title} {what}; stopping the job")
                         self.kill()
                         return code if code > 0 else 1
                     if code == 0 and m.worker and finished is None:
-                        finished = (m.name, time.monotonic())
+                        finished = (m.title, time.monotonic())
                 if not self._workers_running():
                     break
                 now = time.monotonic()
                 if finished is not None and now - finished[1] > self.straggler_s:
-                    late = ", ".join(m.name for m in self.members if m.worker and m.proc.poll() is None)
+                    late = ", ".join(m.title for m in self.members if m.worker and m.proc.poll() is None)
                     self._say(f"launch: {late} still running {self.straggler_s:g}s after {finished[0]} exited 0 "
                               f"(hung at exit? see --straggler-s); stopping the job")
                     self.kill()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -69,7 +70,7 @@ def test_a_killed_worker_stops_the_job(tmp_path):
         assert time.monotonic() - t0 < 30
         left = [name for name, pid in members.items() if alive(pid)] + proctree.tagged_pids(job.tag)
     assert code != 0
-    assert "worker 0 was killed by signal 9; stopping the job" in job.stderr
+    assert re.search(r"^launch: worker 0 \(rank [01]\) was killed by signal 9; stopping the job$", job.stderr, re.M)
     assert not left, f"the launcher left {left} behind"
 
 

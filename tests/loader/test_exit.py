@@ -136,11 +136,10 @@ def test_a_straggling_worker_stops_the_job(tmp_path):
     assert "worker 1 still running 3s after worker 0 exited 0" in r.stderr
     assert took < 30
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
-    time.sleep(0.2)
-    assert not [p for p in pids if alive(p)], "the launcher left the worker or its child behind"
+    assert pids and not set(pids) & r.alive_at_exit, "the launcher left the worker or its child behind"
     members = member_pids(r.stderr)
     assert set(members) == {"scheduler", "server 0", "worker 0", "worker 1"}
-    assert not [name for name, pid in members.items() if alive(pid)], "the launcher left a member behind"
+    assert not [name for name, pid in members.items() if pid in r.alive_at_exit], "a member outlived the launcher"
     assert not r.left_behind
 
 
@@ -170,17 +169,19 @@ def test_a_failing_worker_ends_the_job(small_store, how, rank):
     r = launch("-n", 2, "-s", 1, "--", sys.executable, FAILING_WORKER, small_store, rank, how, timeout=40)
     took = time.monotonic() - t0
     code, what = EXPECTED[how]
-    failing = re.search(rf"^\[(worker \d)\] rank {rank} fails now", r.stdout, re.M)
-    assert failing, r.stdout + r.stderr
+    assert re.search(rf"^\[rank {rank}\] rank {rank} fails now", r.stdout, re.M), r.stdout + r.stderr
+    mapping = dict(re.findall(r"^launch: (worker \d) is rank (\d)$", r.stderr, re.M))
+    assert sorted(mapping.values()) == ["0", "1"], r.stderr  # both workers reported their rank
+    failing = next(name for name, r_ in mapping.items() if r_ == str(rank))
     assert r.returncode == code, r.stdout + r.stderr
-    assert f"launch: {failing.group(1)} {what}; stopping the job" in r.stderr
+    assert f"launch: {failing} (rank {rank}) {what}; stopping the job" in r.stderr
     assert took < 30, f"took {took:.0f}s"
     if how == "raise":
-        assert f"[{failing.group(1)}] RuntimeError: rank {rank} broke on purpose" in r.stdout
-        assert f"[{failing.group(1)}] Traceback (most recent call last):" in r.stdout
+        assert f"[rank {rank}] RuntimeError: rank {rank} broke on purpose" in r.stdout
+        assert f"[rank {rank}] Traceback (most recent call last):" in r.stdout
     members = member_pids(r.stderr)
     assert len(members) == 4
-    assert not [name for name, pid in members.items() if alive(pid)], "a member outlived the launcher"
+    assert not [name for name, pid in members.items() if pid in r.alive_at_exit], "a member outlived the launcher"
     assert not r.left_behind
 
 
