@@ -8,9 +8,11 @@ Workers run the command; the scheduler and servers run ``python -c "import mxnet
 MXNet with ``DMLC_ROLE`` = server/scheduler runs its loop). Every line a process prints is shown
 with its role; a worker's lines with its kvstore rank once the worker reported it (MXNet gives
 ranks in the order workers reach the scheduler, not in launch order): ``ShardIter.for_kvstore``
-reports it, a script of your own calls ``report_rank(kv.rank)``. The launcher prints the mapping
-(``launch: worker 1 is rank 0``) and names both in every message about a worker. The first process to fail stops the job: the others are killed (whole
-process groups) and the exit code is non-zero, never a hang. Ctrl-C / SIGTERM do the same. On
+reports it, a script of your own calls ``loader.lifecycle.report_rank(kv.rank)``. The launcher
+prints the mapping (``launch: worker 1 is rank 0``) and names both in every message about a worker.
+
+The first process to fail stops the job: the others are killed (whole process groups) and the exit
+code is non-zero, never a hang. Ctrl-C / SIGTERM do the same. On
 Linux every process gets SIGKILL when the launcher dies, even by ``kill -9`` (``PR_SET_PDEATHSIG``).
 
 The job ends when every worker has exited 0 (scheduler and servers get ``grace_s`` to follow, then
@@ -34,8 +36,8 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
