@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,16 @@ for _folder in (_HERE, *sorted(p for p in _HERE.glob("[a-z]*") if p.is_dir())):
     sys.path.insert(0, str(_folder))
 
 T, C = 5, 4  # small schema used throughout: 5 steps x 4 inputs, labels a(1) b(2)
+
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """``SHARDGEN_TEST_SHUFFLE=<seed> make test`` runs the tests in a random order: a test that passes
+    only after (or fails only after) another one is found this way."""
+    seed = os.environ.get("SHARDGEN_TEST_SHUFFLE")
+    if seed:
+        random.Random(seed).shuffle(items)
+        print(f"tests shuffled with seed {seed}")
 
 
 def write_config(folder: Path, *, modes: dict | None = None, start="2024-01-02", end="2024-01-05",

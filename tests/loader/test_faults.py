@@ -195,9 +195,14 @@ def test_ctrl_c_on_build_stops_its_generators_at_once(tmp_path, mode, sig, jobs)
             os.killpg(b.pid, signal.SIGKILL)
     assert b.returncode == (130 if sig == signal.SIGINT else 143) and "Traceback" not in err, err[-2000:]
     assert took < 10, f"exited {took:.1f}s after {sig.name}"
-    time.sleep(0.5)  # workers (jobs=2) end as their pipe to the build closes
-    left = subprocess.run(["pgrep", "-f", str(tmp_path / "p" / "modes.json")], capture_output=True, text=True).stdout
-    assert not left.split(), f"generator processes still running: {left}"
+    def generators() -> list:
+        return subprocess.run(["pgrep", "-f", str(tmp_path / "p" / "modes.json")], capture_output=True,
+                              text=True).stdout.split()
+
+    deadline = time.monotonic() + 10  # workers (jobs=2) end as their pipe to the build closes
+    while generators() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not generators(), f"generator processes still running 10 s after the build exited: {generators()}"
 
 
 def test_an_mxnet_error_in_the_reader_is_named_by_its_reason(tmp_path, monkeypatch):

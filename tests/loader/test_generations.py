@@ -289,6 +289,7 @@ def test_new_generations_mid_epoch_let_the_old_plans_go_once_their_readers_end(t
     counts = {"2024-01-02": 300, "2024-01-03": 300}
     make_store(store, counts)
     before = len(os.listdir("/proc/self/fd"))
+    threads_before = set(threading.enumerate())  # other tests' iterators may still be running: not ours to count
     with ShardIter(store, 8, cache_dir=cache) as it:
         mine = next((cache / "plans").glob(f"*-{os.getpid()}"))
         for k in range(10):
@@ -306,7 +307,8 @@ def test_new_generations_mid_epoch_let_the_old_plans_go_once_their_readers_end(t
         assert len([p for p in mine.iterdir() if p.is_dir()]) == 1  # this plan's only
     assert not mine.exists() or not [p for p in mine.iterdir() if p.is_dir()]
     assert len(os.listdir("/proc/self/fd")) <= before
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("shardgen-") and t.name != "shardgen-lease"]
+    assert not [t.name for t in set(threading.enumerate()) - threads_before
+                if t.name.startswith("shardgen-") and t.name != "shardgen-lease"]
 
 
 def test_the_next_epoch_is_started_by_the_producer_thread_not_in_next(tmp_path, monkeypatch):
@@ -345,15 +347,23 @@ def test_the_next_epoch_fills_only_while_the_current_one_is_not_short(tmp_path, 
     batches (``EpochStream.short``), and never once it is the current one itself."""
     from loader.pipeline.stream import EpochStream
 
-    short = [True]
-    monkeypatch.setattr(EpochStream, "short", lambda self: short[0])
+    short, asked = [True], []
+
+    def is_short(self) -> bool:  # only the next epoch's stream asks the current one
+        asked.append(1)
+        return short[0]
+
+    monkeypatch.setattr(EpochStream, "short", is_short)
     store, cache = tmp_path / "s", tmp_path / "c"
     make_store(store, {"2024-01-02": 400, "2024-01-03": 400})
     with ShardIter(store, 8, cache_dir=cache) as it:
         seen = [i for _, b in zip(range(it.batches_per_epoch // 2 + 2), it) for i in batch_ids(b)]
         ahead = it.reader.epochs.ahead
         assert ahead is not None
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while len(asked) < 50 and time.monotonic() < deadline:  # it came to read 50 times, and napped each time
+            time.sleep(0.01)
+        assert len(asked) >= 50, "the next epoch's stream never asked whether the current one is short"
         assert ahead._buffer is None or ahead._buffer.count == 0, "filled while the current stream was short"
         short[0] = False
         deadline = time.monotonic() + 10
