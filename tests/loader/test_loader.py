@@ -27,19 +27,23 @@ def cache(tmp_path):
 
 
 @pytest.fixture(autouse=True)
-def closes_what_it_opens():
-    """Every test here closes the iterators it opens and stops the threads it starts: one left
-    running (a PrefetchingIter's thread holding its ShardIter) broke a later test that counts threads."""
+def opened(monkeypatch):
+    """The ShardIters a test opens, held to its end: each must be closed by then, and every thread
+    the test started must end (one left running, a PrefetchingIter's holding its ShardIter, broke a
+    later test that counts threads). A test that drops an iterator on purpose empties the list."""
     import threading
     import time
 
-    from loader.lifecycle import _LIVE
+    import loader.shard_iter
 
-    threads, iterators = set(threading.enumerate()), {id(it) for it in _LIVE}
-    yield
-    left_open = [it for it in list(_LIVE) if id(it) not in iterators and not it._closed]
+    made, track = [], loader.shard_iter.track
+    monkeypatch.setattr(loader.shard_iter, "track", lambda it: (made.append(it), track(it)))
+    threads = set(threading.enumerate())
+    yield made
+    left_open = [it for it in made if not it._closed]
     for it in left_open:
         it.close()
+    made.clear()
     deadline = time.monotonic() + 30
     while (running := [t for t in threading.enumerate() if t not in threads and t.is_alive()]) \
             and time.monotonic() < deadline:
@@ -384,19 +388,24 @@ def _within(seconds, fn, what):
 
 
 def _wait_until_parked(it, error=False):
-    """Wait until the producer of ``it``'s epoch is parked on a full queue: ``prefetch_buffer``
-    items ready for next(), the last of them an error if ``error``."""
+    """Wait until the producer thread of ``it``'s epoch is parked: waiting in ``_offer`` for the
+    caller to take batches from its full queue (the last item queued an error if ``error``)."""
+    import sys
     import time
 
     stream = it.reader.epochs.stream
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
+        frame, calls = sys._current_frames().get(stream._thread.ident), []
+        while frame is not None:
+            calls.append(frame.f_code.co_name)
+            frame = frame.f_back
         with stream._cond:
             ready = list(stream._ready)
-        if len(ready) >= it.prefetch_buffer and (not error or isinstance(ready[-1], BaseException)):
+        if calls[:2] == ["wait", "_offer"] and (not error or isinstance(ready[-1], BaseException)):
             return
         time.sleep(0.01)
-    raise AssertionError(f"the producer never filled its queue of {it.prefetch_buffer}: {ready}")
+    raise AssertionError(f"the producer never parked on a full queue: queued {ready}, in {calls}")
 
 
 def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, monkeypatch):
@@ -467,7 +476,7 @@ def test_unwritable_cache_dir_is_a_clear_error(store, tmp_path):
         ShardIter(store, 4, cache_dir=blocker / "cache")
 
 
-def test_an_iterator_dropped_without_close_releases_everything(tmp_path):
+def test_an_iterator_dropped_without_close_releases_everything(tmp_path, opened):
     """Threads hold no reference to the iterator: garbage collection stops them, removes the
     reader lease (which would otherwise block gc of every later retirement) and the plan folder."""
     import gc
@@ -477,6 +486,7 @@ def test_an_iterator_dropped_without_close_releases_everything(tmp_path):
     make_store(tmp_path / "s", {"2024-01-02": 70, "2024-01-03": 13})
     before = set(threading.enumerate())
     it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
+    opened.clear()  # dropped on purpose
     it.next()
     assert list((tmp_path / "s" / "leases").glob("*.json"))
     mine = [t for t in threading.enumerate() if t not in before]
