@@ -244,16 +244,21 @@ class ShardIter(mx.io.DataIter):
     def _keep_stats(self) -> None:
         """This epoch's statistics into ``history`` (if any batch was read)."""
         if self.reader.cursor and self.reader.running:
-            self.history.append(self.stats)
+            self.history.append(self._epoch_stats())
 
     @property
     def stats(self) -> dict:
-        """This epoch so far: samples/s, payload MB/s and the data-stall fraction."""
+        """This epoch so far: samples/s, payload MB/s and the data-stall fraction; ``last_epoch``:
+        the same figures of the last epoch that ended (``history[-1]``, None before), which is what
+        is left to read after ``Module.fit``: it resets the iterator at the end of every epoch."""
+        return {**self._epoch_stats(), "last_epoch": dict(self.history[-1]) if self.history else None}
+
+    def _epoch_stats(self) -> dict:
         wall = (self._epoch_t1 or 0) - (self._epoch_t0 or 0)
         payload = self._samples * (self.schema.x_floats + self.schema.label_floats + 1) * 4
         return {
             "epoch": self.epoch,
-            "generation": self.plan.generation,
+            "generation": self.plan.generation if self.plan is not None else None,  # None: closed
             "batches": self.reader.cursor,
             "samples": self._samples,
             "seconds": wall,

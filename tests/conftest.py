@@ -216,3 +216,10 @@ def s3(tmp_path, monkeypatch):
         settle()
         server.stop()
         objstore.forget_clients()
+
+
+def stop_prefetching(pit) -> None:
+    """Stop an ``mx.io.PrefetchingIter``'s threads. They hold the iterator (their target's argument),
+    so it is never collected and ``del`` stops nothing: its ``__del__`` is MXNet's only way to stop
+    them. Call it before closing the iterators it wraps."""
+    pit.__del__()

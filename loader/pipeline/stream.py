@@ -32,13 +32,34 @@ from loader.source.plan import EpochPlan, reader_source
 BEHIND_S = 0.002  # how long a stream started behind the caller's next() waits before it starts
 YIELD_S = 0.0005  # how long the next epoch's stream naps while the current one is short of batches
 
-__all__ = ["EpochStream", "plan_part"]
+__all__ = ["EpochStream", "epoch_batches", "plan_part"]
 
 
 def plan_part(plan: EpochPlan, p: StreamParams) -> PartSplit:
     """This part's records, trims and readers (in order, one reader: the order must not depend on
     how reads interleave)."""
     return split_part(plan.counts, p.num_parts, p.part_index, p.readers if p.shuffle else 1, plan.can_split)
+
+
+def epoch_batches(plan: EpochPlan, p: StreamParams, part_samples: list[int]) -> int:
+    """Batches every part yields per epoch: ``"pad"``, ``ceil(largest part / batch_size)`` (a batch
+    larger than a part: one batch, ``pad = batch_size - samples``, as ``NDArrayIter`` gives);
+    ``"discard"``, ``smallest part // batch_size``. LoaderError for an empty part, or no batch at all."""
+    smallest, bs = min(part_samples), p.batch_size
+    which = part_samples.index(smallest)
+    if smallest == 0:
+        why = ("fewer than parts" if plan.samples < p.num_parts else "and a part boundary fell in a "
+               "record that cannot be told apart from another of its date (same key words and window count), "
+               "so it moved to the record's edge (docs/distributed.md, 'Parts'); use fewer parts")
+        raise LoaderError(f"part {which} of {p.num_parts} would be empty: generation {plan.generation} "
+                          f"has {plan.samples} samples (in {plan.records} records), {why}")
+    if p.last_batch == "pad":
+        return math.ceil(max(part_samples) / bs)
+    if smallest < bs:
+        raise LoaderError(f"batch_size {bs} is larger than part {which} of {p.num_parts} ({smallest} of "
+                          f"{plan.samples} samples in generation {plan.generation}): last_batch='discard' "
+                          "leaves no batch; last_batch='pad' gives one padded batch")
+    return smallest // bs
 
 
 class EpochStream:
@@ -57,23 +78,8 @@ class EpochStream:
         self.split = plan_part(plan, params)
         self.part_samples = list(self.split.part_samples)
         self.readers = len(self.split.readers)
-        bs = params.batch_size
-        smallest = min(self.part_samples)
-        if smallest < bs:
-            which = self.part_samples.index(smallest)
-            if smallest == 0:
-                why = ("fewer than parts" if plan.samples < params.num_parts else "and a part boundary fell in a "
-                       "record that cannot be told apart from another of its date (same key words and window count), "
-                       "so it moved to the record's edge (docs/distributed.md, 'Parts'); use fewer parts")
-                raise LoaderError(f"part {which} of {params.num_parts} would be empty: generation {plan.generation} "
-                                  f"has {plan.samples} samples (in {plan.records} records), {why}")
-            raise LoaderError(f"batch_size {bs} is larger than part {which} of {params.num_parts} "
-                              f"({smallest} of {plan.samples} samples in generation {plan.generation})")
+        self.batches = epoch_batches(plan, params, self.part_samples)
         self.samples = self.split.samples
-        if params.last_batch == "pad":
-            self.batches = math.ceil(max(self.part_samples) / bs)
-        else:
-            self.batches = smallest // bs
         # Batches ready for the caller. The producer refills only when the buffer falls to half
         # (hysteresis): woken at every take, it would compete for the GIL with the caller's next().
         self._ready: collections.deque = collections.deque()

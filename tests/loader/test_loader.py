@@ -6,7 +6,7 @@ from collections import Counter
 import mxnet as mx
 import numpy as np
 import pytest
-from conftest import batch_ids, expected_pads, make_store, part_sizes, real_batches
+from conftest import batch_ids, expected_pads, make_store, part_sizes, real_batches, stop_prefetching
 
 from loader import LoaderError, ShardIter, to_datetime64
 from shardgen.store.manifest import Manifest
@@ -24,6 +24,32 @@ def store(tmp_path_factory):
 @pytest.fixture
 def cache(tmp_path):
     return tmp_path / "cache"
+
+
+@pytest.fixture(autouse=True)
+def opened(monkeypatch):
+    """The ShardIters a test opens, held to its end: each must be closed by then, and every thread
+    the test started must end (one left running, a PrefetchingIter's holding its ShardIter, broke a
+    later test that counts threads). A test that drops an iterator on purpose empties the list."""
+    import threading
+    import time
+
+    import loader.shard_iter
+
+    made, track = [], loader.shard_iter.track
+    monkeypatch.setattr(loader.shard_iter, "track", lambda it: (made.append(it), track(it)))
+    threads = set(threading.enumerate())
+    yield made
+    left_open = [it for it in made if not it._closed]
+    for it in left_open:
+        it.close()
+    made.clear()
+    deadline = time.monotonic() + 30
+    while (running := [t for t in threading.enumerate() if t not in threads and t.is_alive()]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left_open, f"{len(left_open)} ShardIter(s) left open"
+    assert not running, f"threads left running: {[t.name for t in running]}"
 
 
 def epoch(it):
@@ -51,11 +77,7 @@ def test_contract_shapes_and_values(store, cache):
 @pytest.mark.parametrize("dates, n", [(None, 41), (("2024-01-03", "2024-01-04"), 14)])
 def test_exact_once_every_epoch_every_part(store, cache, shuffle, batch_size, dates, n):
     first = sum(v for d, v in COUNTS.items() if dates is not None and d < dates[0])
-    for parts in range(1, 9):
-        if n // parts < batch_size:
-            with pytest.raises(LoaderError, match=f"batch_size {batch_size} is larger than part"):
-                ShardIter(store, batch_size, num_parts=parts, dates=dates, cache_dir=cache)
-            continue
+    for parts in range(1, 9):  # parts of 1-41 samples: some smaller than a batch (one padded batch)
         iters = [ShardIter(store, batch_size, shuffle=shuffle, seed=5, num_parts=parts, part_index=p,
                            dates=dates, cache_dir=cache, readers=1 + parts % 2) for p in range(parts)]
         for _ in range(3):
@@ -78,11 +100,10 @@ def test_exact_once_every_epoch_every_part(store, cache, shuffle, batch_size, da
 
 
 def test_discard_yields_full_batches_only(store, cache):
-    iters = [ShardIter(store, 4, num_parts=3, part_index=p, last_batch="discard", cache_dir=cache)
-             for p in range(3)]  # parts 14, 14, 13 -> 3 full batches each
     seen = Counter()
-    for it in iters:
-        batches = epoch(it)
+    for p in range(3):  # parts 14, 14, 13 -> 3 full batches each
+        with ShardIter(store, 4, num_parts=3, part_index=p, last_batch="discard", cache_dir=cache) as it:
+            batches = epoch(it)
         assert len(batches) == 3 and all(b.pad == 0 for b in batches)
         for b in batches:
             seen.update(batch_ids(b))
@@ -110,39 +131,38 @@ def test_shuffle_is_global_reproducible_and_per_epoch(store, cache):
 
 def test_new_generation_only_after_reset(tmp_path, cache):
     make_store(tmp_path, {"2024-01-02": 10})
-    it = ShardIter(tmp_path, 4, shuffle=False, cache_dir=cache)
-    ids = batch_ids(it.next())
-    make_store(tmp_path, {"2024-01-03": 5}, base_id=100)  # published mid-epoch
-    assert Manifest.load(tmp_path / "manifest.json").generation == 2
-    for b in it:
-        ids += batch_ids(b)
-    assert sorted(ids) == list(range(10)) and it.generation == 1
-    it.reset()
-    ids = [i for b in it for i in batch_ids(b)]
-    assert sorted(ids) == list(range(10)) + list(range(100, 105)) and it.generation == 2
+    with ShardIter(tmp_path, 4, shuffle=False, cache_dir=cache) as it:
+        ids = batch_ids(it.next())
+        make_store(tmp_path, {"2024-01-03": 5}, base_id=100)  # published mid-epoch
+        assert Manifest.load(tmp_path / "manifest.json").generation == 2
+        for b in it:
+            ids += batch_ids(b)
+        assert sorted(ids) == list(range(10)) and it.generation == 1
+        it.reset()
+        ids = [i for b in it for i in batch_ids(b)]
+        assert sorted(ids) == list(range(10)) + list(range(100, 105)) and it.generation == 2
 
 
 def test_date_range_selection(store, cache):
-    train = ShardIter(store, 2, dates=(None, "2024-01-03"), cache_dir=cache)
-    val = ShardIter(store, 2, dates=("2024-01-04", None), cache_dir=cache)
-    tr = [i for b in train for i in batch_ids(b)]
-    va = [i for b in val for i in batch_ids(b)]
+    with ShardIter(store, 2, dates=(None, "2024-01-03"), cache_dir=cache) as train, \
+            ShardIter(store, 2, dates=("2024-01-04", None), cache_dir=cache) as val:
+        tr = [i for b in train for i in batch_ids(b)]
+        va = [i for b in val for i in batch_ids(b)]
     assert sorted(tr) == list(range(20)) and sorted(va) == list(range(20, 41))
 
 
 @pytest.mark.parametrize("parts, stop_at", [(1, 3), (2, 0), (2, 4)])
 def test_resume_equals_uninterrupted(store, cache, parts, stop_at):
     kw = dict(batch_size=3, seed=9, num_parts=parts, part_index=parts - 1, cache_dir=cache)
-    ref = ShardIter(store, **kw)
-    full = [batch_ids(b) for b in epoch(ref)] + [batch_ids(b) for b in epoch(ref)]
-    run = ShardIter(store, **kw)
-    epoch(run)
-    got = [batch_ids(run.next()) for _ in range(stop_at)]
-    state = json.loads(json.dumps(run.state_dict()))  # survives a round trip through JSON
-    run.close()
-    resumed = ShardIter(store, **kw)
-    resumed.load_state_dict(state)
-    got += [batch_ids(b) for b in resumed]
+    with ShardIter(store, **kw) as ref:
+        full = [batch_ids(b) for b in epoch(ref)] + [batch_ids(b) for b in epoch(ref)]
+    with ShardIter(store, **kw) as run:
+        epoch(run)
+        got = [batch_ids(run.next()) for _ in range(stop_at)]
+        state = json.loads(json.dumps(run.state_dict()))  # survives a round trip through JSON
+    with ShardIter(store, **kw) as resumed:
+        resumed.load_state_dict(state)
+        got += [batch_ids(b) for b in resumed]
     assert got == full[len(full) // 2:]
 
 
@@ -163,7 +183,7 @@ def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache,
     import loader.pipeline.stream as module
 
     with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
-        time.sleep(0.3)  # the native iterator starts and the producer fills its queue
+        _wait_until_parked(it)  # the native iterator started and the producer filled its queue
         for _ in it:
             time.sleep(0.05)
         assert it.stats["batches"] == 9 and it.stats["stall_fraction"] < 0.2, it.stats
@@ -180,19 +200,44 @@ def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache,
 
 
 def test_label_names_subset_and_for_kvstore(store, cache):
-    it = ShardIter(store, 4, label_names=["a"], cache_dir=cache)
-    assert [d.name for d in it.provide_label] == ["a"] and len(it.next().label) == 1
+    with ShardIter(store, 4, label_names=["a"], cache_dir=cache) as it:
+        assert [d.name for d in it.provide_label] == ["a"] and len(it.next().label) == 1
     with pytest.raises(LoaderError, match="choose among"):
         ShardIter(store, 4, label_names=["nope"], cache_dir=cache)
     kv = mx.kv.create("local")
-    it = ShardIter.for_kvstore(kv, store, 4, cache_dir=cache)
-    assert (it.num_parts, it.part_index) == (1, 0)
+    with ShardIter.for_kvstore(kv, store, 4, cache_dir=cache) as it:
+        assert (it.num_parts, it.part_index) == (1, 0)
 
 
 def test_prefetching_iter_wraps_it(store, cache):
-    pit = mx.io.PrefetchingIter(ShardIter(store, 5, shuffle=False, cache_dir=cache))
-    ids = [i for b in pit for i in batch_ids(b)]
+    with ShardIter(store, 5, shuffle=False, cache_dir=cache) as it:
+        pit = mx.io.PrefetchingIter(it)
+        try:
+            ids = [i for b in pit for i in batch_ids(b)]
+        finally:
+            stop_prefetching(pit)  # before the ShardIter its thread calls is closed
     assert sorted(ids) == list(range(41))
+
+
+def test_iter_next_and_the_getters_give_what_next_gives(store, cache):
+    """``iter_next()`` then ``getdata/getlabel/getpad/getindex``: the path MXNet's ``Module`` and
+    ``PrefetchingIter`` take through a DataIter. The same batches, pads and index as ``next()``."""
+    kw = dict(batch_size=8, seed=3, cache_dir=cache)  # 41 samples: 6 batches, the last with pad 7
+    with ShardIter(store, **kw) as a, ShardIter(store, **kw) as b:
+        for _ in range(2):  # and again after reset()
+            want = list(a)
+            got = []
+            while b.iter_next():
+                got.append((b.getdata(), b.getlabel(), b.getpad(), b.getindex()))
+            assert not b.iter_next(), "the end stays the end"
+            assert [pad for _d, _l, pad, _i in got] == [x.pad for x in want] == [0] * 5 + [7]
+            for (data, label, _pad, index), batch in zip(got, want):
+                assert index is None and batch.index is None
+                assert len(data) == 1 and len(label) == 3
+                for x, y in zip(data + label, batch.data + batch.label):
+                    np.testing.assert_array_equal(x.asnumpy(), y.asnumpy())
+            a.reset()
+            b.reset()
 
 
 def _copy_store(src, dst):
@@ -234,7 +279,7 @@ def test_bad_store_is_a_clear_error(store, tmp_path, cache, damage, match):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(batch_size=0), "batch_size must be an integer >= 1"),
-    (dict(batch_size=42), "batch_size 42 is larger than part 0 of 1"),
+    (dict(batch_size=42, last_batch="discard"), "batch_size 42 is larger than part 0 of 1 .*leaves no batch"),
     (dict(batch_size=4, num_parts=2, part_index=2), r"part_index must be in \[0, 2\)"),
     (dict(batch_size=4, last_batch="keep"), "last_batch must be"),
     (dict(batch_size=4, dates=("2025-01-01", None)), "no shards selected"),
@@ -257,25 +302,34 @@ def test_semicolon_in_store_path(store, tmp_path, cache):
 
 def test_schema_change_raises_at_reset(tmp_path, cache):
     make_store(tmp_path / "s", {"2024-01-02": 10})
-    it = ShardIter(tmp_path / "s", 4, cache_dir=cache)
-    (tmp_path / "s" / "manifest.json").unlink()
-    make_store(tmp_path / "s", {"2024-01-03": 10}, t=4)
-    with pytest.raises(LoaderError, match="schema changed"):
-        it.reset()
+    with ShardIter(tmp_path / "s", 4, cache_dir=cache) as it:
+        (tmp_path / "s" / "manifest.json").unlink()
+        make_store(tmp_path / "s", {"2024-01-03": 10}, t=4)
+        with pytest.raises(LoaderError, match="schema changed"):
+            it.reset()
 
 
-def test_module_fit_runs_one_epoch(store, cache):
-    it = ShardIter(store, 8, label_names=["a"], cache_dir=cache)
-    data = mx.sym.var("seq_var")
-    net = mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=1)
-    net = mx.sym.LinearRegressionOutput(mx.sym.flatten(net), label=mx.sym.var("a"), name="out")
-    mod = mx.mod.Module(net, data_names=["seq_var"], label_names=["a"], context=mx.cpu())
-    seen = []
-    mod.fit(it, num_epoch=1, optimizer="sgd", optimizer_params={"learning_rate": 1e-6}, eval_metric="mse",
-            initializer=mx.init.Zero(), batch_end_callback=lambda p: seen.append(p.nbatch))
-    assert len(seen) == 6  # ceil(41 / 8)
-    weight = mod.get_params()[0]["fullyconnected0_weight"].asnumpy()
-    assert np.isfinite(weight).all() and (weight != 0).any()  # it trained on the batches
+def test_module_fit_trains_and_stats_keep_the_last_finished_epoch(store, cache):
+    """``Module.fit`` resets the iterator after every epoch: ``stats`` then describe an epoch not
+    started, and ``stats["last_epoch"]`` the one it trained on."""
+    with ShardIter(store, 8, label_names=["a"], cache_dir=cache) as it:
+        assert it.stats["last_epoch"] is None
+        data = mx.sym.var("seq_var")
+        net = mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=1)
+        net = mx.sym.LinearRegressionOutput(mx.sym.flatten(net), label=mx.sym.var("a"), name="out")
+        mod = mx.mod.Module(net, data_names=["seq_var"], label_names=["a"], context=mx.cpu())
+        seen = []
+        mod.fit(it, num_epoch=2, optimizer="sgd", optimizer_params={"learning_rate": 1e-6}, eval_metric="mse",
+                initializer=mx.init.Zero(), batch_end_callback=lambda p: seen.append((p.epoch, p.nbatch)))
+        assert len(seen) == 2 * 6  # ceil(41 / 8) per epoch
+        weight = mod.get_params()[0]["fullyconnected0_weight"].asnumpy()
+        assert np.isfinite(weight).all() and (weight != 0).any()  # it trained on the batches
+        now, last = it.stats, it.stats["last_epoch"]
+        assert (now["epoch"], now["batches"], now["samples"], now["samples_per_s"]) == (2, 0, 0, 0.0)
+        assert (last["epoch"], last["batches"], last["samples"]) == (1, 6, 41)
+        assert last["samples_per_s"] > 0 and last["seconds"] > 0 and "last_epoch" not in last
+        assert [h["samples"] for h in it.history] == [41, 41]
+    assert it.stats["last_epoch"]["samples"] == 41, "readable after close()"
 
 
 def test_records_split_by_the_magic_word_read_back_exactly(tmp_path, cache):
@@ -295,21 +349,22 @@ def test_records_split_by_the_magic_word_read_back_exactly(tmp_path, cache):
     entry = write_shard(tmp_path, dt.date(2024, 1, 2), x, labels, schema).entry()
     assert entry.bytes > 10 * schema.record_bytes  # the split records are longer
     publish(tmp_path, schema, 0, [entry])
-    b = ShardIter(tmp_path, 10, shuffle=False, cache_dir=cache).next()
+    with ShardIter(tmp_path, 10, shuffle=False, cache_dir=cache) as it:
+        b = it.next()
     np.testing.assert_array_equal(b.data[0].asnumpy(), x)
     np.testing.assert_array_equal(b.label[0].asnumpy(), labels["a"])
 
 
 def test_date_selection_changes_at_the_next_reset(store, cache):
-    it = ShardIter(store, 2, shuffle=False, dates=(None, "2024-01-02"), cache_dir=cache)
-    it.next()
-    it.dates = ("2024-01-04", None)
-    assert sorted(i for b in it for i in batch_ids(b)) == list(range(2, 7))  # this epoch: unchanged
-    it.reset()
-    assert sorted(i for b in it for i in batch_ids(b)) == list(range(20, 41))
-    with pytest.raises(LoaderError, match="not YYYY-MM-DD"):
-        it.dates = ("soon", None)
-    assert it.dates == ("2024-01-04", None)
+    with ShardIter(store, 2, shuffle=False, dates=(None, "2024-01-02"), cache_dir=cache) as it:
+        it.next()
+        it.dates = ("2024-01-04", None)
+        assert sorted(i for b in it for i in batch_ids(b)) == list(range(2, 7))  # this epoch: unchanged
+        it.reset()
+        assert sorted(i for b in it for i in batch_ids(b)) == list(range(20, 41))
+        with pytest.raises(LoaderError, match="not YYYY-MM-DD"):
+            it.dates = ("soon", None)
+        assert it.dates == ("2024-01-04", None)
 
 
 def _within(seconds, fn, what):
@@ -332,6 +387,27 @@ def _within(seconds, fn, what):
     return out[0]
 
 
+def _wait_until_parked(it, error=False):
+    """Wait until the producer thread of ``it``'s epoch is parked: waiting in ``_offer`` for the
+    caller to take batches from its full queue (the last item queued an error if ``error``)."""
+    import sys
+    import time
+
+    stream = it.reader.epochs.stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        frame, calls = sys._current_frames().get(stream._thread.ident), []
+        while frame is not None:
+            calls.append(frame.f_code.co_name)
+            frame = frame.f_back
+        with stream._cond:
+            ready = list(stream._ready)
+        if calls[:2] == ["wait", "_offer"] and (not error or isinstance(ready[-1], BaseException)):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the producer never parked on a full queue: queued {ready}, in {calls}")
+
+
 def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, monkeypatch):
     """The producer runs ahead; an error it meets while its queue is full must not block reset/close,
     and next() raises it once the batches before it are taken."""
@@ -342,6 +418,7 @@ def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, mo
     # One record per native batch, in order: every batch of 1 is one next_label() call.
     it = ShardIter(store, 1, shuffle=False, native_batch=1, prefetch_buffer=2, cache_dir=cache)
     it.next()
+    _wait_until_parked(it)
     _within(10, it.reset, "reset() with the producer parked on a full queue")
     calls = {"n": 0}
     real = module.next_label
@@ -357,7 +434,7 @@ def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, mo
         while calls["n"] < n and time.monotonic() < deadline:
             time.sleep(0.01)
         assert calls["n"] >= n, "the injected failure never fired"
-        time.sleep(0.1)  # the error is queued behind the first batch: the queue is full
+        _wait_until_parked(it, error=True)  # the error is queued behind the first batch: the queue is full
 
     monkeypatch.setattr(module, "next_label", failing)
     _within(10, it.reset, "reset()")
@@ -399,7 +476,7 @@ def test_unwritable_cache_dir_is_a_clear_error(store, tmp_path):
         ShardIter(store, 4, cache_dir=blocker / "cache")
 
 
-def test_an_iterator_dropped_without_close_releases_everything(tmp_path):
+def test_an_iterator_dropped_without_close_releases_everything(tmp_path, opened):
     """Threads hold no reference to the iterator: garbage collection stops them, removes the
     reader lease (which would otherwise block gc of every later retirement) and the plan folder."""
     import gc
@@ -409,6 +486,7 @@ def test_an_iterator_dropped_without_close_releases_everything(tmp_path):
     make_store(tmp_path / "s", {"2024-01-02": 70, "2024-01-03": 13})
     before = set(threading.enumerate())
     it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
+    opened.clear()  # dropped on purpose
     it.next()
     assert list((tmp_path / "s" / "leases").glob("*.json"))
     mine = [t for t in threading.enumerate() if t not in before]

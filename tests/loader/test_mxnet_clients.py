@@ -7,7 +7,7 @@ from collections import Counter
 import mxnet as mx
 import numpy as np
 import pytest
-from conftest import make_store, part_sizes
+from conftest import make_store, part_sizes, stop_prefetching
 
 from loader import ShardIter
 
@@ -101,18 +101,52 @@ def test_prefetching_iter_two_epochs_with_reset(store, tmp_path, parts):
     batch_size = 6
     seen = [Counter(), Counter()]
     for p in range(parts):
-        base = ShardIter(store, batch_size, seed=1, num_parts=parts, part_index=p, cache_dir=tmp_path)
-        it = mx.io.PrefetchingIter(base)
-        for e in range(2):
-            got = []
-            for b in it:
-                assert 0 <= b.pad < batch_size
-                x = b.data[0].asnumpy()
-                got += _ids(x.reshape(len(x), -1)[:batch_size - b.pad])
-            assert len(got) == part_sizes(N, parts)[p]
-            seen[e].update(got)
-            if e == 0:
-                it.reset()
-        del it  # stops PrefetchingIter's thread before the ShardIter it calls is closed
-        base.close()
+        with ShardIter(store, batch_size, seed=1, num_parts=parts, part_index=p, cache_dir=tmp_path) as base:
+            it = mx.io.PrefetchingIter(base)
+            try:
+                for e in range(2):
+                    got = []
+                    for b in it:
+                        assert 0 <= b.pad < batch_size
+                        x = b.data[0].asnumpy()
+                        got += _ids(x.reshape(len(x), -1)[:batch_size - b.pad])
+                    assert len(got) == part_sizes(N, parts)[p]
+                    seen[e].update(got)
+                    if e == 0:
+                        it.reset()
+            finally:
+                stop_prefetching(it)  # before the ShardIter its thread calls is closed
     assert seen[0] == seen[1] == Counter(range(N))
+
+
+@pytest.mark.parametrize("parts, batch_size", [(1, 300), (3, 78), (3, 100)])
+def test_a_batch_larger_than_a_part_through_fit_predict_and_score(store, tmp_path, parts, batch_size):
+    """A small validation split (parts of 77/77/78 windows, or all 232, below batch_size): one batch
+    per part and epoch, ``pad = batch_size - windows``; Module.fit trains on it, predict gives each
+    part exactly its windows, score counts one batch on every part."""
+    seen = Counter()
+    for p in range(parts):
+        size = part_sizes(N, parts)[p]
+        with ShardIter(store, batch_size, seed=4, num_parts=parts, part_index=p, label_names=["a"],
+                       cache_dir=tmp_path) as it:
+            assert [b.pad for b in it] == [batch_size - size]
+            it.reset()
+            out = _identity_module(it).predict(it).asnumpy()
+            ids = _ids(out)
+            assert len(ids) == len(set(ids)) == size
+            seen.update(ids)
+            data = mx.sym.var("seq_var")
+            net = mx.sym.LinearRegressionOutput(mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=1),
+                                                label=mx.sym.var("a"))
+            mod = mx.mod.Module(net, data_names=["seq_var"], label_names=["a"], context=mx.cpu())
+            batches = []
+            it.reset()  # fit() starts where the iterator is (predict read it to its end)
+            mod.fit(it, num_epoch=2, optimizer="sgd", optimizer_params={"learning_rate": 1e-9},
+                    initializer=mx.init.Zero(), eval_metric="mse",
+                    batch_end_callback=lambda param, out=batches: out.append((param.epoch, param.nbatch)))
+            assert batches == [(0, 0), (1, 0)], "one batch per epoch"
+            assert it.stats["last_epoch"]["samples"] == size
+            metric = mx.metric.MSE()
+            mod.score(it, metric)
+            assert metric.num_inst == 1 and np.isfinite(metric.get()[1])
+    assert seen == Counter(range(N)), "the parts together give every window once"
