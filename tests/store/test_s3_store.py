@@ -527,3 +527,37 @@ def test_an_object_of_another_size_after_upload_is_caught(s3, tamper, tmp_path):
     with pytest.raises(ObjectMismatch, match=r"s3://data/store/2024-01-02.rec: 10239 bytes after upload, "
                                              r"expected 10240"):
         ObjectStore(s3.url("store")).upload("2024-01-02.rec", local)
+
+
+def test_the_retry_budget_is_the_standard_aws_max_attempts(s3, tmp_path, monkeypatch):
+    """``AWS_MAX_ATTEMPTS`` (or ``max_attempts`` in the AWS profile) counts our tries of a request
+    and of a download; the backoff doubles from 0.5 s up to 8 s."""
+    import types
+
+    from shardgen.store import objfetch, objstore
+    from shardgen.store.objstore import ObjectStoreError, StoreUnreachable
+
+    slept = []
+    for module in (objstore, objfetch):  # their waits between tries, recorded instead of slept
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(sleep=slept.append, time=time.time))
+    s3.stop()
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "7")
+    objstore.forget_clients()
+    store = ObjectStore(s3.url("store"))
+    with pytest.raises(StoreUnreachable, match=r"s3://data/store/manifest.json: GET failed 7 times; cannot reach"):
+        store.get("manifest.json")
+    assert slept == [0.5, 1, 2, 4, 8, 8]
+    slept.clear()
+    with pytest.raises(StoreUnreachable, match=r"2024-01-02.rec: download failed 7 times; cannot reach"):
+        store.download("2024-01-02.rec", tmp_path / "2024-01-02.rec")
+    assert slept == [0.5, 1, 2, 4, 8, 8]
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "0")
+    objstore.forget_clients()
+    with pytest.raises(ObjectStoreError, match=r"AWS_MAX_ATTEMPTS .*: expected a whole number >= 1, got '0'"):
+        store.get("manifest.json")
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+    objstore.forget_clients()
+    slept.clear()
+    with pytest.raises(StoreUnreachable, match="GET failed 4 times"):  # the default
+        store.get("manifest.json")
+    assert slept == [0.5, 1, 2]
