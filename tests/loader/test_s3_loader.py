@@ -445,3 +445,45 @@ def test_a_worker_that_cannot_reach_the_store_reads_rank_0s_generation_or_fails(
         it.reset()
         assert it.generation == g2
         assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(151))
+
+
+HOLD = """
+import sys, time
+from loader import ShardIter
+it = ShardIter(sys.argv[1], 8, cache_dir=sys.argv[2])
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_trainers_lease_is_removed_by_the_next_trainer_on_the_host(s3, tmp_path):
+    """kill -9 leaves the trainer's lease object in the bucket; the next trainer on this host removes
+    it at once (not at gc), and never the lease of a trainer still running."""
+    from shardgen.fsutil import HOST_TOKEN
+
+    _, url = store_with(s3, tmp_path)
+    leases = s3.root / "data" / "store" / "leases"
+    procs = [subprocess.Popen([sys.executable, "-c", HOLD, url, str(tmp_path / "cache")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ}) for _ in range(2)]
+
+    def lease_of(pid):
+        return list(leases.glob(f"{HOST_TOKEN}-{pid}-*.json"))
+
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "holding", p.stderr.read()[-2000:] if p.poll() is not None else ""
+        killed, running = procs
+        assert lease_of(killed.pid) and lease_of(running.pid)
+        killed.kill()
+        killed.communicate(timeout=30)
+        assert lease_of(killed.pid)  # left behind: nobody released it
+        with ShardIter(url, 8, cache_dir=tmp_path / "cache") as it:
+            assert not lease_of(killed.pid)
+            assert lease_of(running.pid)  # a live trainer's lease is never removed
+            assert len(read_epoch(it)) == 17
+        assert lease_of(running.pid)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
