@@ -4,8 +4,8 @@ The bytes go to a temp file next to the target; size and sha256 are checked, the
 a file at the target name is always whole and verified. Bytes that differ are fetched once more,
 then refused (``ObjectMismatch``). Transient faults are tried ``attempts`` times in all (the AWS
 setting ``max_attempts``, default ``ATTEMPTS``) with ``backoff``, then ``StoreUnreachable`` names
-the endpoint and the object. A local write that fails (a full
-disk) is not a network fault: it is said at once.
+the endpoint and the object. A local write that fails (a full disk) is not a network fault: it is
+said at once.
 """
 
 from __future__ import annotations
