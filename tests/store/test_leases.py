@@ -334,3 +334,21 @@ def test_a_new_lease_removes_the_leases_of_dead_processes_of_this_host_only(tmp_
         assert {p.name for p in leases.glob("*.json")} == {names["live"], names["other namespace"]}
     finally:
         lease_.release()
+
+
+def test_no_lease_is_judged_by_pid_when_the_pid_namespace_is_unknown(tmp_path, monkeypatch):
+    """Without /proc's namespace and boot id (the token ends in ``_nons``) a pid could be another
+    namespace's: a new lease removes nothing then."""
+    import re
+
+    from shardgen.store import FolderStore, lease
+
+    monkeypatch.setattr(lease, "HOST_TOKEN", "host_nons")
+    monkeypatch.setattr(lease, "_MINE", re.compile(r"^host_nons-(?P<pid>\d+)-[0-9a-f]{8}\.json$"))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / LEASE_DIR).mkdir()
+    stale = tmp_path / LEASE_DIR / f"host_nons-{dead.pid}-0123abcd.json"
+    stale.write_text('{"generation": 1}')
+    assert lease.remove_dead_leases_of_this_host(FolderStore(tmp_path)) == []
+    assert stale.exists()
