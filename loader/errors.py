@@ -1,10 +1,15 @@
 """Errors the loader raises before MXNet's C++ code could crash or hang on bad input."""
 
-__all__ = ["LoaderError", "mxnet_reason"]
+__all__ = ["LoaderError", "StoreUnreachableError", "mxnet_reason"]
 
 
 class LoaderError(Exception):
     """Bad manifest, missing or truncated shard, bad argument: the message names which."""
+
+
+class StoreUnreachableError(LoaderError):
+    """The store (an object store) could not be reached within its retries: at ``reset()`` the
+    generation already held is read again."""
 
 
 def mxnet_reason(exc: BaseException) -> str:

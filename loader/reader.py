@@ -35,6 +35,7 @@ class Reader:
     def __init__(self, location: Location, manifest: Manifest, params: StreamParams, *, choice: Choice,
                  dates: DateRange, verify: str, memory: dict):
         self.location, self.params, self.choice = location, params, choice
+        self.manifest = manifest  # the generation read now: reset() goes on with it if the store is out of reach
         self.schema = manifest.schema
         self.verify, self.memory = verify, memory
         self.dates = normalize_dates(dates)
@@ -85,7 +86,7 @@ class Reader:
     def reset(self) -> None:
         """Start the next epoch on the generation the choice picks (the newest, agreed or pinned)."""
         self.end_epoch()
-        manifest = self.choice.manifest(self.location)
+        manifest = self.choice.manifest(self.location, held=self.manifest)
         if manifest.schema.fingerprint != self.schema.fingerprint:
             raise LoaderError(f"{self.location.manifest_path}: the store's schema changed (fingerprint "
                               f"{self.schema.fingerprint} -> {manifest.schema.fingerprint}); make a new ShardIter")
@@ -103,6 +104,7 @@ class Reader:
         if plan.folder == current.folder:
             self.epochs.recheck(plan, self.schema, self.verify)
         self._start(plan, epoch=self.epoch + 1)
+        self.manifest = manifest
 
     def end_epoch(self) -> None:
         """Stop this epoch's stream (a ``reset()`` or ``load()`` starts the next one)."""
@@ -176,6 +178,7 @@ class Reader:
         plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
         plan = dataclasses.replace(plan, generation=state["generation"])
         self._start(plan, skip=int(state["batches"]), epoch=int(state["epoch"]))
+        self.manifest = manifest
         return True
 
     # -- the end ----------------------------------------------------------------------------------

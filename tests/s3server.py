@@ -97,3 +97,80 @@ class S3Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class TamperingProxy:
+    """An HTTP proxy in front of an ``S3Server`` that can change what passes, to show what our
+    checks catch: ``on_put(key, body) -> body`` changes the bytes a PUT carries to the server
+    (corruption on the wire); ``after_put(key)`` runs once the server acknowledged a PUT (say, to
+    make it hold other bytes than it acknowledged); ``on_head(key, headers) -> headers`` changes
+    what a HEAD answers (rclone reports a size from its directory cache, not from the file).
+    Request headers pass unchanged (the signature covers the ``Host`` the client used). Point
+    ``AWS_ENDPOINT_URL`` at ``endpoint``."""
+
+    def __init__(self, server: S3Server):
+        import http.server
+        import threading
+
+        self.server = server
+        self.on_put = lambda key, body: body
+        self.after_put = lambda key: None
+        self.on_head = lambda key, headers: headers
+        proxy = self
+
+        class Relay(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def relay(self):
+                import http.client
+
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                key = self.path.split("?", 1)[0].lstrip("/").split("/", 1)[-1]
+                if self.command == "PUT":
+                    body = proxy.on_put(key, body)
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.server.port, timeout=30)
+                try:
+                    conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                    for name, value in self.headers.items():
+                        conn.putheader(name, value)
+                    conn.endheaders(body)
+                    r = conn.getresponse()
+                    data = r.read()
+                finally:
+                    conn.close()
+                if self.command == "PUT" and r.status == 200:
+                    proxy.after_put(key)
+                headers = {name: value for name, value in r.getheaders()
+                           if name.lower() not in ("transfer-encoding", "connection")}
+                headers["Content-Length"] = headers.get("Content-Length", "0") if self.command == "HEAD" \
+                    else str(len(data))
+                if self.command == "HEAD":
+                    headers = proxy.on_head(key, headers)
+                self.send_response(r.status, r.reason)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = relay
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Relay)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="tampering-proxy", daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self) -> TamperingProxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(10)

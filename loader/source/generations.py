@@ -13,23 +13,34 @@ batches and every record once. No clock, no side channel. A kvstore with one wor
 
 Each agreement is a collective call: every worker must construct and reset its iterators in the
 same order (which a ``dist_sync`` training loop does anyway).
+
+*The store out of reach at ``reset()``* (an object store down for a while, ``StoreUnreachableError``
+after its retries): the iterator goes on with the generation it holds, with one warning, and the
+next ``reset()`` asks again. Under a kvstore, such a worker proposes the generation it holds, and
+still takes part in the agreement: every worker reads rank 0's choice. When rank 0 saw the store
+down too, that is the generation all of them hold; when it is a newer one, a worker that cannot
+reach the store reads it from its cache (fetched ahead half way through the epoch: snapshot and
+shards), or fails with a LoaderError saying what it could not fetch. A pinned generation whose
+snapshot is cached needs no request.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import weakref
 from typing import Any, Iterator, Optional
 
 import mxnet as mx
 
-from loader.errors import LoaderError, mxnet_reason
+from loader.errors import LoaderError, StoreUnreachableError, mxnet_reason
 from loader.source.location import Location
 from shardgen.store.manifest import Manifest
 
 __all__ = ["AGREE_KEY_BASE", "Choice", "agree", "agreed_start"]
 
+log = logging.getLogger(__name__)
 AGREE_KEY_BASE = 1 << 30  # integer kvstore keys from here on are the loader's (Gluon uses 0, 1, ...)
 _MAX_GENERATION = 1 << 40  # sent as two float32 values of 20 bits each (exact)
 _ROUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kv -> its agreement counter
@@ -74,15 +85,24 @@ class Choice:
         self.kv = kv
 
     @staticmethod
-    def propose(location: Location) -> Manifest:
-        """The newest generation this process sees."""
-        return location.manifest()
+    def propose(location: Location, held: Optional[Manifest] = None) -> Manifest:
+        """The newest generation this process sees; ``held`` (with a warning) when the store
+        cannot be reached."""
+        try:
+            return location.manifest()
+        except StoreUnreachableError as exc:
+            if held is None:
+                raise
+            log.warning("%s; reading generation %d again (the next reset() asks the store again)", exc,
+                        held.generation)
+            return held
 
-    def manifest(self, location: Location) -> Manifest:
-        """The manifest of the generation to read next (a collective call with a kvstore)."""
+    def manifest(self, location: Location, held: Optional[Manifest] = None) -> Manifest:
+        """The manifest of the generation to read next (a collective call with a kvstore);
+        ``held``: the one read now."""
         if self.pin is not None:
             return location.generation(self.pin)
-        newest = self.propose(location)
+        newest = self.propose(location, held)
         if self.kv is None:
             return newest
         agreed = agree(self.kv, newest.generation)

@@ -111,8 +111,8 @@ class MirrorLocation(Location):
 
     def generation(self, generation: int) -> Manifest:
         try:
-            self.cache.pull_manifest()
-            self.cache.pull_snapshot(generation)
+            if not self.cache.pull_snapshot(generation):  # a cached snapshot needs no request
+                self.cache.pull_manifest()  # no snapshot: the manifest may be that generation
         except ManifestError as exc:
             raise LoaderError(f"cannot open generation {generation} of {self.store}: {exc}") from None
         return super().generation(generation)

@@ -5,10 +5,11 @@ What an epoch reads is first downloaded into a local cache folder that mirrors t
 there, exactly as a store folder is, every shard checked before MXNet reads it. So:
 
 * the manifest (and a pinned or agreed generation's snapshot) is fetched whenever the iterator
-  reads one (construction, ``reset()``);
+  reads one (construction, ``reset()``). When the store cannot be reached at ``reset()``, the
+  generation already held is read again (:mod:`loader.source.generations`);
 * an epoch's shards are downloaded before it starts, in parallel, only those not cached yet
   (the next epoch fetches only what is new). Half way through an epoch, a newer generation's
-  new shards are fetched in the background, so ``reset()`` finds them cached;
+  snapshot and new shards are fetched in the background, so ``reset()`` finds them cached;
 * every download goes to a temp file, is checked against the manifest's size and sha256, and
   only then renamed into place: a file in the cache is whole and verified. Bytes that differ
   are fetched once more, then refused with a LoaderError naming the date;
@@ -37,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Optional
 
-from loader.errors import LoaderError
+from loader.errors import LoaderError, StoreUnreachableError
 from shardgen.format.check import needs_index
 from shardgen.format.schema import Schema
 from shardgen.fsutil import atomic_write, clean_temp_files
@@ -82,8 +83,9 @@ class ObjectCache:
     # -- manifests ----------------------------------------------------------------------------------
 
     def pull_manifest(self) -> None:
-        """The store's newest manifest into the mirror (checked before it replaces the old one)."""
-        with store_errors_as(LoaderError):
+        """The store's newest manifest into the mirror (checked before it replaces the old one);
+        StoreUnreachableError when the store cannot be reached."""
+        with store_errors_as(LoaderError, StoreUnreachableError):
             data = self.remote.get(MANIFEST_NAME)
         if data is None:
             raise LoaderError(f"{self.remote.where(MANIFEST_NAME)}: no manifest (run `shardgen build` first)")
@@ -91,15 +93,19 @@ class ObjectCache:
         self._ensure_folder()
         atomic_write(self.manifest_path, data, fsync=False)
 
-    def pull_snapshot(self, generation: int) -> None:
+    def pull_snapshot(self, generation: int) -> bool:
+        """Generation ``generation``'s snapshot into the mirror, unless it is there already (no
+        request then); False if the store has none."""
         name = f"{SNAPSHOT_DIR}/{int(generation)}.json"
         if (self.folder / name).is_file():  # snapshots are immutable
-            return
-        with store_errors_as(LoaderError):
+            return True
+        with store_errors_as(LoaderError, StoreUnreachableError):
             data = self.remote.get(name)
-        if data is not None:
-            (self.folder / SNAPSHOT_DIR).mkdir(exist_ok=True)
-            atomic_write(self.folder / name, data, fsync=False)
+        if data is None:
+            return False
+        (self.folder / SNAPSHOT_DIR).mkdir(exist_ok=True)
+        atomic_write(self.folder / name, data, fsync=False)
+        return True
 
     # -- shards ------------------------------------------------------------------------------------
 
@@ -268,6 +274,7 @@ class ObjectCache:
                 if data is None:
                     return
                 manifest = Manifest.parse(data, self.remote.where(MANIFEST_NAME))
+                self.pull_snapshot(manifest.generation)  # with its shards, the cache can serve it offline
                 shards = select(manifest)
                 with self._lock:
                     busy = set().union(*self.wanted.values()) if self.wanted else set()

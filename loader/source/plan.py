@@ -49,6 +49,8 @@ class PlanFiles:
     def close(self) -> None:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+            with contextlib.suppress(OSError):  # this process's folder, once it holds no plan (``_make_folder``)
+                self.folder.parent.rmdir()
             self.folder = None
         fds, self.fds = self.fds, []
         for fd in fds:
@@ -186,6 +188,19 @@ def _open_shard(store: Path, s: ShardEntry) -> int:
 _SEQ = itertools.count()
 
 
+def _make_folder(folder: Path) -> None:
+    """``folder`` and its parent (this process's folder), which a plan closing in another thread
+    removes when it is empty: made again then."""
+    for attempt in range(10):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir()
+            return
+        except FileNotFoundError:
+            if attempt == 9:
+                raise
+
+
 def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, ...], *, verify: str = "frame",
               fetcher: str = "") -> EpochPlan:
     """Fetch, open and check the shards' files and return a plan with its own folder for MXNet.
@@ -227,7 +242,7 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
             _clean_dead_processes(plans)
             _clean_dead_processes(location.root)  # where versions before 2026-12-05 put them
             shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
+            _make_folder(folder)
             files.folder = folder
             for i, (s, fd) in enumerate(zip(shards, files.fds)):
                 target = proc_fd / str(fd) if proc_fd.is_dir() else store / s.rec

@@ -133,6 +133,10 @@ class Store(ABC):
         """Generations named by live reader leases (``now`` by the store's clock); dead leases are removed."""
 
     @abstractmethod
+    def lease_names(self) -> list[str]:
+        """The names (in ``LEASE_DIR``) of the reader leases in the store."""
+
+    @abstractmethod
     def heartbeat(self, name: str) -> Heartbeat:
         """How the reader lease ``name`` is written and kept fresh in this store."""
 

@@ -137,6 +137,9 @@ class FolderStore(Store):
                 path.unlink(missing_ok=True)
         return live
 
+    def lease_names(self) -> list[str]:
+        return [p.name for p in (self.dir / LEASE_DIR).glob("*.json")]
+
     def heartbeat(self, name: str) -> FileHeartbeat:
         return FileHeartbeat(self.path(name))
 

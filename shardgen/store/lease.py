@@ -14,24 +14,60 @@ someone deleted it) and removed when the epoch ends or the lease is garbage coll
 
 Readers never need write access to read a store: if the lease cannot be written, reading goes on
 and a warning says that gc cannot see this reader.
+
+A process killed before it could release its lease (``kill -9``) leaves it behind. Each new lease
+first removes those of this host's dead processes at once
+(``remove_dead_leases_of_this_host``: the lease name carries ``HOST_TOKEN`` and the pid); any other
+lease waits for gc and its TTL.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import threading
 import weakref
 from pathlib import Path
 from typing import Optional, Union
 
+from shardgen.errors import ShardgenError
+from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.store import Store, open_store
 from shardgen.store.lease_file import Heartbeat, judge_lease
 from shardgen.store.naming import LEASE_DIR, new_lease_name
 from shardgen.store.objstore import ObjectStore
 
-__all__ = ["LEASE_DIR", "DEFAULT_TTL_S", "Lease", "live_lease_generations", "judge_lease", "store_clock"]
+__all__ = ["LEASE_DIR", "DEFAULT_TTL_S", "Lease", "live_lease_generations", "judge_lease", "store_clock",
+           "remove_dead_leases_of_this_host"]
 
+log = logging.getLogger(__name__)
 DEFAULT_TTL_S = 60.0
+_MINE = re.compile(rf"^{re.escape(HOST_TOKEN)}-(?P<pid>\d+)-[0-9a-f]{{8}}\.json$")  # naming.new_lease_name
+
+
+def remove_dead_leases_of_this_host(store: Store) -> list[str]:
+    """Remove the leases of dead processes of this host, pid namespace and boot (their name says
+    so, ``HOST_TOKEN``, and their pid is gone); the names removed. Never another process's live
+    lease: a pid is judged only where it means this process's namespace."""
+    if HOST_TOKEN.endswith("_nons"):  # the namespace is unknown: pids mean nothing
+        return []
+    removed = []
+    for name in store.lease_names():
+        m = _MINE.match(name)
+        if m and not pid_alive(int(m["pid"])):
+            store.delete(f"{LEASE_DIR}/{name}")
+            log.info("removed %s: process %s of this host is gone", store.where(f"{LEASE_DIR}/{name}"), m["pid"])
+            removed.append(name)
+    return removed
+
+
+def _sweep(store: Store) -> None:
+    """``remove_dead_leases_of_this_host``; a reader that cannot list or delete there reads on
+    (gc removes them by age)."""
+    with contextlib.suppress(OSError, ShardgenError):
+        remove_dead_leases_of_this_host(store)
 
 
 def _beat_until_gone(owner: weakref.ref, state: Heartbeat, stop: threading.Event, refresh_s: float) -> None:
@@ -53,6 +89,7 @@ class Lease:
         """``store``: a ``Store``, or what ``open_store`` opens (a folder, a URL, an ``ObjectStore``)."""
         self.refresh_s = refresh_s
         store = open_store(store)
+        _sweep(store)
         name = f"{LEASE_DIR}/{new_lease_name()}"
         self.path = Path(store.where(name))  # where the lease file is (a path, or the object's URL)
         self._state: Heartbeat = store.heartbeat(name)

@@ -2,9 +2,10 @@
 
 The bytes go to a temp file next to the target; size and sha256 are checked, then it is renamed:
 a file at the target name is always whole and verified. Bytes that differ are fetched once more,
-then refused (``ObjectMismatch``). Transient faults are retried with backoff ``ATTEMPTS`` times,
-then ``StoreUnreachable`` names the endpoint and the object. A local write that fails (a full
-disk) is not a network fault: it is said at once.
+then refused (``ObjectMismatch``). Transient faults are tried ``attempts`` times in all (the AWS
+setting ``max_attempts``, default ``ATTEMPTS``) with ``backoff``, then ``StoreUnreachable`` names
+the endpoint and the object. A local write that fails (a full disk) is not a network fault: it is
+said at once.
 """
 
 from __future__ import annotations
@@ -19,11 +20,17 @@ from typing import Iterator, Optional
 from shardgen.fsutil import temp_name
 from shardgen.store.objurl import ObjectMismatch, ObjectStoreError, StoreUnreachable
 
-__all__ = ["ATTEMPTS", "BACKOFF_S", "CHUNK", "TransientFault", "Downloads"]
+__all__ = ["ATTEMPTS", "BACKOFF_S", "MAX_BACKOFF_S", "CHUNK", "TransientFault", "Downloads", "backoff"]
 
-ATTEMPTS = 4  # tries of one request or download before giving up (backoff 0.5, 1, 2 s)
+ATTEMPTS = 4  # tries of one request or download before giving up, unless AWS_MAX_ATTEMPTS says otherwise
 BACKOFF_S = 0.5
+MAX_BACKOFF_S = 8.0
 CHUNK = 1 << 20
+
+
+def backoff(failures: int) -> float:
+    """Seconds to wait after the ``failures``-th failed try: 0.5, 1, 2, 4, then 8 at most."""
+    return min(BACKOFF_S * 2 ** (failures - 1), MAX_BACKOFF_S)
 
 
 class TransientFault(Exception):
@@ -45,6 +52,10 @@ class Downloads:
 
     @property
     def endpoint(self) -> str:  # pragma: no cover - ObjectStore's
+        raise NotImplementedError
+
+    @property
+    def attempts(self) -> int:  # pragma: no cover - ObjectStore's
         raise NotImplementedError
 
     def download(self, name: str, dest: Path, *, size: Optional[int] = None, sha256: Optional[str] = None,
@@ -72,10 +83,10 @@ class Downloads:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
                 faults += 1
-                if faults >= ATTEMPTS:
+                if faults >= self.attempts:
                     raise StoreUnreachable(f"{self.where(name)}: download failed {faults} times; cannot reach "
                                            f"{self.endpoint} ({exc})") from None
-                time.sleep(BACKOFF_S * 2 ** (faults - 1))
+                time.sleep(backoff(faults))
                 continue
             finally:
                 with contextlib.suppress(FileNotFoundError):

@@ -13,8 +13,10 @@ What this module promises:
 * ``download`` writes a temp file next to the target, checks size and sha256, then renames it:
   a file at the target name is always whole and verified. Bytes that differ are fetched once more,
   then refused (``ObjectMismatch``).
-* Transient faults (connection refused or reset, timeouts, 5xx, throttling) are retried with
-  backoff a bounded number of times; then ``StoreUnreachable`` names the endpoint and the object.
+* Transient faults (connection refused or reset, timeouts, 5xx, throttling) are tried
+  ``max_attempts`` times in all, the standard AWS setting (``AWS_MAX_ATTEMPTS``, or ``max_attempts``
+  in the profile; default 4), with backoff (0.5, 1, 2, 4, then 8 s); then ``StoreUnreachable``
+  names the endpoint and the object.
   Refused credentials are ``CredentialsRefused``: one line that says so.
 
 The URL, ``ObjectInfo`` and the errors are in :mod:`shardgen.store.objurl` (importable from here too).
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
-from shardgen.store.objfetch import ATTEMPTS, BACKOFF_S, CHUNK, Downloads, TransientFault
+from shardgen.store.objfetch import ATTEMPTS, CHUNK, Downloads, TransientFault, backoff
 from shardgen.store.objurl import (
     CredentialsRefused,
     NoSuchStore,
@@ -45,20 +47,33 @@ from shardgen.store.objurl import (
 )
 
 __all__ = ["is_remote", "parse_url", "ObjectStore", "ObjectInfo", "ObjectStoreError", "StoreUnreachable",
-           "CredentialsRefused", "ObjectMismatch", "NoSuchStore", "ATTEMPTS", "store_errors_as", "forget_clients"]
+           "CredentialsRefused", "ObjectMismatch", "NoSuchStore", "ATTEMPTS", "store_errors_as", "forget_clients",
+           "attempts"]
 
 T = TypeVar("T")
-_clients: dict = {}
+_clients: dict = {}  # pid -> (client, attempts)
 _clients_lock = threading.RLock()  # re-entered when a finalizer (a lease release) runs during client creation
 
 
 def _client():
     """One boto3 client per process (clients are thread-safe; a forked child makes its own)."""
+    return _session()[0]
+
+
+def attempts() -> int:
+    """Tries of one request or download: the AWS setting ``max_attempts`` (``AWS_MAX_ATTEMPTS``, or
+    ``max_attempts`` in the profile of ``~/.aws/config``), default ``ATTEMPTS``. Our own loop makes
+    them (botocore's retries are off), so every failure mode is counted the same way."""
+    return _session()[1]
+
+
+def _session() -> tuple:
     key = os.getpid()
     with _clients_lock:
         if key not in _clients:
             try:
                 import boto3
+                import botocore.session
                 from botocore.config import Config
             except ImportError:
                 raise ObjectStoreError("s3:// stores need boto3: pip install 'shardgen[s3]'") from None
@@ -70,12 +85,21 @@ def _client():
                             response_checksum_validation="when_required",
                             request_checksum_calculation="when_required")
             _clients.clear()
+            core = botocore.session.get_session()
             try:
-                _clients[key] = boto3.session.Session().client("s3", config=config)
+                tries = core.get_config_variable("max_attempts")
+            except ValueError:
+                tries = 0
+            if tries is not None and (not isinstance(tries, int) or tries < 1):
+                raise ObjectStoreError(f"AWS_MAX_ATTEMPTS (or max_attempts in the AWS config): expected a whole "
+                                       f"number >= 1, got {os.environ.get('AWS_MAX_ATTEMPTS', tries)!r}")
+            try:
+                client = boto3.session.Session(botocore_session=core).client("s3", config=config)
             except ValueError as exc:  # e.g. AWS_ENDPOINT_URL without http:// or https://
                 endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
                 raise ObjectStoreError(f"S3 endpoint {endpoint!r}: {exc} (an endpoint URL starts with http:// "
                                        "or https://)") from None
+            _clients[key] = (client, ATTEMPTS if tries is None else tries)
         return _clients[key]
 
 
@@ -146,6 +170,10 @@ class ObjectStore(Downloads):
     def endpoint(self) -> str:
         return endpoint()
 
+    @property
+    def attempts(self) -> int:
+        return attempts()
+
     def key(self, name: str) -> str:
         return self.prefix + name
 
@@ -182,8 +210,8 @@ class ObjectStore(Downloads):
     def _call(self, what: str, name: str, fn: Callable[[], T]) -> T:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        last = None
-        for attempt in range(ATTEMPTS):
+        last, tries = None, self.attempts
+        for attempt in range(1, tries + 1):
             try:
                 return fn()
             except (ClientError, BotoCoreError, ConnectionError, OSError) as exc:
@@ -191,9 +219,9 @@ class ObjectStore(Downloads):
                 if error is not None:
                     raise error from None
                 last = f"{type(exc).__name__}: {exc}"
-            if attempt + 1 < ATTEMPTS:
-                time.sleep(BACKOFF_S * 2 ** attempt)
-        raise StoreUnreachable(f"{self.where(name)}: {what} failed {ATTEMPTS} times; cannot reach "
+            if attempt < tries:
+                time.sleep(backoff(attempt))
+        raise StoreUnreachable(f"{self.where(name)}: {what} failed {tries} times; cannot reach "
                                f"{endpoint()} ({last})")
 
     def check(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 from shardgen.errors import ShardgenError
 
@@ -59,9 +59,12 @@ class ObjectInfo:
 
 
 @contextlib.contextmanager
-def store_errors_as(kind: type) -> Iterator[None]:
-    """Re-raise object-store errors as ``kind`` (e.g. the loader's LoaderError), same message."""
+def store_errors_as(kind: type, unreachable: Optional[type] = None) -> Iterator[None]:
+    """Re-raise object-store errors as ``kind`` (e.g. the loader's LoaderError), same message;
+    ``StoreUnreachable`` as ``unreachable`` if given."""
     try:
         yield
     except ObjectStoreError as exc:
+        if unreachable is not None and isinstance(exc, StoreUnreachable):
+            raise unreachable(str(exc)) from None
         raise kind(str(exc)) from None

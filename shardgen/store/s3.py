@@ -116,6 +116,9 @@ class S3Store(Store):
                 self.objects.delete(name)
         return live
 
+    def lease_names(self) -> list[str]:
+        return [name[len(LEASE_DIR) + 1:] for name in self.objects.list(LEASE_DIR + "/") if name.endswith(".json")]
+
     def heartbeat(self, name: str) -> ObjectHeartbeat:
         return ObjectHeartbeat(self.objects, name)
 

@@ -225,3 +225,85 @@ def test_an_mxnet_error_in_the_reader_is_named_by_its_reason(tmp_path, monkeypat
     text = str(info.value)
     assert "MXNet's reader failed on generation 1" in text and text.endswith(": Check failed: record size mismatch")
     assert "Traceback" not in text
+
+
+DAMAGE_BETWEEN_EPOCHS = """
+import os, sys
+from loader import LoaderError, ShardIter
+from shardgen.store.manifest import Manifest
+store, cache = sys.argv[1], sys.argv[2]
+m = Manifest.load(os.path.join(store, "manifest.json"))
+last = m.shards[-1]
+# In order, one reader: the next epoch's stream (filling ahead) reads from the first shard, never the last.
+it = ShardIter(store, 8, shuffle=False, readers=1, native_batch=1, prefetch_buffer=1, cache_dir=cache)
+print("epoch", it.epoch, sum(8 - b.pad for b in it), flush=True)
+with open(os.path.join(store, last.rec), "r+b") as fh:  # in place: the descriptor the plan holds sees it
+    for r in range(last.records):
+        fh.seek(r * m.schema.record_bytes)
+        fh.write(b"\\0\\0\\0\\0")  # each record's magic
+try:
+    it.reset()
+    print("epoch", it.epoch, sum(8 - b.pad for b in it), flush=True)
+except LoaderError as exc:
+    print("LoaderError:", exc, flush=True)
+it.close()
+"""
+
+
+def test_a_shard_damaged_in_place_between_epochs_is_a_loader_error_at_reset(tmp_path):
+    """reset() checks the plan's files again when they changed since: without that recheck MXNet's
+    reader meets the damage and aborts the process (SIGABRT), so the reading runs in a child."""
+    m = make(tmp_path / "s", dates=40)
+    r = subprocess.run([sys.executable, "-c", DAMAGE_BETWEEN_EPOCHS, str(tmp_path / "s"), str(tmp_path / "c")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stdout}{r.stderr[-2000:]}"
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"epoch 0 {m.samples}", r.stdout
+    assert len(lines) == 2 and lines[1].startswith("LoaderError:"), r.stdout
+    assert f"record 0 of {m.shards[-1].date} is damaged" in lines[1] and m.shards[-1].rec in lines[1]
+
+
+def test_a_closed_or_failed_iterator_leaves_no_plan_folder(tmp_path):
+    from shardgen.fsutil import HOST_TOKEN
+
+    make_store(tmp_path / "s", {"2024-01-02": 40})
+    plans = tmp_path / "c" / "plans"
+    with pytest.raises(LoaderError, match="batch_size 64 is larger than part 0"):  # fails after making its plan
+        ShardIter(tmp_path / "s", 64, cache_dir=tmp_path / "c")
+    assert not list(plans.iterdir())
+    with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c") as it:
+        it.next()
+        assert [p.name for p in plans.iterdir()] == [f"{HOST_TOKEN}-{os.getpid()}"]
+    assert not list(plans.iterdir())
+
+
+READ_FOREVER = """
+import sys
+from loader import ShardIter
+it = ShardIter(sys.argv[1], 8, cache_dir=sys.argv[2])
+print("reading", flush=True)
+while True:
+    for _ in it:
+        pass
+    it.reset()
+"""
+
+
+def test_ctrl_c_in_a_reading_process_leaves_no_plan_folder(tmp_path):
+    from shardgen.fsutil import HOST_TOKEN
+
+    make_store(tmp_path / "s", {"2024-01-02": 400})
+    p = subprocess.Popen([sys.executable, "-c", READ_FOREVER, str(tmp_path / "s"), str(tmp_path / "c")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert p.stdout.readline().strip() == "reading"
+        mine = tmp_path / "c" / "plans" / f"{HOST_TOKEN}-{p.pid}"
+        assert mine.is_dir()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate(timeout=30)
+    assert "KeyboardInterrupt" in err, err[-2000:]
+    assert not mine.exists(), list(mine.rglob("*"))

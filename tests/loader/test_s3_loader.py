@@ -2,6 +2,7 @@
 through the local cache, faults, a shared cache, the cache limit, new generations, dist_sync."""
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -329,3 +330,160 @@ def test_the_next_generations_shards_are_fetched_half_way_through_an_epoch(s3, t
         it.reset()
         assert sorted(i for b in it for i in batch_ids(b)) == list(range(151))
         assert cache.downloads == before
+
+
+# -- the store out of reach at reset(): the held generation goes on ----------------------------------
+
+
+def loader_warnings(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("loader")]
+
+
+def test_the_store_down_at_reset_reads_the_held_generation_and_a_later_reset_moves_on(s3, tmp_path, caplog,
+                                                                                      monkeypatch):
+    from shardgen.store import objstore
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # the retry budget (the standard AWS setting)
+    objstore.forget_clients()
+    local, url = store_with(s3, tmp_path)
+    with ShardIter(url, 8, seed=5, cache_dir=tmp_path / "cache") as it:
+        held = it.generation
+        assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(131))
+        s3.stop()
+        with caplog.at_level(logging.WARNING):
+            it.reset()  # was: a LoaderError after the retries, ending the training run
+        said = loader_warnings(caplog)
+        assert len(said) == 1, said
+        assert "s3://data/store/manifest.json: GET failed 2 times; cannot reach" in said[0]
+        assert f"reading generation {held} again" in said[0]
+        assert it.generation == held
+        assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(131))
+        s3.start()  # back, on the same port, with a new generation
+        make_store(local, {**COUNTS, "2024-01-05": 20})
+        upload_store(s3, local)
+        caplog.clear()
+        it.reset()
+        newest = Manifest.load(local / "manifest.json").generation
+        assert it.generation == newest > held
+        assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(151))
+        assert not loader_warnings(caplog)
+        s3.stop()  # down again: the generation held now is the new one
+        with caplog.at_level(logging.WARNING):
+            it.reset()
+        assert it.generation == newest and len(loader_warnings(caplog)) == 1
+        assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(151))
+
+
+def test_the_store_down_at_reset_with_shards_the_cache_lacks_is_a_loader_error(s3, tmp_path, monkeypatch):
+    from shardgen.store import objstore
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    objstore.forget_clients()
+    _, url = store_with(s3, tmp_path)
+    with ShardIter(url, 8, cache_dir=tmp_path / "cache", dates=("2024-01-02", "2024-01-03")) as it:
+        assert len(read_epoch(it)) == 11
+        s3.stop()
+        it.dates = None  # the held generation, but a date this cache never fetched
+        with pytest.raises(LoaderError, match=r"2024-01-04: s3://data/store/2024-01-04.rec: download failed 1 "
+                                              r"times; cannot reach http://127\.0\.0\.1"):
+            it.reset()
+
+
+class RankOne:
+    """Worker 1 of 2 of a kvstore whose rank 0 proposes ``proposal``: what ``kv.broadcast`` hands it."""
+
+    num_workers, rank = 2, 1
+
+    def __init__(self, proposal: int):
+        self.proposal = proposal
+
+    def broadcast(self, key, value, out):
+        out[:] = np.array([self.proposal >> 20, self.proposal & 0xFFFFF], dtype=np.float32)
+
+
+def test_a_worker_that_cannot_reach_the_store_reads_rank_0s_generation_or_fails(s3, tmp_path, caplog, monkeypatch):
+    """Every worker reads the agreed generation, even one that cannot reach the store: the one
+    all of them hold, or a newer one its cache already has (snapshot and shards fetched ahead);
+    otherwise a LoaderError, never another generation than its peers."""
+    from loader.source.generations import Choice
+    from shardgen.store import objstore
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    objstore.forget_clients()
+    local, url = store_with(s3, tmp_path)
+    with ShardIter(url, 8, seed=5, cache_dir=tmp_path / "cache") as it:
+        g1 = it.generation
+        it.reader.choice = Choice(kv=RankOne(g1))
+        read_epoch(it)
+        s3.stop()
+        with caplog.at_level(logging.WARNING):
+            it.reset()  # rank 0 saw the store down too: the generation every worker holds
+        assert it.generation == g1 and len(loader_warnings(caplog)) == 1
+        assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(131))
+        s3.start()
+        make_store(local, {**COUNTS, "2024-01-05": 20})
+        upload_store(s3, local)
+        g2 = Manifest.load(local / "manifest.json").generation
+        s3.stop()
+        it.reader.choice = Choice(kv=RankOne(g2))  # rank 0 reached the store: a generation this cache lacks
+        with pytest.raises(LoaderError, match=rf"generations/{g2}\.json: GET failed 1 times; cannot reach"):
+            it.reset()
+    s3.start()
+    with ShardIter(url, 8, seed=5, cache_dir=tmp_path / "cache2", generation=g1) as it:  # a new worker, on g1
+        it.reader.choice = Choice(kv=RankOne(g2))
+        cache = it.reader.location.cache
+        for _ in range(it.batches_per_epoch // 2 + 1):  # half way: the newest generation is fetched ahead
+            it.next()
+        deadline = time.monotonic() + 20
+        while cache._ahead is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cache._ahead.join(20)
+        assert it.generation == g1
+        s3.stop()
+        for _ in it:
+            pass
+        it.reset()
+        assert it.generation == g2
+        assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(151))
+
+
+HOLD = """
+import sys, time
+from loader import ShardIter
+it = ShardIter(sys.argv[1], 8, cache_dir=sys.argv[2])
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_trainers_lease_is_removed_by_the_next_trainer_on_the_host(s3, tmp_path):
+    """kill -9 leaves the trainer's lease object in the bucket; the next trainer on this host removes
+    it at once (not at gc), and never the lease of a trainer still running."""
+    from shardgen.fsutil import HOST_TOKEN
+
+    _, url = store_with(s3, tmp_path)
+    leases = s3.root / "data" / "store" / "leases"
+    procs = [subprocess.Popen([sys.executable, "-c", HOLD, url, str(tmp_path / "cache")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ}) for _ in range(2)]
+
+    def lease_of(pid):
+        return list(leases.glob(f"{HOST_TOKEN}-{pid}-*.json"))
+
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "holding", p.stderr.read()[-2000:] if p.poll() is not None else ""
+        killed, running = procs
+        assert lease_of(killed.pid) and lease_of(running.pid)
+        killed.kill()
+        killed.communicate(timeout=30)
+        assert lease_of(killed.pid)  # left behind: nobody released it
+        with ShardIter(url, 8, cache_dir=tmp_path / "cache") as it:
+            assert not lease_of(killed.pid)
+            assert lease_of(running.pid)  # a live trainer's lease is never removed
+            assert len(read_epoch(it)) == 17
+        assert lease_of(running.pid)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)

@@ -314,3 +314,41 @@ def test_loader_folders_are_judged_by_pid_only_in_our_namespace(tmp_path):
         (folder / "plan").mkdir(parents=True)
     _clean_dead_processes(tmp_path)
     assert other.exists() and alive.exists() and not mine.exists()
+
+
+def test_a_new_lease_removes_the_leases_of_dead_processes_of_this_host_only(tmp_path):
+    """kill -9 leaves a reader's lease behind; the next lease taken on this host removes it at once.
+    A live process's lease, and any lease named for another host or pid namespace, stay (gc and
+    the TTL judge those)."""
+    leases = tmp_path / LEASE_DIR
+    leases.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that is gone
+    names = {"dead": f"{HOST_TOKEN}-{dead.pid}-0123abcd.json",
+             "live": f"{HOST_TOKEN}-{os.getpid()}-0123abcd.json",
+             "other namespace": f"otherhost_0123abcd-{dead.pid}-0123abcd.json"}
+    for name in names.values():
+        (leases / name).write_text('{"generation": 1}')
+    lease_ = Lease(tmp_path)
+    try:
+        assert {p.name for p in leases.glob("*.json")} == {names["live"], names["other namespace"]}
+    finally:
+        lease_.release()
+
+
+def test_no_lease_is_judged_by_pid_when_the_pid_namespace_is_unknown(tmp_path, monkeypatch):
+    """Without /proc's namespace and boot id (the token ends in ``_nons``) a pid could be another
+    namespace's: a new lease removes nothing then."""
+    import re
+
+    from shardgen.store import FolderStore, lease
+
+    monkeypatch.setattr(lease, "HOST_TOKEN", "host_nons")
+    monkeypatch.setattr(lease, "_MINE", re.compile(r"^host_nons-(?P<pid>\d+)-[0-9a-f]{8}\.json$"))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / LEASE_DIR).mkdir()
+    stale = tmp_path / LEASE_DIR / f"host_nons-{dead.pid}-0123abcd.json"
+    stale.write_text('{"generation": 1}')
+    assert lease.remove_dead_leases_of_this_host(FolderStore(tmp_path)) == []
+    assert stale.exists()

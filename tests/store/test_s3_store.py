@@ -455,3 +455,109 @@ def test_open_store_picks_one_implementation_and_a_lease_lives_in_that_store(s3,
     assert live_lease_generations(store, 60) == [5]
     lease.release()
     assert live_lease_generations(store, 60) == []
+
+
+# -- uploads are verified: bytes changed on the way, or held otherwise than acknowledged ------------
+
+@pytest.fixture
+def tamper(s3, monkeypatch):
+    """A ``TamperingProxy`` between this process's client and the server."""
+    from s3server import TamperingProxy
+
+    from shardgen.store import objstore
+
+    with TamperingProxy(s3) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        objstore.forget_clients()
+        yield proxy
+    objstore.forget_clients()
+
+
+def _flip(data: bytes, at: int = 5) -> bytes:
+    changed = bytearray(data)
+    changed[at] ^= 0xFF
+    return bytes(changed)
+
+
+@pytest.mark.parametrize("how", ["put", "upload"])
+def test_bytes_changed_on_the_way_to_the_server_are_refused_and_never_stored(s3, tamper, tmp_path, how):
+    """Content-MD5: the server refuses a body that differs from what we hashed, so the object it
+    held before (here a manifest) is never replaced by damaged bytes."""
+    from shardgen.store.objstore import ObjectMismatch
+
+    store = ObjectStore(s3.url("store"))
+    store.put("manifest.json", b'{"generation": 1}')
+    tamper.on_put = lambda key, body: _flip(body)
+    new = b'{"generation": 2, "shards": []}'
+    (tmp_path / "new.json").write_bytes(new)
+    with pytest.raises(ObjectMismatch, match=r"s3://data/store/manifest.json: the server received other bytes "
+                                             r"than were sent \(Content-MD5 mismatch\)"):
+        store.put("manifest.json", new) if how == "put" else store.upload("manifest.json", tmp_path / "new.json")
+    assert (objects(s3, "store") / "manifest.json").read_bytes() == b'{"generation": 1}'
+    tamper.on_put = lambda key, body: body
+    store.put("manifest.json", new)  # the same bytes, unchanged on the way: accepted
+    assert store.get("manifest.json") == new
+
+
+def test_an_object_held_otherwise_than_acknowledged_is_caught_after_upload(s3, tamper, tmp_path):
+    """The HEAD after each upload: a server that acknowledged the PUT but holds other bytes (a
+    faulty disk, a buggy gateway) is caught by the ETag (the MD5 of what it holds)."""
+    from shardgen.store.objstore import ObjectMismatch
+
+    local = tmp_path / "2024-01-02.rec"
+    local.write_bytes(bytes(range(256)) * 40)
+
+    def held_otherwise(key):
+        path = s3.root / s3.bucket / key
+        path.write_bytes(_flip(path.read_bytes(), 1000))
+
+    tamper.after_put = held_otherwise
+    with pytest.raises(ObjectMismatch, match=r"s3://data/store/2024-01-02.rec: ETag [0-9a-f]{32} after upload, "
+                                             r"expected MD5 [0-9a-f]{32}"):
+        ObjectStore(s3.url("store")).upload("2024-01-02.rec", local)
+
+
+def test_an_object_of_another_size_after_upload_is_caught(s3, tamper, tmp_path):
+    """The HEAD's size: an object the server holds shorter than sent (its ETag as sent) is refused."""
+    from shardgen.store.objstore import ObjectMismatch
+
+    local = tmp_path / "2024-01-02.rec"
+    local.write_bytes(bytes(range(256)) * 40)
+    tamper.on_head = lambda key, headers: {**headers, "Content-Length": str(int(headers["Content-Length"]) - 1)}
+    with pytest.raises(ObjectMismatch, match=r"s3://data/store/2024-01-02.rec: 10239 bytes after upload, "
+                                             r"expected 10240"):
+        ObjectStore(s3.url("store")).upload("2024-01-02.rec", local)
+
+
+def test_the_retry_budget_is_the_standard_aws_max_attempts(s3, tmp_path, monkeypatch):
+    """``AWS_MAX_ATTEMPTS`` (or ``max_attempts`` in the AWS profile) counts our tries of a request
+    and of a download; the backoff doubles from 0.5 s up to 8 s."""
+    import types
+
+    from shardgen.store import objfetch, objstore
+    from shardgen.store.objstore import ObjectStoreError, StoreUnreachable
+
+    slept = []
+    for module in (objstore, objfetch):  # their waits between tries, recorded instead of slept
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(sleep=slept.append, time=time.time))
+    s3.stop()
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "7")
+    objstore.forget_clients()
+    store = ObjectStore(s3.url("store"))
+    with pytest.raises(StoreUnreachable, match=r"s3://data/store/manifest.json: GET failed 7 times; cannot reach"):
+        store.get("manifest.json")
+    assert slept == [0.5, 1, 2, 4, 8, 8]
+    slept.clear()
+    with pytest.raises(StoreUnreachable, match=r"2024-01-02.rec: download failed 7 times; cannot reach"):
+        store.download("2024-01-02.rec", tmp_path / "2024-01-02.rec")
+    assert slept == [0.5, 1, 2, 4, 8, 8]
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "0")
+    objstore.forget_clients()
+    with pytest.raises(ObjectStoreError, match=r"AWS_MAX_ATTEMPTS .*: expected a whole number >= 1, got '0'"):
+        store.get("manifest.json")
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+    objstore.forget_clients()
+    slept.clear()
+    with pytest.raises(StoreUnreachable, match="GET failed 4 times"):  # the default
+        store.get("manifest.json")
+    assert slept == [0.5, 1, 2]
