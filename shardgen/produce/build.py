@@ -69,14 +69,10 @@ def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = Fal
 
     tasks = (delayed(produce)(cfg, d, force=force, raw_only=d in raw_dates) for d in dates)
     if cfg.run.backend == "dask":
-        from shardgen.produce.cluster import dask_parallel
+        from shardgen.produce.cluster import run_on_cluster
 
-        def on_cluster() -> Iterable[DateResult]:
-            plugin = cfg.process.plugin_file()  # shipped to a remote cluster's workers
-            with dask_parallel(cfg.run.scheduler or "local", jobs, plugin=plugin) as (parallel, _client):
-                yield from parallel(tasks)
-
-        return on_cluster()
+        plugin = cfg.process.plugin_file()  # shipped to a remote cluster's workers
+        return run_on_cluster(tasks, cfg.run.scheduler or "local", jobs, plugin=plugin)
     parallel = Parallel(n_jobs=min(jobs, len(dates)), backend=cfg.run.backend,
                         return_as="generator_unordered")
     return parallel(tasks)

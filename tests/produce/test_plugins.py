@@ -1,8 +1,15 @@
 """Processor plug-ins next to the config: found with no PYTHONPATH, in every worker, and import
 errors that say where."""
 
+import contextlib
 import datetime as dt
+import json
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,29 +153,98 @@ def test_a_remote_dask_cluster_gets_the_plugin_uploaded(tmp_path, monkeypatch):
     assert np.all(first_labels(tmp_path / "proj" / "shards")[5 * 4] > 900)
 
 
+def note_pids(cfg_path, pids):
+    """The plug-in of ``cfg_path`` appends the pid of the process that runs it to ``pids``."""
+    with open(cfg_path.parent / "myproc.py", "a") as fh:
+        fh.write(f"\n_windows = windows\n\ndef windows(raw, date, **kw):\n    import os\n"
+                 f"    open({str(pids)!r}, 'a').write(str(os.getpid()) + chr(10))\n"
+                 f"    return _windows(raw, date, **kw)\n")
+
+
+def use_dask(cfg_path, scheduler):
+    text = cfg_path.read_text()
+    cfg_path.write_text(text.replace('backend = "loky"', f'backend = "dask"\nscheduler = "{scheduler}"'))
+
+
+def test_a_dask_build_keeps_at_most_jobs_dates_on_the_cluster():
+    """A remote scheduler with more worker threads than ``jobs``: a task starts when one ends."""
+    import operator
+
+    from dask.distributed import LocalCluster
+
+    from shardgen.produce.cluster import _close_clients, run_on_cluster
+
+    pulled = []
+
+    def tasks():
+        for i in range(6):
+            pulled.append(i)
+            yield operator.neg, (i,), {}
+
+    with LocalCluster(n_workers=1, threads_per_worker=4, processes=False, dashboard_address=None) as cluster:
+        try:
+            results = run_on_cluster(tasks(), cluster.scheduler_address, 2)
+            first = next(results)
+            assert len(pulled) == 3  # two submitted, then one more as the first finished
+            assert sorted([first, *results]) == [-5, -4, -3, -2, -1, 0]
+        finally:
+            _close_clients()
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="found by issue 21: with backend = 'dask' the dates run in the process "
-                                       "that calls build(), not on the cluster's workers")
 def test_the_dask_backend_runs_the_dates_on_the_workers(tmp_path):
+    """One worker (joblib's Dask backend ran every date in the calling process then)."""
     from dask.distributed import Client, LocalCluster
 
     from shardgen.produce.cluster import _close_clients
 
     cfg_path = plugin_config(tmp_path / "proj", jobs=2)
     pids = tmp_path / "pids.txt"
-    with open(tmp_path / "proj" / "myproc.py", "a") as fh:  # the processor notes which process runs it
-        fh.write(f"\n_windows = windows\n\ndef windows(raw, date, **kw):\n    import os\n"
-                 f"    open({str(pids)!r}, 'a').write(str(os.getpid()) + chr(10))\n"
-                 f"    return _windows(raw, date, **kw)\n")
+    note_pids(cfg_path, pids)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
-        cfg_path.write_text(cfg_path.read_text().replace(
-            'backend = "loky"', f'backend = "dask"\nscheduler = "{cluster.scheduler_address}"'))
+        use_dask(cfg_path, cluster.scheduler_address)
         try:
             report = build(load_config(cfg_path))
             workers = set(client.run(lambda: __import__("os").getpid()).values())
         finally:
             _close_clients()
     assert not report.failed and len(report.published) == 4
-    ran = {int(p) for p in pids.read_text().split()}
-    assert len(ran) >= 1 and ran <= workers, f"ran in {ran}, workers {workers}"
+    ran = [int(p) for p in pids.read_text().split()]
+    assert len(ran) == 4 and set(ran) == workers and os.getpid() not in ran, f"ran in {ran}, workers {workers}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_dates_run_in_a_dask_worker_started_by_dask_s_own_cli(tmp_path, jobs):
+    """``dask scheduler`` + one ``dask worker --no-nanny`` (the worker is that process): every
+    date's processor runs in the worker's pid, whatever ``jobs`` says, never in the build's."""
+    dask = Path(sys.executable).with_name("dask")
+    if not dask.exists():
+        pytest.skip("dask's CLI is not installed (pip install '.[cluster]')")
+    cfg_path = plugin_config(tmp_path / "proj", jobs=jobs)
+    pids = tmp_path / "pids.txt"
+    note_pids(cfg_path, pids)
+    info = tmp_path / "scheduler.json"
+    common = dict(cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs = [subprocess.Popen([str(dask), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                               "--scheduler-file", str(info)], **common)]
+    try:
+        deadline = time.monotonic() + 60
+        while not (info.exists() and info.stat().st_size):
+            assert procs[0].poll() is None and time.monotonic() < deadline, "the dask scheduler did not start"
+            time.sleep(0.05)
+        address = json.loads(info.read_text())["address"]
+        procs.append(subprocess.Popen([str(dask), "worker", "--no-nanny", "--nthreads", "1", "--no-dashboard",
+                                       "--local-directory", str(tmp_path / "worker"), address], **common))
+        use_dask(cfg_path, address)
+        r = shardgen_cli("build", "-c", cfg_path, "-v", cwd=tmp_path, timeout=180)
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "with 1 workers" in r.stderr
+    ran = [int(p) for p in pids.read_text().split()]
+    assert ran == [procs[1].pid] * 4, f"ran in {ran}, the worker is {procs[1].pid}"
