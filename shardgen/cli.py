@@ -47,6 +47,7 @@ def _setup_logging(verbose: int) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
+    handler.setLevel(root.level)  # libraries that set their own loggers' level (Dask: INFO) too
     logging.addLevelName(logging.ERROR, "error")
     logging.addLevelName(logging.WARNING, "warning")
     logging.addLevelName(logging.INFO, "info")

@@ -177,3 +177,17 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(cfg_dir):
              "print('tqdm' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", probe, str(cfg)], capture_output=True, text=True, env=env, timeout=120)
     assert r.stdout.strip().splitlines()[-1] == "False", r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_a_local_dask_cluster_is_quiet_without_v(cfg_dir):
+    """Dask sets its own loggers to INFO (45 lines of them on stderr, a jupyter-server-proxy hint
+    among them): shown with -v only."""
+    cfg = write_config(cfg_dir)
+    cfg.write_text(cfg.read_text().replace('backend = "loky"', 'backend = "dask"\nscheduler = "local"'))
+    r = shardgen_cli("build", "-c", cfg)
+    assert r.returncode == 0 and "published 4 dates" in r.stdout
+    assert r.stderr == ""
+    r = shardgen_cli("build", "-c", cfg, "--force", "-v")
+    assert r.returncode == 0 and "shardgen: info: dask: local with 1 workers" in r.stderr
+    assert "Scheduler at:" in r.stderr  # Dask's own INFO lines, asked for
