@@ -226,13 +226,14 @@ def _schema_args(top: Table) -> dict:
 
 
 def _process(top: Table, config_dir: Path) -> ProcessConfig:
-    """``[process]``; the plug-in is imported now, so a config naming a broken one is refused."""
+    """``[process]``; the plug-in is imported now and its keys checked against its signature, so a
+    config naming a broken one, or a key it cannot take, is refused."""
     pro = Table(top.get("process", dict, {}), "process")
     function = pro.get("function", str, "shardgen.process:sliding_windows")
     if ":" not in function:
         raise ConfigError(f"process.function must be 'module:function', got {function!r}")
     process = ProcessConfig(function, tuple(sorted(pro.rest().items())), config_dir)
-    process.load()
+    process.check_options(process.load())
     return process
 
 

@@ -101,6 +101,56 @@ def test_import_time_errors_name_the_file(tmp_path, body, match):
     assert "brokenproc" not in sys.modules
 
 
+KEYED = """
+from shardgen.process import sliding_windows
+
+def kw(raw, date, **options):
+    return sliding_windows(raw, date, **options)
+
+def offset(raw, date, *, time_steps, num_inputs, labels, offset):
+    return sliding_windows(raw, date, time_steps=time_steps, num_inputs=num_inputs, labels=labels)
+
+def no_labels(raw, date, *, time_steps, num_inputs):
+    raise AssertionError("never called")
+"""
+
+
+CALLED = "cannot be called as shardgen calls it (raw, date, time_steps=, num_inputs=, labels=, the [process] keys)"
+
+
+@pytest.mark.parametrize("function, keys, message", [
+    ("shardgen.process:sliding_windows", "strid = 2",
+     "process.strid: 'shardgen.process:sliding_windows' takes no option 'strid' (its options: stride)"),
+    ("keyed:offset", "offset = 1\nofset = 2",
+     "process.ofset: 'keyed:offset' takes no option 'ofset' (its options: offset)"),
+    ("keyed:kw", "time_steps = 3",
+     "process.time_steps: shardgen passes time_steps to the processor itself; remove the key"),
+    ("keyed:offset", "", f"process.function 'keyed:offset' {CALLED}: missing a required argument: 'offset'"),
+    ("keyed:no_labels", "",
+     f"process.function 'keyed:no_labels' {CALLED}: got an unexpected keyword argument 'labels'"),
+])
+def test_process_keys_are_checked_against_the_processor_when_the_config_loads(tmp_path, function, keys, message):
+    """Before any generator runs: a key the processor cannot take (a typo) is exit 2, naming it."""
+    cfg = write_config(tmp_path / "proj", process=function, stride=None)
+    cfg.write_text(cfg.read_text().replace("[process]\n", f"[process]\n{keys}\n"))
+    (tmp_path / "proj" / "keyed.py").write_text(KEYED)
+    r = shardgen_cli("build", "-c", cfg, cwd=tmp_path)
+    assert (r.returncode, r.stderr) == (2, f"shardgen: error: {message}\n")
+    assert runs(tmp_path / "proj") == [] and not (tmp_path / "proj" / "shards").exists()
+
+
+def test_keys_only_a_processor_s_options_take_are_warned_about_once(tmp_path):
+    cfg = write_config(tmp_path / "proj", process="keyed:kw", stride=None, jobs=2)
+    cfg.write_text(cfg.read_text().replace("[process]\n", "[process]\nstride = 2\n"))
+    (tmp_path / "proj" / "keyed.py").write_text(KEYED)
+    r = shardgen_cli("build", "-c", cfg, cwd=tmp_path)
+    assert r.returncode == 0 and "published 4 dates" in r.stdout
+    assert r.stderr == ("shardgen: warning: process.stride: not named by 'keyed:kw', only passed in its **options "
+                        "(it names no options); a typo?\n")
+    m = Manifest.load(tmp_path / "proj" / "shards" / "manifest.json")
+    assert [s.samples for s in m.shards] == [13] * 4  # stride 2 did reach the processor
+
+
 def test_the_config_folder_wins_over_an_installed_module(tmp_path):
     # dask is installed (dev extra) and a loky build never imports it: the config's dask.py wins.
     cfg = plugin_config(tmp_path / "proj", name="dask")
