@@ -136,8 +136,7 @@ def _clean_temp_files(store) -> None:
 
 def _open_store(cfg: Config, store: Store) -> Manifest:
     """Create the (staging) folder, remove dead processes' temp files; the manifest, with the config's window."""
-    store.staging.mkdir(parents=True, exist_ok=True)
-    _clean_temp_files(store.staging)
+    _clean_temp_files(store.stage())
     manifest = store.open_manifest(cfg.schema, cfg.store.window)
     return replace(manifest, window=cfg.store.window)
 
