@@ -5,6 +5,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,9 @@ def offset(raw, date, *, time_steps, num_inputs, labels, offset):
 
 def no_labels(raw, date, *, time_steps, num_inputs):
     raise AssertionError("never called")
+
+def tuples(raw, date, *, time_steps, num_inputs, labels):
+    return sliding_windows(raw, date, time_steps=time_steps, num_inputs=num_inputs, labels=labels).as_windows()
 """
 
 
@@ -141,7 +145,8 @@ def test_process_keys_are_checked_against_the_processor_when_the_config_loads(tm
 
 def test_keys_only_a_processor_s_options_take_are_warned_about_once(tmp_path):
     cfg = write_config(tmp_path / "proj", process="keyed:kw", stride=None, jobs=2)
-    cfg.write_text(cfg.read_text().replace("[process]\n", "[process]\nstride = 2\n"))
+    cfg.write_text(cfg.read_text().replace("[process]\n", "[process]\nstride = 2\n")
+                   .replace("[store]\n", '[store]\nlayout = "runs"\n'))
     (tmp_path / "proj" / "keyed.py").write_text(KEYED)
     r = shardgen_cli("build", "-c", cfg, cwd=tmp_path)
     assert r.returncode == 0 and "published 4 dates" in r.stdout
@@ -149,6 +154,30 @@ def test_keys_only_a_processor_s_options_take_are_warned_about_once(tmp_path):
                         "(it names no options); a typo?\n")
     m = Manifest.load(tmp_path / "proj" / "shards" / "manifest.json")
     assert [s.samples for s in m.shards] == [13] * 4  # stride 2 did reach the processor
+
+
+@pytest.mark.parametrize("function, layout, kind, said", [
+    ("keyed:offset", "", "windows", True),  # a RunSpec in the plug-in's default layout: said once
+    ("keyed:offset", 'layout = "windows"', "windows", False),  # the config's layout wins, and is not questioned
+    ("keyed:offset", 'layout = "runs"', "runs", False),
+    ("keyed:tuples", "", "windows", False),  # whole windows: the default suits them
+    ("shardgen.process:sliding_windows", "", "runs", False),  # the default processor's default layout
+])
+def test_a_run_spec_in_the_default_windows_layout_is_said_once(tmp_path, function, layout, kind, said):
+    cfg = write_config(tmp_path / "proj", process=function, stride=None, jobs=2)
+    cfg.write_text(cfg.read_text().replace("[process]\n", "[process]\n" + "offset = 1\n" * (function == "keyed:offset"))
+                   .replace("[store]\n", f"[store]\n{layout}\n"))
+    (tmp_path / "proj" / "keyed.py").write_text(KEYED)
+    r = shardgen_cli("build", "-c", cfg, cwd=tmp_path)
+    assert r.returncode == 0 and "published 4 dates" in r.stdout, r.stderr
+    m = Manifest.load(tmp_path / "proj" / "shards" / "manifest.json")
+    assert m.schema.layout.kind == kind and [s.samples for s in m.shards] == [26] * 4
+    lines = r.stderr.splitlines()
+    assert len(lines) == said, r.stderr
+    if said:
+        assert re.fullmatch(r"shardgen: warning: 2024-01-0\d: 'keyed:offset' returned a RunSpec, stored in the layout "
+                            r"'windows' \(store.layout is not set: the default for a plug-in\); store.layout = 'runs' "
+                            r"stores each row once .*", lines[0]), lines[0]
 
 
 def test_the_config_folder_wins_over_an_installed_module(tmp_path):
