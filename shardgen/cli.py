@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import logging
+import os
+import select
 import signal
 import sys
 import threading
@@ -47,6 +49,7 @@ def _setup_logging(verbose: int) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
+    handler.setLevel(root.level)  # libraries that set their own loggers' level (Dask: INFO) too
     logging.addLevelName(logging.ERROR, "error")
     logging.addLevelName(logging.WARNING, "warning")
     logging.addLevelName(logging.INFO, "info")
@@ -125,10 +128,19 @@ def _on_sigterm(_signum, _frame) -> None:
     raise _Terminated()
 
 
+def _check_range(cfg, args: argparse.Namespace) -> None:
+    """A reversed range is a usage error, refused before anything is created (as in the config)."""
+    start, end = args.start or cfg.dates.start, args.end or cfg.dates.end
+    if end is not None and end < start:
+        raise ConfigError(f"{'--end' if args.end else 'dates.end'} {end} is before "
+                          f"{'--start' if args.start else 'dates.start'} {start}")
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.jobs is not None and args.jobs < 1:
         raise ConfigError("--jobs must be >= 1")
+    _check_range(cfg, args)
     # Python's default SIGTERM ends this process at once: its joblib workers (jobs > 1) and their
     # generators went on running (review). Now stopped as Ctrl-C stops them.
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -218,6 +230,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (``shardgen status | head -0``)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 COMMANDS = {"build": _cmd_build, "watch": _cmd_watch, "gc": _cmd_gc, "status": _cmd_status,
             "verify": _cmd_verify}
 
@@ -226,7 +248,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(args.verbose + (args.command == "watch"))  # the watcher logs what it does
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a reader gone from the pipe shows here, not in Python's flush at exit
+        return code
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 128 + signal.SIGPIPE  # quietly, as a Unix tool killed by SIGPIPE
     except (ConfigError, LockError) as exc:
         print(f"shardgen: error: {exc}", file=sys.stderr)
         return 2

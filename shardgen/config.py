@@ -68,6 +68,7 @@ class StoreConfig:
     grace_s: float = 3600.0
     lease_ttl_s: float = 60.0
     remote: Optional[str] = None  # "s3://bucket/prefix": the store; ``dir`` is then the local staging folder
+    layout_set: bool = False  # store.layout is in the config (else the default for the processor was taken)
 
     def open(self):
         """The store (``shardgen.store.open_store`` picks its kind from ``where``); shard files are
@@ -158,7 +159,8 @@ def _check_template(text: str, key: str) -> None:
 
 def _layout(sto: Table, process: ProcessConfig, time_steps: object) -> Layout:
     """``[store] layout``, ``pack``, ``run_rows``. The default layout is ``runs`` for the default
-    processor (each row stored once) and ``windows`` for a plug-in (which may return windows)."""
+    processor (each row stored once) and ``windows`` for a plug-in (which may return windows; a
+    build says when one returned a ``RunSpec``)."""
     default = "runs" if process.function == ProcessConfig.function else "windows"
     kind = sto.get("layout", str, default)
     if kind not in KINDS:
@@ -226,13 +228,14 @@ def _schema_args(top: Table) -> dict:
 
 
 def _process(top: Table, config_dir: Path) -> ProcessConfig:
-    """``[process]``; the plug-in is imported now, so a config naming a broken one is refused."""
+    """``[process]``; the plug-in is imported now and its keys checked against its signature, so a
+    config naming a broken one, or a key it cannot take, is refused."""
     pro = Table(top.get("process", dict, {}), "process")
     function = pro.get("function", str, "shardgen.process:sliding_windows")
     if ":" not in function:
         raise ConfigError(f"process.function must be 'module:function', got {function!r}")
     process = ProcessConfig(function, tuple(sorted(pro.rest().items())), config_dir)
-    process.load()
+    process.check_options(process.load())
     return process
 
 
@@ -255,7 +258,8 @@ def _store_and_schema(top: Table, config_dir: Path, process: ProcessConfig,
     elif "://" in folder:
         raise ConfigError(f"store.dir = {folder!r}: only folders and s3:// URLs are stores")
     store = StoreConfig((config_dir / folder).resolve(), integer(sto, "window", 0, 0),
-                        number(sto, "grace_s", 3600.0, 0.0), number(sto, "lease_ttl_s", 60.0, 30.0), remote)
+                        number(sto, "grace_s", 3600.0, 0.0), number(sto, "lease_ttl_s", 60.0, 30.0), remote,
+                        "layout" in sto.data)
     layout = _layout(sto, process, schema_args["time_steps"])
     sto.done()
     try:

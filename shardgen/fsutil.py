@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Union
 
 __all__ = ["temp_name", "atomic_write", "atomic_writer", "fsync_dir", "clean_temp_files", "pid_alive",
-           "host_token", "pid_namespace", "boot_id", "HOST_TOKEN"]
+           "host_token", "pid_namespace", "boot_id", "make_dirs", "remove_empty_dirs", "HOST_TOKEN"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -142,3 +142,25 @@ def clean_temp_files(folder: Path) -> list[Path]:
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
     return removed
+
+
+def make_dirs(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; return those this call created, outermost first
+    (one another process created meanwhile is not among them)."""
+    folder = Path(folder)
+    made = []
+    for path in [p for p in (*reversed(folder.parents), folder) if not p.is_dir()]:
+        try:
+            os.mkdir(path)
+            made.append(path)
+        except FileExistsError:
+            pass
+    folder.mkdir(parents=True, exist_ok=True)  # a file in the way: mkdir's own error
+    return made
+
+
+def remove_empty_dirs(made: list[Path]) -> None:
+    """Remove the folders ``make_dirs`` returned that are empty, innermost first; never a file."""
+    for path in reversed(made):
+        with contextlib.suppress(OSError):  # not empty (or gone): kept
+            os.rmdir(path)

@@ -56,6 +56,38 @@ def test_date_injection_is_usage_error(cfg_dir, args):
     assert runs(cfg_dir) == [] and not (cfg_dir / "pwned").exists()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--start", "2024-03-15", "--end", "2024-03-04"], "--end 2024-03-04 is before --start 2024-03-15"),
+    (["--start", "2024-03-15"], "dates.end 2024-01-05 is before --start 2024-03-15"),
+    (["--end", "2023-12-29"], "--end 2023-12-29 is before dates.start 2024-01-02"),
+])
+def test_a_reversed_range_is_exit_2_and_creates_nothing(cfg_dir, args, message):
+    cfg = write_config(cfg_dir)
+    before = sorted(p.name for p in cfg_dir.iterdir())
+    r = shardgen_cli("build", "-c", cfg, *args, cwd=cfg_dir)
+    assert r.returncode == 2 and r.stderr == f"shardgen: error: {message}\n" and r.stdout == ""
+    assert sorted(p.name for p in cfg_dir.iterdir()) == before  # no shards/, no raw/
+
+
+@pytest.mark.parametrize("command", ["status", "build"])
+def test_a_reader_gone_from_stdout_is_a_quiet_exit_141(cfg_dir, command):
+    """``shardgen status | head -0``: the pipe's reader closed before anything was written."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = write_config(cfg_dir)
+    assert shardgen_cli("build", "-c", cfg).returncode == 0
+    for buffered in ("1", ""):  # PYTHONUNBUFFERED set (each print writes) or not (the flush at exit does)
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": buffered}
+        r = subprocess.run([sys.executable, "-m", "shardgen.cli", command, "-c", str(cfg)], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+        os.close(write_end)
+        assert (r.returncode, r.stderr) == (141, ""), buffered
+
+
 BAD_CONFIGS = [
     ("[generator]\ncommand = []\n", "generator.command must be a non-empty list"),
     ("[generator]\noutput = 'x'\n", "generator.command is missing"),
@@ -177,3 +209,17 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(cfg_dir):
              "print('tqdm' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", probe, str(cfg)], capture_output=True, text=True, env=env, timeout=120)
     assert r.stdout.strip().splitlines()[-1] == "False", r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_a_local_dask_cluster_is_quiet_without_v(cfg_dir):
+    """Dask sets its own loggers to INFO (45 lines of them on stderr, a jupyter-server-proxy hint
+    among them): shown with -v only."""
+    cfg = write_config(cfg_dir)
+    cfg.write_text(cfg.read_text().replace('backend = "loky"', 'backend = "dask"\nscheduler = "local"'))
+    r = shardgen_cli("build", "-c", cfg)
+    assert r.returncode == 0 and "published 4 dates" in r.stdout
+    assert r.stderr == ""
+    r = shardgen_cli("build", "-c", cfg, "--force", "-v")
+    assert r.returncode == 0 and "shardgen: info: dask: local with 1 workers" in r.stderr
+    assert "Scheduler at:" in r.stderr  # Dask's own INFO lines, asked for

@@ -69,14 +69,10 @@ def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = Fal
 
     tasks = (delayed(produce)(cfg, d, force=force, raw_only=d in raw_dates) for d in dates)
     if cfg.run.backend == "dask":
-        from shardgen.produce.cluster import dask_parallel
+        from shardgen.produce.cluster import run_on_cluster
 
-        def on_cluster() -> Iterable[DateResult]:
-            plugin = cfg.process.plugin_file()  # shipped to a remote cluster's workers
-            with dask_parallel(cfg.run.scheduler or "local", jobs, plugin=plugin) as (parallel, _client):
-                yield from parallel(tasks)
-
-        return on_cluster()
+        plugin = cfg.process.plugin_file()  # shipped to a remote cluster's workers
+        return run_on_cluster(tasks, cfg.run.scheduler or "local", jobs, plugin=plugin)
     parallel = Parallel(n_jobs=min(jobs, len(dates)), backend=cfg.run.backend,
                         return_as="generator_unordered")
     return parallel(tasks)
@@ -140,8 +136,7 @@ def _clean_temp_files(store) -> None:
 
 def _open_store(cfg: Config, store: Store) -> Manifest:
     """Create the (staging) folder, remove dead processes' temp files; the manifest, with the config's window."""
-    store.staging.mkdir(parents=True, exist_ok=True)
-    _clean_temp_files(store.staging)
+    _clean_temp_files(store.stage())
     manifest = store.open_manifest(cfg.schema, cfg.store.window)
     return replace(manifest, window=cfg.store.window)
 
@@ -163,6 +158,17 @@ def _tally(report: BuildReport, res: DateResult, pending: _Pending) -> None:
         report.windows += res.entry.samples
         report.bytes += res.entry.bytes
         log.info("published %s (%s shard, %d windows)", res.date, res.status, res.entry.samples)
+
+
+def _say_layout(cfg: Config, res: DateResult) -> bool:
+    """Say (and return True) when a processor returned a ``RunSpec`` stored in the ``windows`` layout
+    only because that is the default for a plug-in: ``runs`` stores each row once (~4x smaller)."""
+    if not (res.run_spec and cfg.schema.layout.kind == "windows" and not cfg.store.layout_set):
+        return False
+    log.warning("%s: %r returned a RunSpec, stored in the layout 'windows' (store.layout is not set: the default "
+                "for a plug-in); store.layout = 'runs' stores each row once (about 4x smaller, in a new store.dir), "
+                "store.layout = 'windows' keeps this layout", res.date, cfg.process.function)
+    return True
 
 
 def _workers_died(report: BuildReport, todo: list[dt.date], exc: BaseException, *, stopping: bool) -> None:
@@ -209,9 +215,11 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
     report = BuildReport(skipped=len(dates) - len(todo))
     bar = progress(len(todo)) if progress and todo else None
     pending = _Pending(cfg, store, report, publish_every_s, lock)
+    said = False  # the layout note, once a build
     try:
         for res in run_dates(cfg, todo, jobs=jobs or cfg.run.jobs, force=force, raw_dates=raw_dates):
             _tally(report, res, pending)
+            said = said or _say_layout(cfg, res)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(done=len(report.published), failed=len(report.failed), refresh=False)

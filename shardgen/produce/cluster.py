@@ -1,7 +1,9 @@
-"""Per-date work on a Dask cluster, through joblib's Dask backend (``[run] backend = "dask"``).
+"""Per-date work on a Dask cluster's workers (``[run] backend = "dask"``), never in the calling process.
 
 ``[run] scheduler`` is ``"tcp://host:port"`` of a running scheduler, or ``"local"`` for a
-``LocalCluster`` of ``jobs`` single-threaded worker processes on this machine. Workers write shard
+``LocalCluster`` of ``jobs`` single-threaded worker processes on this machine; at most ``jobs``
+dates run at once either way. (Not through joblib's Dask backend: with ``n_jobs=-1`` it counts
+the cluster's worker threads and, when that is 1, runs every task in the calling process.) Workers write shard
 files straight into the store (which must be on a filesystem they all see); only the process that
 runs ``build`` publishes the manifest. A processor module in the config's folder is uploaded to the
 workers of a remote scheduler (``ship_plugin``). Needs the optional extra: ``pip install '.[cluster]'``.
@@ -11,13 +13,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from shardgen.errors import ConfigError
 
-__all__ = ["dask_client", "dask_parallel", "ship_plugin"]
+__all__ = ["dask_client", "run_on_cluster", "ship_plugin"]
 
 log = logging.getLogger(__name__)
 _CLIENTS: dict = {}
@@ -61,16 +64,31 @@ def ship_plugin(client, scheduler: str, plugin: Optional[Path]) -> None:
     log.info("dask: uploaded %s to the workers", plugin)
 
 
-@contextlib.contextmanager
-def dask_parallel(scheduler: str, jobs: int, *, plugin: Optional[Path] = None) -> Iterator:
-    """A joblib ``Parallel`` that runs on the cluster, yielding results as they complete.
-    ``plugin``: the processor's file in the config folder, shipped to remote workers."""
-    import joblib
+def run_on_cluster(tasks: Iterable[tuple[Callable, tuple, dict]], scheduler: str, jobs: int, *,
+                   plugin: Optional[Path] = None) -> Iterator:
+    """The results of ``fn(*args, **kwargs)`` for every task (joblib's ``delayed`` triples), run on
+    the cluster's workers, at most ``jobs`` at once, in completion order. ``plugin``: the
+    processor's file in the config folder, shipped to remote workers. When the caller stops
+    iterating, the tasks not started are dropped (their futures released)."""
+    from dask.distributed import as_completed
 
     client = dask_client(scheduler, jobs)
     ship_plugin(client, scheduler, plugin)
-    with joblib.parallel_config(backend="dask", wait_for_workers_timeout=60):
-        yield joblib.Parallel(n_jobs=-1, return_as="generator_unordered"), client
+    try:
+        client.wait_for_workers(1, timeout=60)
+    except TimeoutError:
+        raise ConfigError(f"run.scheduler {scheduler!r}: no Dask worker joined within 60 s") from None
+    tasks = iter(tasks)
+
+    def submit(task: tuple) -> object:
+        fn, args, kwargs = task
+        return client.submit(fn, *args, pure=False, **kwargs)
+
+    done = as_completed([submit(t) for t in itertools.islice(tasks, jobs)])
+    for future in done:
+        for task in itertools.islice(tasks, 1):  # one finished: the next one starts
+            done.add(submit(task))
+        yield future.result()
 
 
 @atexit.register

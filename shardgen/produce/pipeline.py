@@ -28,13 +28,15 @@ __all__ = ["DateResult", "produce", "prepare", "warm"]
 
 @dataclass(frozen=True)
 class DateResult:
-    """What happened to one date: written, adopted (complete in the store already), empty or failed."""
+    """What happened to one date: written, adopted (complete in the store already), empty or failed.
+    ``run_spec``: the processor returned a ``RunSpec`` (a written date)."""
 
     date: dt.date
     status: str
     entry: Optional[ShardEntry] = None
     message: str = ""
     seconds: float = 0.0
+    run_spec: bool = False
 
 
 def prepare(cfg: Config, date: dt.date, *, force: bool, raw_only: bool) -> tuple:
@@ -78,7 +80,7 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
                               time.perf_counter() - t0)
         sidecar = write_shard(folder, date, windows, None, schema, version=version)
         store.put_shard(sidecar, shard_paths(folder, date, version)["json"].name)
-        return DateResult(date, "written", sidecar.entry(), seconds=time.perf_counter() - t0)
+        return DateResult(date, "written", sidecar.entry(), seconds=time.perf_counter() - t0, run_spec=windows.is_runs)
     except Interrupted as exc:
         return DateResult(date, "abandoned", message=str(exc), seconds=time.perf_counter() - t0)
     except ShardgenError as exc:

@@ -1,12 +1,15 @@
 """``[process] function``: the processor plug-in, found next to the config file first.
 
 ``ProcessConfig.load()`` imports it in every process that calls it (loky and Dask workers too);
-an import that fails is a ConfigError naming the plug-in's file and line.
+an import that fails is a ConfigError naming the plug-in's file and line; ``check_options``
+checks the other ``[process]`` keys against its signature when the config loads.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
 import sys
 import traceback
 from dataclasses import dataclass
@@ -16,6 +19,9 @@ from typing import Any, Callable, Optional
 from shardgen.errors import ConfigError
 
 __all__ = ["ProcessConfig"]
+
+log = logging.getLogger(__name__)
+PASSED = ("raw", "date", "time_steps", "num_inputs", "labels")  # what shardgen passes a processor itself
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,33 @@ class ProcessConfig:
         if not callable(fn):
             raise ConfigError(f"process.function {self.function!r} is not callable")
         return fn
+
+    def check_options(self, fn: Callable) -> None:
+        """The ``[process]`` keys against ``fn``'s signature, before any date runs: a key it cannot
+        take, or a call that cannot bind, is a ConfigError naming the key; keys that only a
+        ``**options`` takes are warned about (a typo such as ``strid`` would pass silently)."""
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # no signature to read (a builtin): the first date will say
+            return
+        options = dict(self.options)
+        for key in options:
+            if key in PASSED:
+                raise ConfigError(f"process.{key}: shardgen passes {key} to the processor itself; remove the key")
+        params = signature.parameters.values()
+        named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in PASSED]
+        unknown = [key for key in options if key not in named]
+        takes = f"its options: {', '.join(named)}" if named else "it names no options"
+        if unknown and not any(p.kind is p.VAR_KEYWORD for p in params):
+            raise ConfigError(f"process.{unknown[0]}: {self.function!r} takes no option {unknown[0]!r} ({takes})")
+        if unknown:
+            log.warning("process.%s: not named by %r, only passed in its **options (%s); a typo?",
+                        ", process.".join(unknown), self.function, takes)
+        try:
+            signature.bind(None, None, **dict.fromkeys(PASSED[2:]), **options)
+        except TypeError as exc:
+            raise ConfigError(f"process.function {self.function!r} cannot be called as shardgen calls it "
+                              f"(raw, date, time_steps=, num_inputs=, labels=, the [process] keys): {exc}") from None
 
 
 _PLUGINS: dict[str, Path] = {}  # top-level module name -> file, of plug-ins imported from a config folder

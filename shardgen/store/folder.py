@@ -144,6 +144,7 @@ class FolderStore(Store):
         return FileHeartbeat(self.path(name))
 
     def stage(self) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
         return self.dir
 
     def put_shard(self, sidecar: Sidecar, name: str) -> None:

@@ -14,6 +14,7 @@ the object's Last-Modified as its heartbeat, judged by the store's clock.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as dt
 import os
@@ -21,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import ContextManager, Iterable, Iterator, Optional
 
+from shardgen.fsutil import make_dirs, remove_empty_dirs
 from shardgen.store.base import Store
 from shardgen.store.lease_file import ObjectHeartbeat, judge_lease
 from shardgen.store.naming import CLOCK_NAME, LEASE_DIR, SNAPSHOT_DIR, shard_paths
@@ -31,6 +33,8 @@ from shardgen.store.writer_lock import WriterLock
 __all__ = ["S3Store", "STAGING_DIR"]
 
 STAGING_DIR = ".shardgen-staging"  # default staging: <folder>/.shardgen-staging/<bucket>/<prefix>
+_MADE: list = []  # staging folders this process created: removed when it exits, if they are empty
+atexit.register(remove_empty_dirs, _MADE)
 
 
 class S3Store(Store):
@@ -123,7 +127,7 @@ class S3Store(Store):
         return ObjectHeartbeat(self.objects, name)
 
     def stage(self) -> Path:
-        self.staging.mkdir(parents=True, exist_ok=True)
+        _MADE.extend(make_dirs(self.staging))
         return self.staging
 
     def put_shard(self, sidecar: Sidecar, name: str) -> None:

@@ -94,7 +94,7 @@ class Watcher:
         return self._stop
 
     def __enter__(self) -> Watcher:
-        self.store.staging.mkdir(parents=True, exist_ok=True)
+        self.store.stage()
         self._lock.acquire()
         try:
             self.store.check()

@@ -1,8 +1,16 @@
 """Processor plug-ins next to the config: found with no PYTHONPATH, in every worker, and import
 errors that say where."""
 
+import contextlib
 import datetime as dt
+import json
+import os
+import re
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,6 +102,84 @@ def test_import_time_errors_name_the_file(tmp_path, body, match):
     assert "brokenproc" not in sys.modules
 
 
+KEYED = """
+from shardgen.process import sliding_windows
+
+def kw(raw, date, **options):
+    return sliding_windows(raw, date, **options)
+
+def offset(raw, date, *, time_steps, num_inputs, labels, offset):
+    return sliding_windows(raw, date, time_steps=time_steps, num_inputs=num_inputs, labels=labels)
+
+def no_labels(raw, date, *, time_steps, num_inputs):
+    raise AssertionError("never called")
+
+def tuples(raw, date, *, time_steps, num_inputs, labels):
+    return sliding_windows(raw, date, time_steps=time_steps, num_inputs=num_inputs, labels=labels).as_windows()
+"""
+
+
+CALLED = "cannot be called as shardgen calls it (raw, date, time_steps=, num_inputs=, labels=, the [process] keys)"
+
+
+@pytest.mark.parametrize("function, keys, message", [
+    ("shardgen.process:sliding_windows", "strid = 2",
+     "process.strid: 'shardgen.process:sliding_windows' takes no option 'strid' (its options: stride)"),
+    ("keyed:offset", "offset = 1\nofset = 2",
+     "process.ofset: 'keyed:offset' takes no option 'ofset' (its options: offset)"),
+    ("keyed:kw", "time_steps = 3",
+     "process.time_steps: shardgen passes time_steps to the processor itself; remove the key"),
+    ("keyed:offset", "", f"process.function 'keyed:offset' {CALLED}: missing a required argument: 'offset'"),
+    ("keyed:no_labels", "",
+     f"process.function 'keyed:no_labels' {CALLED}: got an unexpected keyword argument 'labels'"),
+])
+def test_process_keys_are_checked_against_the_processor_when_the_config_loads(tmp_path, function, keys, message):
+    """Before any generator runs: a key the processor cannot take (a typo) is exit 2, naming it."""
+    cfg = write_config(tmp_path / "proj", process=function, stride=None)
+    cfg.write_text(cfg.read_text().replace("[process]\n", f"[process]\n{keys}\n"))
+    (tmp_path / "proj" / "keyed.py").write_text(KEYED)
+    r = shardgen_cli("build", "-c", cfg, cwd=tmp_path)
+    assert (r.returncode, r.stderr) == (2, f"shardgen: error: {message}\n")
+    assert runs(tmp_path / "proj") == [] and not (tmp_path / "proj" / "shards").exists()
+
+
+def test_keys_only_a_processor_s_options_take_are_warned_about_once(tmp_path):
+    cfg = write_config(tmp_path / "proj", process="keyed:kw", stride=None, jobs=2)
+    cfg.write_text(cfg.read_text().replace("[process]\n", "[process]\nstride = 2\n")
+                   .replace("[store]\n", '[store]\nlayout = "runs"\n'))
+    (tmp_path / "proj" / "keyed.py").write_text(KEYED)
+    r = shardgen_cli("build", "-c", cfg, cwd=tmp_path)
+    assert r.returncode == 0 and "published 4 dates" in r.stdout
+    assert r.stderr == ("shardgen: warning: process.stride: not named by 'keyed:kw', only passed in its **options "
+                        "(it names no options); a typo?\n")
+    m = Manifest.load(tmp_path / "proj" / "shards" / "manifest.json")
+    assert [s.samples for s in m.shards] == [13] * 4  # stride 2 did reach the processor
+
+
+@pytest.mark.parametrize("function, layout, kind, said", [
+    ("keyed:offset", "", "windows", True),  # a RunSpec in the plug-in's default layout: said once
+    ("keyed:offset", 'layout = "windows"', "windows", False),  # the config's layout wins, and is not questioned
+    ("keyed:offset", 'layout = "runs"', "runs", False),
+    ("keyed:tuples", "", "windows", False),  # whole windows: the default suits them
+    ("shardgen.process:sliding_windows", "", "runs", False),  # the default processor's default layout
+])
+def test_a_run_spec_in_the_default_windows_layout_is_said_once(tmp_path, function, layout, kind, said):
+    cfg = write_config(tmp_path / "proj", process=function, stride=None, jobs=2)
+    cfg.write_text(cfg.read_text().replace("[process]\n", "[process]\n" + "offset = 1\n" * (function == "keyed:offset"))
+                   .replace("[store]\n", f"[store]\n{layout}\n"))
+    (tmp_path / "proj" / "keyed.py").write_text(KEYED)
+    r = shardgen_cli("build", "-c", cfg, cwd=tmp_path)
+    assert r.returncode == 0 and "published 4 dates" in r.stdout, r.stderr
+    m = Manifest.load(tmp_path / "proj" / "shards" / "manifest.json")
+    assert m.schema.layout.kind == kind and [s.samples for s in m.shards] == [26] * 4
+    lines = r.stderr.splitlines()
+    assert len(lines) == said, r.stderr
+    if said:
+        assert re.fullmatch(r"shardgen: warning: 2024-01-0\d: 'keyed:offset' returned a RunSpec, stored in the layout "
+                            r"'windows' \(store.layout is not set: the default for a plug-in\); store.layout = 'runs' "
+                            r"stores each row once .*", lines[0]), lines[0]
+
+
 def test_the_config_folder_wins_over_an_installed_module(tmp_path):
     # dask is installed (dev extra) and a loky build never imports it: the config's dask.py wins.
     cfg = plugin_config(tmp_path / "proj", name="dask")
@@ -146,29 +232,98 @@ def test_a_remote_dask_cluster_gets_the_plugin_uploaded(tmp_path, monkeypatch):
     assert np.all(first_labels(tmp_path / "proj" / "shards")[5 * 4] > 900)
 
 
+def note_pids(cfg_path, pids):
+    """The plug-in of ``cfg_path`` appends the pid of the process that runs it to ``pids``."""
+    with open(cfg_path.parent / "myproc.py", "a") as fh:
+        fh.write(f"\n_windows = windows\n\ndef windows(raw, date, **kw):\n    import os\n"
+                 f"    open({str(pids)!r}, 'a').write(str(os.getpid()) + chr(10))\n"
+                 f"    return _windows(raw, date, **kw)\n")
+
+
+def use_dask(cfg_path, scheduler):
+    text = cfg_path.read_text()
+    cfg_path.write_text(text.replace('backend = "loky"', f'backend = "dask"\nscheduler = "{scheduler}"'))
+
+
+def test_a_dask_build_keeps_at_most_jobs_dates_on_the_cluster():
+    """A remote scheduler with more worker threads than ``jobs``: a task starts when one ends."""
+    import operator
+
+    from dask.distributed import LocalCluster
+
+    from shardgen.produce.cluster import _close_clients, run_on_cluster
+
+    pulled = []
+
+    def tasks():
+        for i in range(6):
+            pulled.append(i)
+            yield operator.neg, (i,), {}
+
+    with LocalCluster(n_workers=1, threads_per_worker=4, processes=False, dashboard_address=None) as cluster:
+        try:
+            results = run_on_cluster(tasks(), cluster.scheduler_address, 2)
+            first = next(results)
+            assert len(pulled) == 3  # two submitted, then one more as the first finished
+            assert sorted([first, *results]) == [-5, -4, -3, -2, -1, 0]
+        finally:
+            _close_clients()
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="found by issue 21: with backend = 'dask' the dates run in the process "
-                                       "that calls build(), not on the cluster's workers")
 def test_the_dask_backend_runs_the_dates_on_the_workers(tmp_path):
+    """One worker (joblib's Dask backend ran every date in the calling process then)."""
     from dask.distributed import Client, LocalCluster
 
     from shardgen.produce.cluster import _close_clients
 
     cfg_path = plugin_config(tmp_path / "proj", jobs=2)
     pids = tmp_path / "pids.txt"
-    with open(tmp_path / "proj" / "myproc.py", "a") as fh:  # the processor notes which process runs it
-        fh.write(f"\n_windows = windows\n\ndef windows(raw, date, **kw):\n    import os\n"
-                 f"    open({str(pids)!r}, 'a').write(str(os.getpid()) + chr(10))\n"
-                 f"    return _windows(raw, date, **kw)\n")
+    note_pids(cfg_path, pids)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
-        cfg_path.write_text(cfg_path.read_text().replace(
-            'backend = "loky"', f'backend = "dask"\nscheduler = "{cluster.scheduler_address}"'))
+        use_dask(cfg_path, cluster.scheduler_address)
         try:
             report = build(load_config(cfg_path))
             workers = set(client.run(lambda: __import__("os").getpid()).values())
         finally:
             _close_clients()
     assert not report.failed and len(report.published) == 4
-    ran = {int(p) for p in pids.read_text().split()}
-    assert len(ran) >= 1 and ran <= workers, f"ran in {ran}, workers {workers}"
+    ran = [int(p) for p in pids.read_text().split()]
+    assert len(ran) == 4 and set(ran) == workers and os.getpid() not in ran, f"ran in {ran}, workers {workers}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_dates_run_in_a_dask_worker_started_by_dask_s_own_cli(tmp_path, jobs):
+    """``dask scheduler`` + one ``dask worker --no-nanny`` (the worker is that process): every
+    date's processor runs in the worker's pid, whatever ``jobs`` says, never in the build's."""
+    dask = Path(sys.executable).with_name("dask")
+    if not dask.exists():
+        pytest.skip("dask's CLI is not installed (pip install '.[cluster]')")
+    cfg_path = plugin_config(tmp_path / "proj", jobs=jobs)
+    pids = tmp_path / "pids.txt"
+    note_pids(cfg_path, pids)
+    info = tmp_path / "scheduler.json"
+    common = dict(cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs = [subprocess.Popen([str(dask), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                               "--scheduler-file", str(info)], **common)]
+    try:
+        deadline = time.monotonic() + 60
+        while not (info.exists() and info.stat().st_size):
+            assert procs[0].poll() is None and time.monotonic() < deadline, "the dask scheduler did not start"
+            time.sleep(0.05)
+        address = json.loads(info.read_text())["address"]
+        procs.append(subprocess.Popen([str(dask), "worker", "--no-nanny", "--nthreads", "1", "--no-dashboard",
+                                       "--local-directory", str(tmp_path / "worker"), address], **common))
+        use_dask(cfg_path, address)
+        r = shardgen_cli("build", "-c", cfg_path, "-v", cwd=tmp_path, timeout=180)
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "with 1 workers" in r.stderr
+    ran = [int(p) for p in pids.read_text().split()]
+    assert ran == [procs[1].pid] * 4, f"ran in {ran}, the worker is {procs[1].pid}"

@@ -420,6 +420,31 @@ def test_a_watcher_that_lost_the_writer_lock_stops_and_uploads_nothing(s3, tmp_p
     assert not [n for n in remote.list() if n.endswith(".rec")]  # nothing generated or uploaded after that
 
 
+def test_a_build_removes_the_empty_staging_folders_it_made_when_it_exits(s3, tmp_path):
+    """``.shardgen-staging/<bucket>/<prefix>``: the folders the build created go when it exits;
+    the one that was there before stays."""
+    path = s3_config(tmp_path / "a", s3.url("st/sub"), jobs=2)
+    (tmp_path / "a" / ".shardgen-staging").mkdir()
+    r = cli("build", "-c", path)
+    assert r.returncode == 0 and "published 4 dates" in r.stdout, r.stderr
+    assert list((tmp_path / "a" / ".shardgen-staging").iterdir()) == []
+    assert {p.name for p in objects(s3, "st/sub").glob("*.rec")} == {f"{d}.rec" for d in DATES_4}
+
+
+def test_only_empty_folders_that_make_dirs_created_are_removed(tmp_path):
+    from shardgen.fsutil import make_dirs, remove_empty_dirs
+
+    (tmp_path / "a").mkdir()
+    made = make_dirs(tmp_path / "a" / "b" / "c")
+    assert made == [tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"]
+    (tmp_path / "a" / "b" / "c" / "left.rec").write_bytes(b"data")
+    remove_empty_dirs(made)
+    assert (tmp_path / "a" / "b" / "c" / "left.rec").read_bytes() == b"data"
+    (tmp_path / "a" / "b" / "c" / "left.rec").unlink()
+    remove_empty_dirs(made)
+    assert list((tmp_path / "a").iterdir()) == []
+
+
 @pytest.mark.slow
 def test_build_to_s3_on_the_dask_backend(s3, tmp_path):
     from dask.distributed import LocalCluster
