@@ -79,16 +79,29 @@ def run_on_cluster(tasks: Iterable[tuple[Callable, tuple, dict]], scheduler: str
     except TimeoutError:
         raise ConfigError(f"run.scheduler {scheduler!r}: no Dask worker joined within 60 s") from None
     tasks = iter(tasks)
+    dates: dict = {}  # future -> its date (the task's second argument: produce(cfg, date, ...))
 
     def submit(task: tuple) -> object:
         fn, args, kwargs = task
-        return client.submit(fn, *args, pure=False, **kwargs)
+        future = client.submit(fn, *args, pure=False, **kwargs)
+        dates[future] = args[1]
+        return future
 
     done = as_completed([submit(t) for t in itertools.islice(tasks, jobs)])
     for future in done:
         for task in itertools.islice(tasks, 1):  # one finished: the next one starts
             done.add(submit(task))
-        yield future.result()
+        date = dates.pop(future)
+        try:
+            result = future.result()
+        except Exception as exc:  # noqa: BLE001 - produce() returns its own failures: this is the cluster's
+            # A worker died running it (KilledWorker after Dask's retries), or the scheduler was lost.
+            from shardgen.produce.pipeline import DateResult
+
+            result = DateResult(date, "failed", message=f"{date}: the Dask worker running it was lost "
+                                                        f"({type(exc).__name__}: {exc}); it is tried again on the "
+                                                        "next run")
+        yield result
 
 
 @atexit.register

@@ -294,13 +294,38 @@ def test_the_dask_backend_runs_the_dates_on_the_workers(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_dask_worker_dying_on_a_date_fails_that_date_only(tmp_path):
+    """A processor that kills its worker process (OOM killer, a segfault) on one date: Dask gives up
+    on the task (KilledWorker, after allowed-failures retries); that date fails with one line, to be
+    tried again, and the others are published (it came out of build as a traceback)."""
+    import dask
+
+    from shardgen.produce.cluster import _close_clients
+
+    cfg_path = plugin_config(tmp_path / "proj", jobs=2)
+    with open(cfg_path.parent / "myproc.py", "a") as fh:
+        fh.write("\n_windows2 = windows\n\ndef windows(raw, date, **kw):\n    import os, signal\n"
+                 "    if str(date) == '2024-01-03':\n        os.kill(os.getpid(), signal.SIGKILL)\n"
+                 "    return _windows2(raw, date, **kw)\n")
+    use_dask(cfg_path, "local")
+    try:
+        with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
+            report = build(load_config(cfg_path))
+    finally:
+        _close_clients()
+    assert [str(d) for d, _ in report.failed] == ["2024-01-03"], report.failed
+    message = report.failed[0][1]
+    assert "the Dask worker running it was lost (KilledWorker" in message and "\n" not in message
+    assert sorted(str(d) for d in report.published) == ["2024-01-02", "2024-01-04", "2024-01-05"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("jobs", [1, 3])
 def test_dates_run_in_a_dask_worker_started_by_dask_s_own_cli(tmp_path, jobs):
     """``dask scheduler`` + one ``dask worker --no-nanny`` (the worker is that process): every
     date's processor runs in the worker's pid, whatever ``jobs`` says, never in the build's."""
     dask = Path(sys.executable).with_name("dask")
-    if not dask.exists():
-        pytest.skip("dask's CLI is not installed (pip install '.[cluster]')")
+    assert dask.exists(), "dask's CLI is part of the dev install (dask[distributed])"
     cfg_path = plugin_config(tmp_path / "proj", jobs=jobs)
     pids = tmp_path / "pids.txt"
     note_pids(cfg_path, pids)
