@@ -149,6 +149,25 @@ def test_watcher_shards_due_dates_and_dropped_files(cfg_dir, watchers):
     assert verify_store(store)[1] == []
 
 
+def test_a_bad_dropped_file_replaced_by_a_good_one_is_read_again_and_published(cfg_dir):
+    """A bad file is not read again while it stays the same (its path, mtime and size): once it is
+    replaced, the new file is read and its date published."""
+    from shardgen.watch.watcher import Watcher
+
+    path = write_config(cfg_dir, end="2024-01-02")
+    path.write_text(path.read_text().replace("backoff_s = 0.0", "backoff_s = 0.0\nsettle_s = 0"))
+    cfg = load_config(path)
+    (cfg_dir / "raw").mkdir()
+    (cfg_dir / "raw" / "2024-01-09.npy").write_bytes(b"not an npy at all")
+    with Watcher(cfg, interval=60.0) as w:
+        assert [d.isoformat() for d, _ in w.cycle().failed] == ["2024-01-09"]
+        assert w.cycle().failed == [] and published(cfg.store.dir) == ["2024-01-02"]  # not read again
+        drop_raw(cfg_dir, "2024-01-09")  # fixed: another file under the same name
+        report = w.cycle()
+    assert report.failed == [] and published(cfg.store.dir) == ["2024-01-02", "2024-01-09"]
+    assert "2024-01-09" not in runs(cfg_dir)  # read from the file, never generated
+
+
 def test_due_dates_follow_the_clock(cfg_dir, watchers):
     cfg = write_config(cfg_dir, end=None)
     clock = cfg_dir / "today.txt"
