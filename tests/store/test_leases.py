@@ -181,9 +181,10 @@ def test_a_deleted_lease_is_written_again_within_a_refresh_period(tmp_path, capl
     assert json.loads(lease_.path.read_text())["generation"] == 3
     assert "was deleted; writing it again" in caplog.text
     assert live_lease_generations(store, 60) == [3]
+    thread = lease_._thread
     lease_.release()
-    time.sleep(0.3)
-    assert not lease_.path.exists()  # released: never written again
+    thread.join(timeout=10)  # the heartbeat has ended: nothing can write the lease again
+    assert not thread.is_alive() and not lease_.path.exists()
 
 
 def test_a_dropped_lease_removes_its_file_and_stops_its_thread(tmp_path):
@@ -208,7 +209,9 @@ def test_a_lease_can_be_renewed_after_release(tmp_path):
     lease_.release()
     lease_.renew(2)
     lease_.path.unlink()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10  # the renewed lease's heartbeat (every 0.05 s) writes it again
+    while not lease_.path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert json.loads(lease_.path.read_text())["generation"] == 2
     lease_.release()
 

@@ -1,5 +1,6 @@
 """The watcher and garbage collection, with real processes bounded in time."""
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -62,6 +63,9 @@ def watchers():
     yield lambda cfg, *a: procs.append(WatchProc(cfg, *a)) or procs[-1]
     for p in procs:
         p.kill()
+        for pid in processes_with(f"{Path(p.cfg).parent}/modes.json"):  # generators a failed test left
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def wait_for(predicate, timeout=30.0, what="condition"):
@@ -296,26 +300,28 @@ def test_second_watcher_exits_2_naming_lock_and_pid(cfg_dir, watchers):
 def test_sigterm_during_a_build_stops_cleanly(cfg_dir, watchers):
     # Generators run in loky worker processes, which never see the watcher's STOP event: they must
     # still be abandoned at once, with their process groups (the "hang" one has a child), instead
-    # of running until their timeout (20 s here).
-    cfg = write_config(cfg_dir, end="2024-01-05", jobs=2, modes={"*": "slow:60", "2024-01-03": "hang"})
+    # of running until their timeout. That timeout (900 s) and "slow:600" outlast the 40 s the stop
+    # may take: a watcher that waited for its generators fails here, however loaded the machine.
+    cfg = write_config(cfg_dir, end="2024-01-05", jobs=2, timeout=900,
+                       modes={"*": "slow:600", "2024-01-03": "hang"})
     w = watchers(cfg, "--interval", "0.5")
     modes = f"{cfg_dir}/modes.json"
     wait_for(lambda: len(runs(cfg_dir)) >= 2, what="generators running")
     wait_for(lambda: processes_with("time.sleep(600)", modes), what="the hanging generator's child")
     assert len(processes_with("fake_gen.py", modes)) == 2  # both generators still running
     w.wait_ready()
-    t0 = time.monotonic()
-    code, out, err = w.stop(signal.SIGTERM, timeout=30)
-    elapsed = time.monotonic() - t0
+    try:
+        code, out, err = w.stop(signal.SIGTERM, timeout=40)  # measured: 0.2 s
+    except subprocess.SubprocessError:  # it did not exit in time
+        code = err = None
+    assert err is not None, "still running 40 s after SIGTERM: it waited for its generators"
     assert code == 0, err
-    assert elapsed < 1.0, f"stopped in {elapsed:.2f} s"  # README: well under a second (measured 0.2 s)
     assert "Traceback" not in err and "timed out" not in err
     left = processes_with(modes)
     assert not left, f"generators (or their children) outlived the watcher: {left} {err}"
     store = cfg_dir / "shards"
     assert not [p for p in store.iterdir() if p.suffix == ".rec"]  # nothing partial, nothing published
     # The lock was released: another watcher starts at once.
-    cfg.write_text(cfg.read_text().replace('"slow:60"', '"ok"'))
     (cfg_dir / "modes.json").write_text("{}")
     r = subprocess.run([sys.executable, "-m", "shardgen.cli", "watch", "-c", str(cfg), "--once"],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -398,7 +404,7 @@ def test_gc_in_a_watcher_process_while_a_reader_reads(tmp_path, watchers):
     cfg.write_text(cfg.read_text().replace('end = "2024-01-03"', 'end = "2024-01-05"'))
     w = watchers(cfg, "--interval", "0.2")
     wait_for(lambda: published(store) == ["2024-01-04", "2024-01-05"], what="new window")
-    time.sleep(0.6)  # several gc passes while the reader is mid-epoch
+    wait_cycles(store, 3)  # three more cycles, each with a gc pass, while the reader is mid-epoch
     assert (store / "2024-01-02.rec").exists()
     n = 16 - first.pad + sum(16 - b.pad for b in it)
     assert n == 2 * 396
