@@ -162,7 +162,8 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     with watcher:
-        log.info("watching %s every %gs (pid lock %s)", cfg.store.where, args.interval, watcher.lock_path)
+        log.info("watching %s %s (pid lock %s)", cfg.store.where, "once" if args.once else f"every {args.interval:g}s",
+                 watcher.lock_path)
         if args.once:
             report = watcher.cycle()
             return 0 if report.ok else 1
@@ -184,9 +185,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     store = cfg.store.open()
     info = status(store)
     info.update(watch_fields(load_state(store)))  # read once the manifest was, as before
-    raw = cfg.raw_files()
+    today = dt.date.today()
+    raw = [d for d in cfg.raw_files() if d <= today]  # a file for a later date is no input yet (watch warns)
     info["newest_raw"] = max(raw).isoformat() if raw else None
-    info["raw_lag_days"] = (dt.date.today() - max(raw)).days if raw else None
+    info["raw_lag_days"] = (today - max(raw)).days if raw else None
     if args.json:
         print(dumps(info))
         return 0

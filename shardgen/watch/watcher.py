@@ -34,6 +34,7 @@ from shardgen.errors import LockError, ShardgenError
 from shardgen.produce import generator
 from shardgen.produce.build import BuildReport, build, wanted
 from shardgen.store.gc import collect
+from shardgen.store.manifest import Manifest
 from shardgen.store.publish import publish
 from shardgen.watch.adopt import adoptable
 from shardgen.watch.state import Failing, save_state
@@ -67,6 +68,15 @@ class CycleReport:
         return not self.failed
 
 
+def _version(path: Path) -> Optional[tuple[str, float, int]]:
+    """What tells one version of a file from the next: its path, mtime and size (None: gone)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return str(path), st.st_mtime, st.st_size
+
+
 class Watcher:
     """One store's watcher. ``run()`` loops until ``stop()``; ``cycle()`` does one pass."""
 
@@ -75,7 +85,8 @@ class Watcher:
         self.cfg, self.interval, self.jobs, self.today = cfg, interval, jobs, today
         self._stop = False
         self._failures: dict[dt.date, _Failure] = {}
-        self._bad_files: set[tuple[str, float, int]] = set()  # reported once per file version
+        self._bad_files: set[Optional[tuple]] = set()  # reported once per file version (_version)
+        self._warned: set[Optional[tuple]] = set()  # raw files never published, warned about once
         self.store = cfg.store.open()
         self._lock = self.store.watch_lock()
         self._writer = self.store.writer_lock("watch", ttl_s=cfg.store.lease_ttl_s)
@@ -160,7 +171,7 @@ class Watcher:
             # A due date is generated (again) whatever its raw file holds, unless someone is still
             # writing that file, or the date is waiting for its retry.
             due = [d for d in scheduled if (d in raw or d not in files) and self._retry_at(d) <= now]
-            arrivals = [d for d in wanted(manifest, raw) if d not in set(scheduled) and not self._known_bad(raw[d])]
+            arrivals = self._arrivals(manifest, raw, scheduled)
             if due or arrivals:
                 report.build = build(cfg, dates=due, raw_dates=arrivals, jobs=self.jobs, publish_every_s=0.0,
                                      should_stop=lambda: self._stop,  # readers see each date at once
@@ -183,12 +194,29 @@ class Watcher:
         failure = self._failures.get(date)
         return failure.retry_at if failure is not None and failure.retry_at is not None else 0.0
 
-    def _known_bad(self, path: Path) -> bool:
-        try:
-            st = path.stat()
-        except OSError:
-            return False
-        return (str(path), st.st_mtime, st.st_size) in self._bad_files
+    def _arrivals(self, manifest: Manifest, raw: dict[dt.date, Path], scheduled: list[dt.date]) -> list[dt.date]:
+        """The dates whose dropped raw file is read now. A file for a date after today, off the
+        calendar, or older than a full window is never published: one warning per file (version)."""
+        today, fresh, skip = self.today(), set(wanted(manifest, raw)), set(scheduled)
+        listed = {e.date for e in (*manifest.shards, *manifest.retired)}
+        arrivals = []
+        for date, path in sorted(raw.items()):
+            version = _version(path)
+            if date in skip or date.isoformat() in listed or version in self._bad_files:
+                continue
+            if date > today:
+                why = f"is for a date after today ({today})"
+            elif self.cfg.dates.calendar == "weekdays" and date.weekday() >= 5:
+                why = f"is for a {date:%A}, not on the weekdays calendar"
+            elif date not in fresh:
+                why = f"is older than the {manifest.window}-date window (from {manifest.shards[0].date})"
+            else:
+                arrivals.append(date)
+                continue
+            if version not in self._warned:
+                self._warned.add(version)
+                log.warning("%s: %s %s; not published", date, path, why)
+        return arrivals
 
     def _settled_raw_files(self, files: dict[dt.date, Path]) -> dict[dt.date, Path]:
         """Raw files whose mtime is ``settle_s`` old (not being written any more)."""
@@ -227,11 +255,7 @@ class Watcher:
             previous = self._failures.get(date)
             count = (previous.attempts if previous else 0) + 1
             if date in arrivals:  # a bad dropped file: report once, retry when it changes
-                try:
-                    st = raw[date].stat()
-                    self._bad_files.add((str(raw[date]), st.st_mtime, st.st_size))
-                except OSError:
-                    pass
+                self._bad_files.add(_version(raw[date]))
                 self._failures[date] = _Failure(count, message, None)
                 log.warning("%s: %s is not generated here; will read it again when it changes", date, raw[date])
                 continue

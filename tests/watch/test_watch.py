@@ -135,8 +135,7 @@ def test_watcher_shards_due_dates_and_dropped_files(cfg_dir, watchers):
     store = cfg_dir / "shards"
     wait_for(lambda: published(store) == ["2024-01-02", "2024-01-03"], what="due dates")
     drop_raw(cfg_dir, "2024-01-08")  # outside [dates]: only a dropped file brings it in
-    drop_raw(cfg_dir, "2024-01-06")  # a Saturday: the calendar does not matter for dropped files
-    wait_for(lambda: published(store)[-2:] == ["2024-01-06", "2024-01-08"], what="dropped files")
+    wait_for(lambda: published(store)[-1:] == ["2024-01-08"], what="dropped file")
     assert "2024-01-08" not in runs(cfg_dir)  # not generated: read from the dropped file
     (cfg_dir / "raw" / "2024-01-09.npy").write_bytes(b"not an npy at all")
     wait_for(lambda: [f["date"] for f in json.loads((store / ".watch-state.json").read_text())["failing"]]
@@ -170,6 +169,47 @@ def test_a_bad_dropped_file_replaced_by_a_good_one_is_read_again_and_published(c
         report = w.cycle()
     assert report.failed == [] and published(cfg.store.dir) == ["2024-01-02", "2024-01-09"]
     assert "2024-01-09" not in runs(cfg_dir)  # read from the file, never generated
+
+
+def test_raw_files_after_today_off_the_calendar_or_older_than_the_window_are_never_published(cfg_dir, caplog):
+    """Measured: a Saturday's file and a future date's were published (status: "lag -3 days"), and
+    one older than the window was ignored without a word. Now: one warning per file, none published;
+    the future date's file is read once that date has come."""
+    from shardgen.watch.watcher import Watcher
+
+    path = write_config(cfg_dir, end="2024-01-05", window=2)
+    path.write_text(path.read_text().replace("backoff_s = 0.0", "backoff_s = 0.0\nsettle_s = 0"))
+    cfg, today = load_config(path), [dt.date(2024, 1, 10)]
+    names = {"2024-01-01": "older than the 2-date window", "2024-01-06": "for a Saturday, not on the weekdays",
+             "2024-01-11": "for a date after today (2024-01-10)"}
+    with Watcher(cfg, interval=60.0, today=lambda: today[0]) as w:
+        w.cycle()
+        assert published(cfg.store.dir) == ["2024-01-04", "2024-01-05"]  # 2024-01-02, -03 retired
+        for date in [*names, "2024-01-03", "2024-01-09"]:  # -03: a retired date's file, no news
+            drop_raw(cfg_dir, date)
+        with caplog.at_level("WARNING"):
+            for _ in range(3):
+                assert w.cycle().failed == []
+        assert published(cfg.store.dir) == ["2024-01-05", "2024-01-09"]
+        lines = caplog.text.splitlines()
+        assert len(lines) == 3, caplog.text  # one per file, not one per cycle
+        for (date, why), line in zip(sorted(names.items()), lines):
+            assert f"{date}: {cfg_dir / 'raw' / date}.npy is {why}" in line and line.endswith("not published")
+        today[0] = dt.date(2024, 1, 11)  # its date has come
+        w.cycle()
+    assert published(cfg.store.dir) == ["2024-01-09", "2024-01-11"]
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "watch", "--once", "-c", str(path), "--today",
+                        "2024-01-11"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert "watching" in r.stderr and " once (" in r.stderr and "every" not in r.stderr
+    assert r.stderr.count("not published") == 2  # this process's warnings: the Saturday and the old date
+    later = dt.date.today() + dt.timedelta(days=3)
+    drop_raw(cfg_dir, later.isoformat())
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "status", "--json", "-c", str(path)],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    info = json.loads(r.stdout)
+    assert info["newest_raw"] == "2024-01-11" and info["raw_lag_days"] > 0  # the later file is no input yet
 
 
 def test_due_dates_follow_the_clock(cfg_dir, watchers):
