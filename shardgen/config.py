@@ -68,6 +68,7 @@ class StoreConfig:
     grace_s: float = 3600.0
     lease_ttl_s: float = 60.0
     remote: Optional[str] = None  # "s3://bucket/prefix": the store; ``dir`` is then the local staging folder
+    keep_raw: bool = False  # watch: keep the raw files of dates whose shards gc deleted
 
     def open(self):
         """The store (``shardgen.store.open_store`` picks its kind from ``where``); shard files are
@@ -255,7 +256,8 @@ def _store_and_schema(top: Table, config_dir: Path, process: ProcessConfig,
     elif "://" in folder:
         raise ConfigError(f"store.dir = {folder!r}: only folders and s3:// URLs are stores")
     store = StoreConfig((config_dir / folder).resolve(), integer(sto, "window", 0, 0),
-                        number(sto, "grace_s", 3600.0, 0.0), number(sto, "lease_ttl_s", 60.0, 30.0), remote)
+                        number(sto, "grace_s", 3600.0, 0.0), number(sto, "lease_ttl_s", 60.0, 30.0), remote,
+                        keep_raw=sto.get("keep_raw", bool, False))
     layout = _layout(sto, process, schema_args["time_steps"])
     sto.done()
     try:

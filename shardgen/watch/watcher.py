@@ -87,6 +87,7 @@ class Watcher:
         self._failures: dict[dt.date, _Failure] = {}
         self._bad_files: set[Optional[tuple]] = set()  # reported once per file version (_version)
         self._warned: set[Optional[tuple]] = set()  # raw files never published, warned about once
+        self._left: set[str] = set()  # dates seen leaving the window: their raw files go with their shards
         self.store = cfg.store.open()
         self._lock = self.store.watch_lock()
         self._writer = self.store.writer_lock("watch", ttl_s=cfg.store.lease_ttl_s)
@@ -183,6 +184,7 @@ class Watcher:
             report.adopted = adoptable(store, store.open_manifest(cfg.schema, st.window), cfg.schema, self._bad_files)
             saved = publish(store, cfg.schema, st.window, report.adopted, lock=self._writer)  # applies the window
             report.deleted = collect(store, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s, lock=self._writer)
+            self._prune_raw(report.deleted)
             done = {s.date for s in (saved or manifest).shards} | {a.date for a in report.adopted}
             for date in [d for d in self._failures if d.isoformat() in done]:
                 del self._failures[date]  # published meanwhile (e.g. adopted)
@@ -198,7 +200,7 @@ class Watcher:
         """The dates whose dropped raw file is read now. A file for a date after today, off the
         calendar, or older than a full window is never published: one warning per file (version)."""
         today, fresh, skip = self.today(), set(wanted(manifest, raw)), set(scheduled)
-        listed = {e.date for e in (*manifest.shards, *manifest.retired)}
+        listed = {e.date for e in (*manifest.shards, *manifest.retired)} | self._left  # no news
         arrivals = []
         for date, path in sorted(raw.items()):
             version = _version(path)
@@ -217,6 +219,28 @@ class Watcher:
                 self._warned.add(version)
                 log.warning("%s: %s %s; not published", date, path, why)
         return arrivals
+
+    def _prune_raw(self, deleted: list[str]) -> None:
+        """Remove the raw files of the dates that left the window once gc deleted their shards (this
+        cycle, or another gc since), unless ``store.keep_raw``; never of a date the manifest lists."""
+        manifest = self.store.load_manifest()
+        if manifest is None:
+            return
+        listed = {e.date for e in (*manifest.shards, *manifest.retired)}
+        self._left |= {r.date for r in manifest.retired} | set(deleted)
+        if self.cfg.store.keep_raw:
+            return
+        for day in sorted(self._left - listed):
+            self._left.discard(day)
+            path = self.cfg.raw_path(dt.date.fromisoformat(day))
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("%s: cannot remove the raw file of %s (%s)", path, day, exc.strerror)
+                continue
+            log.info("%s: removed %s (its shard was deleted; store.keep_raw = false)", day, path)
 
     def _settled_raw_files(self, files: dict[dt.date, Path]) -> dict[dt.date, Path]:
         """Raw files whose mtime is ``settle_s`` old (not being written any more)."""

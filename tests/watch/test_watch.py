@@ -24,6 +24,7 @@ from shardgen.store.manifest import Manifest
 from shardgen.store.verify import verify_store
 
 pytestmark = pytest.mark.slow
+DATES_4 = ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05"]
 
 
 class WatchProc:
@@ -210,6 +211,49 @@ def test_raw_files_after_today_off_the_calendar_or_older_than_the_window_are_nev
                        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     info = json.loads(r.stdout)
     assert info["newest_raw"] == "2024-01-11" and info["raw_lag_days"] > 0  # the later file is no input yet
+
+
+def raw_dates(cfg_dir):
+    return sorted(p.name[:10] for p in (cfg_dir / "raw").glob("2*.npy"))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_raw_files_of_dates_whose_shards_gc_deleted_go_unless_kept(cfg_dir, keep):
+    """Measured: 19 raw files stayed while 7 shards were in the window."""
+    from shardgen.produce.build import build
+    from shardgen.watch.watcher import Watcher
+
+    path = write_config(cfg_dir, end="2024-01-05", window=2, grace=0)
+    if keep:
+        path.write_text(path.read_text().replace("grace_s = 0", "keep_raw = true\ngrace_s = 0"))
+    cfg = load_config(path)
+    (cfg_dir / "raw").mkdir()
+    others = [cfg_dir / "raw" / ".incoming-2024-01-02.npy", cfg_dir / "raw" / "2024-01-02.csv"]
+    for other in others:  # not a date's raw file (by generator.output): never touched
+        other.write_text("x")
+    with Watcher(cfg, interval=60.0) as w:
+        assert w.cycle().deleted == ["2024-01-02", "2024-01-03"]  # retired, past their grace (0 s) at once
+        assert raw_dates(cfg_dir) == (DATES_4 if keep else ["2024-01-04", "2024-01-05"])
+        report = build(cfg, start=dt.date(2024, 1, 5), end=dt.date(2024, 1, 5), force=True)
+        assert report.published == [dt.date(2024, 1, 5)]  # rewritten: its first version is retired
+        assert w.cycle().deleted == ["2024-01-05"]
+    assert raw_dates(cfg_dir) == (DATES_4 if keep else ["2024-01-04", "2024-01-05"])  # -05 is in the window
+    assert all(other.exists() for other in others)
+
+
+def test_raw_files_stay_through_the_grace_and_go_after_another_gc_deleted_their_shards(cfg_dir):
+    from shardgen.watch.watcher import Watcher
+
+    cfg = load_config(write_config(cfg_dir, end="2024-01-05", window=2, grace=3600))
+    with Watcher(cfg, interval=60.0) as w:
+        w.cycle()
+        w.cycle()
+        assert published(cfg.store.dir) == ["2024-01-04", "2024-01-05"]
+        assert raw_dates(cfg_dir) == DATES_4  # 2024-01-02 and -03 are retired, within their grace
+        later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=3601)  # `shardgen gc`, an hour on
+        assert collect(cfg.store.dir, grace_s=3600, lease_ttl_s=60, now=later) == ["2024-01-02", "2024-01-03"]
+        w.cycle()
+    assert raw_dates(cfg_dir) == ["2024-01-04", "2024-01-05"]
 
 
 def test_due_dates_follow_the_clock(cfg_dir, watchers):
