@@ -6,13 +6,15 @@ Each cycle:
    running the generator -- both through ``build``, the one code path;
 2. complete shards written into the store by other producers are checked and published;
 3. the window is applied (older dates move to ``retired``);
-4. garbage collection deletes retired shards past ``grace_s`` that no live reader uses.
+4. garbage collection deletes retired shards past ``grace_s`` that no live reader uses, and the
+   raw files of their dates go with them (unless ``store.keep_raw``).
 
 A dropped raw file is read once its mtime is ``settle_s`` old (write it under another name and
 rename it into place to make that instant). A due date that fails -- including one whose raw file
 (say, a generator's truncated output) does not load -- is generated again on later cycles with
 exponential backoff; it never holds up other dates. A bad raw file dropped for a date that is not
-due is reported once and read again when it changes. Every failing date, with its last error,
+due is reported once and read again when it changes; one for a date after today, off the calendar
+or older than a full window is never published (one warning per file). Every failing date, with its last error,
 attempts and next retry, is written to ``<store>/.watch-state.json`` after each cycle
 (``shardgen status`` shows it).
 """
