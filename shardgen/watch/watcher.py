@@ -13,10 +13,10 @@ A dropped raw file is read once its mtime is ``settle_s`` old (write it under an
 rename it into place to make that instant). A due date that fails -- including one whose raw file
 (say, a generator's truncated output) does not load -- is generated again on later cycles with
 exponential backoff; it never holds up other dates. A bad raw file dropped for a date that is not
-due is reported once and read again when it changes; one for a date after today, off the calendar
-or older than a full window is never published (one warning per file). Every failing date, with its last error,
-attempts and next retry, is written to ``<store>/.watch-state.json`` after each cycle
-(``shardgen status`` shows it).
+due is reported once and read again when it changes; one for a date after today, off the
+calendar or older than a full window is never published (one warning per file). Every failing
+date, with its last error, attempts and next retry, is written to ``<store>/.watch-state.json``
+after each cycle (``shardgen status`` shows it).
 """
 
 from __future__ import annotations
