@@ -16,7 +16,8 @@ exponential backoff; it never holds up other dates. A bad raw file dropped for a
 due is reported once and read again when it changes; one for a date after today, off the
 calendar or older than a full window is never published (one warning per file). Every failing
 date, with its last error, attempts and next retry, is written to ``<store>/.watch-state.json``
-after each cycle (``shardgen status`` shows it).
+after each cycle (``shardgen status`` shows it), and ``<store>/.watch-heartbeat.json`` says that
+it runs (:mod:`shardgen.watch.alive`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from shardgen.store.gc import collect
 from shardgen.store.manifest import Manifest
 from shardgen.store.publish import publish
 from shardgen.watch.adopt import adoptable
+from shardgen.watch.alive import WatcherHeartbeat
 from shardgen.watch.state import Failing, save_state
 
 __all__ = ["Watcher", "CycleReport"]
@@ -93,6 +95,7 @@ class Watcher:
         self.store = cfg.store.open()
         self._lock = self.store.watch_lock()
         self._writer = self.store.writer_lock("watch", ttl_s=cfg.store.lease_ttl_s)
+        self._alive = WatcherHeartbeat(self.store, ttl_s=cfg.store.lease_ttl_s)
 
     @property
     def lock_path(self) -> Path:
@@ -116,6 +119,7 @@ class Watcher:
         except BaseException:
             self._lock.release()
             raise
+        self._alive.start()
         self._warm_workers()
         return self
 
@@ -135,6 +139,7 @@ class Watcher:
                 log.warning("could not start the %d worker processes ahead (%s); the first due date will", jobs, exc)
 
     def __exit__(self, *exc: object) -> None:
+        self._alive.stop()
         generator.clear_stop()
         self._writer.release()
         self._lock.release()

@@ -370,6 +370,73 @@ def test_status_lists_failing_dates_of_a_running_watcher(cfg_dir, watchers):
     assert "2024-01-09: " in err and "will read it again when it changes" in err
 
 
+@pytest.mark.parametrize("how", ["SIGTERM", "kill -9"])
+def test_status_tells_whether_the_watcher_is_alive(cfg_dir, watchers, how):
+    """Measured: after SIGTERM or kill -9, status still printed "watcher: last cycle ..., 0 failing dates"."""
+    import socket
+
+    cfg = write_config(cfg_dir, end="2024-01-03")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def status(*args):
+        r = subprocess.run([sys.executable, "-m", "shardgen.cli", "status", "-c", str(cfg), *args],
+                           capture_output=True, text=True, timeout=60, env=env)
+        return json.loads(r.stdout)["watcher"] if args else r.stdout
+
+    w = watchers(cfg, "--interval", "0.2")
+    wait_for(lambda: status("--json")["alive"], what="status: the watcher is alive")
+    info = status("--json")
+    assert info["pid"] == w.proc.pid and info["host"] == socket.gethostname() and info["why"] is None
+    assert 0 <= info["heartbeat_age_s"] < 60
+    assert f"watcher: alive (pid {w.proc.pid} on {socket.gethostname()}, heartbeat " in status()
+    if how == "SIGTERM":
+        assert w.stop()[0] == 0
+    else:
+        w.kill()
+        assert w.proc.returncode == -signal.SIGKILL
+    wait_for(lambda: not status("--json")["alive"], what="status: the watcher is not alive")
+    info = status("--json")
+    if how == "SIGTERM":  # it removed its heartbeat file as it stopped
+        assert info["pid"] is None and info["why"] == "no heartbeat file (stopped, or never started)"
+        assert "watcher: NOT RUNNING (no heartbeat file (stopped, or never started)); last cycle" in status()
+    else:  # the file stays; its pid, of this host, pid namespace and boot, is gone
+        assert info["pid"] == w.proc.pid and info["why"] == f"process {w.proc.pid} is gone"
+        assert f"watcher: NOT RUNNING (pid {w.proc.pid} on {socket.gethostname()}, process {w.proc.pid} is gone)" \
+            in status()
+
+
+def test_the_watchers_heartbeat_is_kept_fresh_and_judged_by_the_store_clock(tmp_path, monkeypatch):
+    """A status on another host cannot check the pid: the heartbeat's age by the store's clock decides."""
+    from shardgen.store import open_store
+    from shardgen.watch.alive import WATCH_HEARTBEAT, WatcherHeartbeat, watcher_status
+
+    store = open_store(tmp_path / "s")
+    store.dir.mkdir()
+    path = store.dir / WATCH_HEARTBEAT
+    beat = WatcherHeartbeat(store, ttl_s=0.6)  # a beat every 0.1 s
+    beat.start()
+    beats, last = 0, path.stat().st_mtime_ns
+    deadline = time.monotonic() + 10
+    while beats < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        mtime = path.stat().st_mtime_ns
+        beats, last = beats + (mtime != last), mtime
+    assert beats == 3, "the watcher's heartbeat never refreshed its file"
+    assert watcher_status(store, 60)["alive"]
+    beat.stop()
+    assert not path.exists() and watcher_status(store, 60)["alive"] is False
+
+    path.write_text(json.dumps({"generation": 0, "host": "elsewhere", "pid": 1, "pidns": "", "boot_id": ""}))
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 3600)  # this host's clock is an hour ahead
+    assert watcher_status(store, 60) == {"alive": True, "pid": 1, "host": "elsewhere",
+                                         "heartbeat_age_s": pytest.approx(0, abs=5), "why": None}
+    old = path.stat().st_mtime - 90  # 90 s old by the store's clock
+    os.utime(path, (old, old))
+    info = watcher_status(store, 60)
+    assert info["alive"] is False and info["why"].startswith("no heartbeat for 9")
+
+
 def test_second_watcher_exits_2_naming_lock_and_pid(cfg_dir, watchers):
     cfg = write_config(cfg_dir)
     first = watchers(cfg, "--interval", "0.5")
