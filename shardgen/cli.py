@@ -210,7 +210,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         who = f"pid {w['pid']} on {w['host']}, " if w["pid"] is not None else ""
         state = (f"alive ({who}heartbeat {w['heartbeat_age_s']:.0f}s ago)" if w["alive"]
                  else f"NOT RUNNING ({who}{w['why']})")
-        print(f"watcher: {state}; last cycle {info['watch_updated']}, {len(info['failing'])} failing dates")
+        last = f"last cycle {info['watch_updated']}" if info["watch_updated"] else "no cycle finished yet"
+        print(f"watcher: {state}; {last}, {len(info['failing'])} failing dates")
     for f in info["failing"]:
         retry = f"next retry {f['next_retry']}" if f["next_retry"] else "retried when the file changes"
         print(f"failing {f['date']} ({f['kind']}, {f['attempts']} attempts, {retry}): {f['error']}")
