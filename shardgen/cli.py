@@ -23,6 +23,7 @@ from shardgen.produce.build import build
 from shardgen.store.gc import collect
 from shardgen.store.status import dumps, status, watch_fields
 from shardgen.store.verify import verify_store
+from shardgen.watch.alive import watcher_status
 from shardgen.watch.state import load_state
 from shardgen.watch.watcher import Watcher
 
@@ -109,8 +110,9 @@ def _parser() -> argparse.ArgumentParser:
                                "store.grace_s that no live reader lease uses.")
     s = sub.add_parser("status", parents=[common], help="summarise the manifest",
                        description="Generation, shards, windows, bytes per window, date range, window, age, "
-                                   "the generation snapshots kept, and every date the watcher is failing on "
-                                   "(last error, attempts, next retry).")
+                                   "the generation snapshots kept, whether a watcher is alive (pid, host, "
+                                   "heartbeat age), and every date it is failing on (last error, attempts, "
+                                   "next retry).")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     sub.add_parser("verify", parents=[common], help="check every published shard",
                    description="Check size, sha256, index and record framing of every published shard "
@@ -174,7 +176,8 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     with watcher:
-        log.info("watching %s every %gs (pid lock %s)", cfg.store.where, args.interval, watcher.lock_path)
+        log.info("watching %s %s (pid lock %s)", cfg.store.where, "once" if args.once else f"every {args.interval:g}s",
+                 watcher.lock_path)
         if args.once:
             report = watcher.cycle()
             return 0 if report.ok else 1
@@ -196,9 +199,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     store = cfg.store.open()
     info = status(store)
     info.update(watch_fields(load_state(store)))  # read once the manifest was, as before
-    raw = cfg.raw_files()
+    info["watcher"] = watcher_status(store, cfg.store.lease_ttl_s)
+    today = dt.date.today()
+    raw = [d for d in cfg.raw_files() if d <= today]  # a file for a later date is no input yet (watch warns)
     info["newest_raw"] = max(raw).isoformat() if raw else None
-    info["raw_lag_days"] = (dt.date.today() - max(raw)).days if raw else None
+    info["raw_lag_days"] = (today - max(raw)).days if raw else None
     if args.json:
         print(dumps(info))
         return 0
@@ -212,8 +217,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"snapshots kept: {len(snaps)}" + (f" (generations {', '.join(map(str, snaps))})" if snaps else "")
           + f", format {info['format']}")
     print(f"newest raw file {info['newest_raw']} (lag {info['raw_lag_days']} days)")
-    if info["watch_updated"]:
-        print(f"watcher: last cycle {info['watch_updated']}, {len(info['failing'])} failing dates")
+    w = info["watcher"]
+    if info["watch_updated"] or w["pid"] is not None:
+        who = f"pid {w['pid']} on {w['host']}, " if w["pid"] is not None else ""
+        state = (f"alive ({who}heartbeat {w['heartbeat_age_s']:.0f}s ago)" if w["alive"]
+                 else f"NOT RUNNING ({who}{w['why']})")
+        last = f"last cycle {info['watch_updated']}" if info["watch_updated"] else "no cycle finished yet"
+        print(f"watcher: {state}; {last}, {len(info['failing'])} failing dates")
     for f in info["failing"]:
         retry = f"next retry {f['next_retry']}" if f["next_retry"] else "retried when the file changes"
         print(f"failing {f['date']} ({f['kind']}, {f['attempts']} attempts, {retry}): {f['error']}")

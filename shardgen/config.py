@@ -69,6 +69,7 @@ class StoreConfig:
     lease_ttl_s: float = 60.0
     remote: Optional[str] = None  # "s3://bucket/prefix": the store; ``dir`` is then the local staging folder
     layout_set: bool = False  # store.layout is in the config (else the default for the processor was taken)
+    keep_raw: bool = False  # watch: keep the raw files of dates whose shards gc deleted
 
     def open(self):
         """The store (``shardgen.store.open_store`` picks its kind from ``where``); shard files are
@@ -259,7 +260,7 @@ def _store_and_schema(top: Table, config_dir: Path, process: ProcessConfig,
         raise ConfigError(f"store.dir = {folder!r}: only folders and s3:// URLs are stores")
     store = StoreConfig((config_dir / folder).resolve(), integer(sto, "window", 0, 0),
                         number(sto, "grace_s", 3600.0, 0.0), number(sto, "lease_ttl_s", 60.0, 30.0), remote,
-                        "layout" in sto.data)
+                        layout_set="layout" in sto.data, keep_raw=sto.get("keep_raw", bool, False))
     layout = _layout(sto, process, schema_args["time_steps"])
     sto.done()
     try:

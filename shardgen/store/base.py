@@ -88,6 +88,11 @@ class Store(ABC):
         """The bytes of ``name``, or None if there is no such file."""
 
     @abstractmethod
+    def read_with_mtime(self, name: str) -> Optional[tuple[bytes, float]]:
+        """The bytes of ``name`` and when it was last written by the store's clock (its mtime, an
+        object's Last-Modified), or None if there is no such file."""
+
+    @abstractmethod
     def write(self, name: str, data: bytes, *, durable: bool = True) -> None:
         """Replace ``name`` whole (never half written); ``durable=False``: no fsync, no check after upload."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import os
 import time
 from pathlib import Path
 from typing import ContextManager, Iterable, Optional
@@ -64,6 +65,13 @@ class FolderStore(Store):
         except FileNotFoundError:
             return None
 
+    def read_with_mtime(self, name: str) -> Optional[tuple[bytes, float]]:
+        try:
+            with open(self.path(name), "rb") as fh:
+                return fh.read(), os.fstat(fh.fileno()).st_mtime
+        except FileNotFoundError:
+            return None
+
     def write(self, name: str, data: bytes, *, durable: bool = True) -> None:
         path = self.path(name)
         if path.parent != self.dir:
@@ -109,6 +117,7 @@ class FolderStore(Store):
         (falls back to this host's clock, with a warning, if the store is read-only)."""
         clock = self.dir / LEASE_DIR / CLOCK_NAME
         try:
+            clock.parent.mkdir(exist_ok=True)
             clock.touch()  # creates it, or utime(None): the file server sets its own "now"
             return clock.stat().st_mtime
         except OSError as exc:

@@ -21,7 +21,7 @@ from typing import Optional
 from shardgen.errors import ShardgenError
 from shardgen.fsutil import atomic_write, boot_id, pid_alive, pid_namespace
 
-__all__ = ["HOST", "PIDNS", "BOOT", "Heartbeat", "FileHeartbeat", "ObjectHeartbeat", "judge_lease"]
+__all__ = ["HOST", "PIDNS", "BOOT", "Heartbeat", "FileHeartbeat", "ObjectHeartbeat", "judge_lease", "why_dead"]
 
 log = logging.getLogger(__name__)
 HOST = socket.gethostname()
@@ -32,6 +32,8 @@ BOOT = boot_id()
 class Heartbeat:
     """What the heartbeat thread needs, without a reference to the Lease (which it must not keep
     alive): the generation said, and how the lease is written, refreshed and removed."""
+
+    what, unseen = "reader lease", "gc cannot see this reader"  # for messages: what it is, what its loss means
 
     def __init__(self, where: str):
         self.where = where
@@ -53,7 +55,7 @@ class Heartbeat:
             self.written = self.generation
         except (OSError, ShardgenError) as exc:
             if not self.warned:
-                log.warning("%s: cannot write a reader lease (%s); gc cannot see this reader", self.where, exc)
+                log.warning("%s: cannot write a %s (%s); %s", self.where, self.what, exc, self.unseen)
                 self.warned = True
             return False
         return True
@@ -103,11 +105,11 @@ class FileHeartbeat(Heartbeat):
             try:
                 os.utime(self.path)  # None: the file server's "now", like gc's clock file
             except FileNotFoundError:
-                log.warning("%s: reader lease was deleted; writing it again", self.path)
+                log.warning("%s: %s was deleted; writing it again", self.path, self.what)
                 self.write()
             except OSError as exc:
                 if not self.warned:
-                    log.warning("%s: cannot refresh a reader lease (%s)", self.path, exc)
+                    log.warning("%s: cannot refresh a %s (%s)", self.path, self.what, exc)
                     self.warned = True
 
     def remove(self) -> None:
@@ -136,6 +138,17 @@ def _pid_is_checkable(info: dict) -> bool:
             and bool(BOOT) and info.get("boot_id") == BOOT)
 
 
+def why_dead(info: dict, age: float, ttl_s: float) -> Optional[str]:
+    """Why the process that keeps a heartbeat file saying ``info`` (a reader lease, the watcher's
+    heartbeat) is dead, or None while it lives: no heartbeat for ``ttl_s`` by the store's clock
+    (``age``), or -- for a pid of this host, pid namespace and boot -- its pid is gone."""
+    if age > ttl_s:
+        return f"no heartbeat for {age:.0f}s"
+    if _pid_is_checkable(info) and not pid_alive(int(info["pid"])):
+        return f"process {info['pid']} is gone"
+    return None
+
+
 def judge_lease(where: str, age: Optional[float], text: Optional[bytes], ttl_s: float
                 ) -> tuple[Optional[int], Optional[str]]:
     """What one lease (its bytes, ``age`` by the store's clock) means to gc: ``(generation, None)``
@@ -145,15 +158,12 @@ def judge_lease(where: str, age: Optional[float], text: Optional[bytes], ttl_s: 
         if text is None:
             raise ValueError("cannot be read")
         info = json.loads(text)
-        generation, pid = int(info["generation"]), int(info["pid"])
+        generation, _pid = int(info["generation"]), int(info["pid"])
     except (ValueError, KeyError, TypeError, AttributeError):
         log.warning("%s: unreadable lease; counting it as live until it is %gs old", where, ttl_s)
         return (-1 if age is not None and age <= ttl_s else None), None
-    if age > ttl_s:
-        why = f"no heartbeat for {age:.0f}s"
-    elif _pid_is_checkable(info) and not pid_alive(pid):
-        why = f"process {pid} is gone"
-    else:
+    why = why_dead(info, age, ttl_s)
+    if why is None:
         return generation, None
     log.info("ignoring dead reader lease %s (generation %d): %s", where, generation, why)
     return None, why

@@ -4,8 +4,8 @@
     ``manifest.json`` (``MANIFEST_NAME``), ``generations/<N>.json`` (``SNAPSHOT_DIR``, one snapshot per
     generation), the shard files of version ``k`` of a date: ``<date>.rec|.idx|.json`` for ``k = 1``,
     ``<date>.v<k>.rec|.idx|.json`` after a rewrite (``.json`` is the sidecar), the locks
-    ``.manifest.lock`` and ``.watch.lock``, the watcher's ``.watch-state.json``, and
-    ``leases/<host token>-<pid>-<random>.json`` plus ``leases/.clock``.
+    ``.manifest.lock`` and ``.watch.lock``, the watcher's ``.watch-state.json`` and
+    ``.watch-heartbeat.json``, and ``leases/<host token>-<pid>-<random>.json`` plus ``leases/.clock``.
 
 Every name read from a manifest, snapshot or sidecar must be a plain file name inside the store
 (``check_name``). Temp files (``.<name>.tmp-<host token>-<pid>-<random>``) are named in ``fsutil``,
@@ -23,9 +23,9 @@ from typing import Optional
 
 from shardgen.fsutil import HOST_TOKEN
 
-__all__ = ["MANIFEST_NAME", "SNAPSHOT_DIR", "MANIFEST_LOCK", "WATCH_LOCK", "WATCH_STATE", "LEASE_DIR",
-           "CLOCK_NAME", "check_date", "check_name", "shard_stem", "name_version", "shard_paths", "sidecar_of",
-           "sidecar_name", "date_file_names", "dated_sidecars", "snapshot_name", "snapshot_path",
+__all__ = ["MANIFEST_NAME", "SNAPSHOT_DIR", "MANIFEST_LOCK", "WATCH_LOCK", "WATCH_STATE", "WATCH_HEARTBEAT",
+           "LEASE_DIR", "CLOCK_NAME", "check_date", "check_name", "shard_stem", "name_version", "shard_paths",
+           "sidecar_of", "sidecar_name", "date_file_names", "dated_sidecars", "snapshot_name", "snapshot_path",
            "snapshot_generations", "new_lease_name"]
 
 MANIFEST_NAME = "manifest.json"
@@ -33,6 +33,7 @@ SNAPSHOT_DIR = "generations"
 MANIFEST_LOCK = ".manifest.lock"  # held briefly by whoever publishes a new manifest generation
 WATCH_LOCK = ".watch.lock"  # held for its lifetime by the one watcher of a store
 WATCH_STATE = ".watch-state.json"
+WATCH_HEARTBEAT = ".watch-heartbeat.json"  # kept fresh by a running watcher, removed when it stops
 LEASE_DIR = "leases"
 CLOCK_NAME = ".clock"  # touched by gc: its mtime is "now" by the store filesystem's clock
 _VERSION_RE = re.compile(r"^\d{4}-\d{2}-\d{2}\.v(\d+)\.[a-z]+$")

@@ -62,6 +62,10 @@ class S3Store(Store):
     def read(self, name: str) -> Optional[bytes]:
         return self.objects.get(name)
 
+    def read_with_mtime(self, name: str) -> Optional[tuple[bytes, float]]:
+        found = self.objects.get_with_info(name)
+        return None if found is None else (found[0], found[1].mtime)
+
     def write(self, name: str, data: bytes, *, durable: bool = True) -> None:
         self.objects.put(name, data, verify=durable)
 

@@ -6,15 +6,18 @@ Each cycle:
    running the generator -- both through ``build``, the one code path;
 2. complete shards written into the store by other producers are checked and published;
 3. the window is applied (older dates move to ``retired``);
-4. garbage collection deletes retired shards past ``grace_s`` that no live reader uses.
+4. garbage collection deletes retired shards past ``grace_s`` that no live reader uses, and the
+   raw files of their dates go with them (unless ``store.keep_raw``).
 
 A dropped raw file is read once its mtime is ``settle_s`` old (write it under another name and
 rename it into place to make that instant). A due date that fails -- including one whose raw file
 (say, a generator's truncated output) does not load -- is generated again on later cycles with
 exponential backoff; it never holds up other dates. A bad raw file dropped for a date that is not
-due is reported once and read again when it changes. Every failing date, with its last error,
-attempts and next retry, is written to ``<store>/.watch-state.json`` after each cycle
-(``shardgen status`` shows it).
+due is reported once and read again when it changes; one for a date after today, off the
+calendar or older than a full window is never published (one warning per file). Every failing
+date, with its last error, attempts and next retry, is written to ``<store>/.watch-state.json``
+after each cycle (``shardgen status`` shows it), and ``<store>/.watch-heartbeat.json`` says that
+it runs (:mod:`shardgen.watch.alive`).
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from shardgen.errors import LockError, ShardgenError
 from shardgen.produce import generator
 from shardgen.produce.build import BuildReport, build, wanted
 from shardgen.store.gc import collect
+from shardgen.store.manifest import Manifest
 from shardgen.store.publish import publish
 from shardgen.watch.adopt import adoptable
+from shardgen.watch.alive import WatcherHeartbeat
 from shardgen.watch.state import Failing, save_state
 
 __all__ = ["Watcher", "CycleReport"]
@@ -67,6 +72,15 @@ class CycleReport:
         return not self.failed
 
 
+def _version(path: Path) -> Optional[tuple[str, float, int]]:
+    """What tells one version of a file from the next: its path, mtime and size (None: gone)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return str(path), st.st_mtime, st.st_size
+
+
 class Watcher:
     """One store's watcher. ``run()`` loops until ``stop()``; ``cycle()`` does one pass."""
 
@@ -75,10 +89,13 @@ class Watcher:
         self.cfg, self.interval, self.jobs, self.today = cfg, interval, jobs, today
         self._stop = False
         self._failures: dict[dt.date, _Failure] = {}
-        self._bad_files: set[tuple[str, float, int]] = set()  # reported once per file version
+        self._bad_files: set[Optional[tuple]] = set()  # reported once per file version (_version)
+        self._warned: set[Optional[tuple]] = set()  # raw files never published, warned about once
+        self._left: set[str] = set()  # dates seen leaving the window: their raw files go with their shards
         self.store = cfg.store.open()
         self._lock = self.store.watch_lock()
         self._writer = self.store.writer_lock("watch", ttl_s=cfg.store.lease_ttl_s)
+        self._alive = WatcherHeartbeat(self.store, ttl_s=cfg.store.lease_ttl_s)
 
     @property
     def lock_path(self) -> Path:
@@ -102,6 +119,7 @@ class Watcher:
         except BaseException:
             self._lock.release()
             raise
+        self._alive.start()
         self._warm_workers()
         return self
 
@@ -121,6 +139,7 @@ class Watcher:
                 log.warning("could not start the %d worker processes ahead (%s); the first due date will", jobs, exc)
 
     def __exit__(self, *exc: object) -> None:
+        self._alive.stop()
         generator.clear_stop()
         self._writer.release()
         self._lock.release()
@@ -160,7 +179,7 @@ class Watcher:
             # A due date is generated (again) whatever its raw file holds, unless someone is still
             # writing that file, or the date is waiting for its retry.
             due = [d for d in scheduled if (d in raw or d not in files) and self._retry_at(d) <= now]
-            arrivals = [d for d in wanted(manifest, raw) if d not in set(scheduled) and not self._known_bad(raw[d])]
+            arrivals = self._arrivals(manifest, raw, scheduled)
             if due or arrivals:
                 report.build = build(cfg, dates=due, raw_dates=arrivals, jobs=self.jobs, publish_every_s=0.0,
                                      should_stop=lambda: self._stop,  # readers see each date at once
@@ -172,6 +191,7 @@ class Watcher:
             report.adopted = adoptable(store, store.open_manifest(cfg.schema, st.window), cfg.schema, self._bad_files)
             saved = publish(store, cfg.schema, st.window, report.adopted, lock=self._writer)  # applies the window
             report.deleted = collect(store, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s, lock=self._writer)
+            self._prune_raw(report.deleted)
             done = {s.date for s in (saved or manifest).shards} | {a.date for a in report.adopted}
             for date in [d for d in self._failures if d.isoformat() in done]:
                 del self._failures[date]  # published meanwhile (e.g. adopted)
@@ -183,12 +203,51 @@ class Watcher:
         failure = self._failures.get(date)
         return failure.retry_at if failure is not None and failure.retry_at is not None else 0.0
 
-    def _known_bad(self, path: Path) -> bool:
-        try:
-            st = path.stat()
-        except OSError:
-            return False
-        return (str(path), st.st_mtime, st.st_size) in self._bad_files
+    def _arrivals(self, manifest: Manifest, raw: dict[dt.date, Path], scheduled: list[dt.date]) -> list[dt.date]:
+        """The dates whose dropped raw file is read now. A file for a date after today, off the
+        calendar, or older than a full window is never published: one warning per file (version)."""
+        today, fresh, skip = self.today(), set(wanted(manifest, raw)), set(scheduled)
+        listed = {e.date for e in (*manifest.shards, *manifest.retired)} | self._left  # no news
+        arrivals = []
+        for date, path in sorted(raw.items()):
+            version = _version(path)
+            if date in skip or date.isoformat() in listed or version in self._bad_files:
+                continue
+            if date > today:
+                why = f"is for a date after today ({today})"
+            elif self.cfg.dates.calendar == "weekdays" and date.weekday() >= 5:
+                why = f"is for a {date:%A}, not on the weekdays calendar"
+            elif date not in fresh:
+                why = f"is older than the {manifest.window}-date window (from {manifest.shards[0].date})"
+            else:
+                arrivals.append(date)
+                continue
+            if version not in self._warned:
+                self._warned.add(version)
+                log.warning("%s: %s %s; not published", date, path, why)
+        return arrivals
+
+    def _prune_raw(self, deleted: list[str]) -> None:
+        """Remove the raw files of the dates that left the window once gc deleted their shards (this
+        cycle, or another gc since), unless ``store.keep_raw``; never of a date the manifest lists."""
+        manifest = self.store.load_manifest()
+        if manifest is None:
+            return
+        listed = {e.date for e in (*manifest.shards, *manifest.retired)}
+        self._left |= {r.date for r in manifest.retired} | set(deleted)
+        if self.cfg.store.keep_raw:
+            return
+        for day in sorted(self._left - listed):
+            self._left.discard(day)
+            path = self.cfg.raw_path(dt.date.fromisoformat(day))
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("%s: cannot remove the raw file of %s (%s)", path, day, exc.strerror)
+                continue
+            log.info("%s: removed %s (its shard was deleted; store.keep_raw = false)", day, path)
 
     def _settled_raw_files(self, files: dict[dt.date, Path]) -> dict[dt.date, Path]:
         """Raw files whose mtime is ``settle_s`` old (not being written any more)."""
@@ -227,11 +286,7 @@ class Watcher:
             previous = self._failures.get(date)
             count = (previous.attempts if previous else 0) + 1
             if date in arrivals:  # a bad dropped file: report once, retry when it changes
-                try:
-                    st = raw[date].stat()
-                    self._bad_files.add((str(raw[date]), st.st_mtime, st.st_size))
-                except OSError:
-                    pass
+                self._bad_files.add(_version(raw[date]))
                 self._failures[date] = _Failure(count, message, None)
                 log.warning("%s: %s is not generated here; will read it again when it changes", date, raw[date])
                 continue

@@ -401,7 +401,38 @@ def test_watch_once_publishes_due_dates_and_adopts_only_good_shards(s3, tmp_path
     assert info["watch_updated"] and info["failing"] == []
     assert info["shards"] == 5
     text = cli("status", "-c", cfg)
-    assert text.returncode == 0 and "watcher: last cycle" in text.stdout, text.stdout
+    assert text.returncode == 0 and "watcher: NOT RUNNING (no heartbeat file" in text.stdout, text.stdout
+    assert "; last cycle " in text.stdout
+
+
+def test_status_tells_whether_the_watcher_of_an_s3_store_is_alive(s3, tmp_path):
+    """Alive while it runs; after kill -9 its pid (this host's) is gone; a status on another host,
+    which cannot check the pid, judges the heartbeat object's age by the store's clock."""
+    cfg = s3_config(tmp_path / "p", s3.url("wa"), end="2024-01-03")
+
+    def watcher() -> dict:
+        r = cli("status", "--json", "-c", cfg)
+        return json.loads(r.stdout)["watcher"] if r.returncode == 0 else {"alive": None}
+
+    proc = start_cli("watch", "-c", cfg, "--interval", "0.5")
+    try:
+        wait_for(lambda: watcher()["alive"] is True, "status: the watcher is alive")
+        assert watcher()["pid"] == proc.pid
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
+        wait_for(lambda: watcher()["alive"] is False, "status: the killed watcher is not alive")
+        assert watcher()["why"] == f"process {proc.pid} is gone"
+    finally:
+        kill_group(proc)
+    beat = objects(s3, "wa") / ".watch-heartbeat.json"
+    info = json.loads(beat.read_text())
+    beat.write_text(json.dumps({**info, "host": "elsewhere"}))  # as a status on another host sees it: fresh
+    assert watcher()["alive"] is True
+    age(beat, 120)  # its heartbeat stopped two minutes ago (store.lease_ttl_s: 60)
+    w = watcher()
+    assert w["alive"] is False and w["why"].startswith("no heartbeat for 1") and w["heartbeat_age_s"] >= 110
+    text = cli("status", "-c", cfg)
+    assert f"watcher: NOT RUNNING (pid {proc.pid} on elsewhere, no heartbeat for 1" in text.stdout, text.stdout
 
 
 def test_a_watcher_that_lost_the_writer_lock_stops_and_uploads_nothing(s3, tmp_path):

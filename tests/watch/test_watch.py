@@ -1,5 +1,6 @@
 """The watcher and garbage collection, with real processes bounded in time."""
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -23,6 +24,7 @@ from shardgen.store.manifest import Manifest
 from shardgen.store.verify import verify_store
 
 pytestmark = pytest.mark.slow
+DATES_4 = ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05"]
 
 
 class WatchProc:
@@ -62,6 +64,9 @@ def watchers():
     yield lambda cfg, *a: procs.append(WatchProc(cfg, *a)) or procs[-1]
     for p in procs:
         p.kill()
+        for pid in processes_with(f"{Path(p.cfg).parent}/modes.json"):  # generators a failed test left
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def wait_for(predicate, timeout=30.0, what="condition"):
@@ -131,8 +136,7 @@ def test_watcher_shards_due_dates_and_dropped_files(cfg_dir, watchers):
     store = cfg_dir / "shards"
     wait_for(lambda: published(store) == ["2024-01-02", "2024-01-03"], what="due dates")
     drop_raw(cfg_dir, "2024-01-08")  # outside [dates]: only a dropped file brings it in
-    drop_raw(cfg_dir, "2024-01-06")  # a Saturday: the calendar does not matter for dropped files
-    wait_for(lambda: published(store)[-2:] == ["2024-01-06", "2024-01-08"], what="dropped files")
+    wait_for(lambda: published(store)[-1:] == ["2024-01-08"], what="dropped file")
     assert "2024-01-08" not in runs(cfg_dir)  # not generated: read from the dropped file
     (cfg_dir / "raw" / "2024-01-09.npy").write_bytes(b"not an npy at all")
     wait_for(lambda: [f["date"] for f in json.loads((store / ".watch-state.json").read_text())["failing"]]
@@ -147,6 +151,109 @@ def test_watcher_shards_due_dates_and_dropped_files(cfg_dir, watchers):
     assert "will read it again when it changes" in bad[1]
     assert "published 2024-01-08" in err
     assert verify_store(store)[1] == []
+
+
+def test_a_bad_dropped_file_replaced_by_a_good_one_is_read_again_and_published(cfg_dir):
+    """A bad file is not read again while it stays the same (its path, mtime and size): once it is
+    replaced, the new file is read and its date published."""
+    from shardgen.watch.watcher import Watcher
+
+    path = write_config(cfg_dir, end="2024-01-02")
+    path.write_text(path.read_text().replace("backoff_s = 0.0", "backoff_s = 0.0\nsettle_s = 0"))
+    cfg = load_config(path)
+    (cfg_dir / "raw").mkdir()
+    (cfg_dir / "raw" / "2024-01-09.npy").write_bytes(b"not an npy at all")
+    with Watcher(cfg, interval=60.0) as w:
+        assert [d.isoformat() for d, _ in w.cycle().failed] == ["2024-01-09"]
+        assert w.cycle().failed == [] and published(cfg.store.dir) == ["2024-01-02"]  # not read again
+        drop_raw(cfg_dir, "2024-01-09")  # fixed: another file under the same name
+        report = w.cycle()
+    assert report.failed == [] and published(cfg.store.dir) == ["2024-01-02", "2024-01-09"]
+    assert "2024-01-09" not in runs(cfg_dir)  # read from the file, never generated
+
+
+def test_raw_files_after_today_off_the_calendar_or_older_than_the_window_are_never_published(cfg_dir, caplog):
+    """Measured: a Saturday's file and a future date's were published (status: "lag -3 days"), and
+    one older than the window was ignored without a word. Now: one warning per file, none published;
+    the future date's file is read once that date has come."""
+    from shardgen.watch.watcher import Watcher
+
+    path = write_config(cfg_dir, end="2024-01-05", window=2)
+    path.write_text(path.read_text().replace("backoff_s = 0.0", "backoff_s = 0.0\nsettle_s = 0"))
+    cfg, today = load_config(path), [dt.date(2024, 1, 10)]
+    names = {"2024-01-01": "older than the 2-date window", "2024-01-06": "for a Saturday, not on the weekdays",
+             "2024-01-11": "for a date after today (2024-01-10)"}
+    with Watcher(cfg, interval=60.0, today=lambda: today[0]) as w:
+        w.cycle()
+        assert published(cfg.store.dir) == ["2024-01-04", "2024-01-05"]  # 2024-01-02, -03 retired
+        for date in [*names, "2024-01-03", "2024-01-09"]:  # -03: a retired date's file, no news
+            drop_raw(cfg_dir, date)
+        with caplog.at_level("WARNING"):
+            for _ in range(3):
+                assert w.cycle().failed == []
+        assert published(cfg.store.dir) == ["2024-01-05", "2024-01-09"]
+        lines = caplog.text.splitlines()
+        assert len(lines) == 3, caplog.text  # one per file, not one per cycle
+        for (date, why), line in zip(sorted(names.items()), lines):
+            assert f"{date}: {cfg_dir / 'raw' / date}.npy is {why}" in line and line.endswith("not published")
+        today[0] = dt.date(2024, 1, 11)  # its date has come
+        w.cycle()
+    assert published(cfg.store.dir) == ["2024-01-09", "2024-01-11"]
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "watch", "--once", "-c", str(path), "--today",
+                        "2024-01-11"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert "watching" in r.stderr and " once (" in r.stderr and "every" not in r.stderr
+    assert r.stderr.count("not published") == 2  # this process's warnings: the Saturday and the old date
+    later = dt.date.today() + dt.timedelta(days=3)
+    drop_raw(cfg_dir, later.isoformat())
+    r = subprocess.run([sys.executable, "-m", "shardgen.cli", "status", "--json", "-c", str(path)],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    info = json.loads(r.stdout)
+    assert info["newest_raw"] == "2024-01-11" and info["raw_lag_days"] > 0  # the later file is no input yet
+
+
+def raw_dates(cfg_dir):
+    return sorted(p.name[:10] for p in (cfg_dir / "raw").glob("2*.npy"))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_raw_files_of_dates_whose_shards_gc_deleted_go_unless_kept(cfg_dir, keep):
+    """Measured: 19 raw files stayed while 7 shards were in the window."""
+    from shardgen.produce.build import build
+    from shardgen.watch.watcher import Watcher
+
+    path = write_config(cfg_dir, end="2024-01-05", window=2, grace=0)
+    if keep:
+        path.write_text(path.read_text().replace("grace_s = 0", "keep_raw = true\ngrace_s = 0"))
+    cfg = load_config(path)
+    (cfg_dir / "raw").mkdir()
+    others = [cfg_dir / "raw" / ".incoming-2024-01-02.npy", cfg_dir / "raw" / "2024-01-02.csv"]
+    for other in others:  # not a date's raw file (by generator.output): never touched
+        other.write_text("x")
+    with Watcher(cfg, interval=60.0) as w:
+        assert w.cycle().deleted == ["2024-01-02", "2024-01-03"]  # retired, past their grace (0 s) at once
+        assert raw_dates(cfg_dir) == (DATES_4 if keep else ["2024-01-04", "2024-01-05"])
+        report = build(cfg, start=dt.date(2024, 1, 5), end=dt.date(2024, 1, 5), force=True)
+        assert report.published == [dt.date(2024, 1, 5)]  # rewritten: its first version is retired
+        assert w.cycle().deleted == ["2024-01-05"]
+    assert raw_dates(cfg_dir) == (DATES_4 if keep else ["2024-01-04", "2024-01-05"])  # -05 is in the window
+    assert all(other.exists() for other in others)
+
+
+def test_raw_files_stay_through_the_grace_and_go_after_another_gc_deleted_their_shards(cfg_dir):
+    from shardgen.watch.watcher import Watcher
+
+    cfg = load_config(write_config(cfg_dir, end="2024-01-05", window=2, grace=3600))
+    with Watcher(cfg, interval=60.0) as w:
+        w.cycle()
+        w.cycle()
+        assert published(cfg.store.dir) == ["2024-01-04", "2024-01-05"]
+        assert raw_dates(cfg_dir) == DATES_4  # 2024-01-02 and -03 are retired, within their grace
+        later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=3601)  # `shardgen gc`, an hour on
+        assert collect(cfg.store.dir, grace_s=3600, lease_ttl_s=60, now=later) == ["2024-01-02", "2024-01-03"]
+        w.cycle()
+    assert raw_dates(cfg_dir) == ["2024-01-04", "2024-01-05"]
 
 
 def test_due_dates_follow_the_clock(cfg_dir, watchers):
@@ -263,6 +370,73 @@ def test_status_lists_failing_dates_of_a_running_watcher(cfg_dir, watchers):
     assert "2024-01-09: " in err and "will read it again when it changes" in err
 
 
+@pytest.mark.parametrize("how", ["SIGTERM", "kill -9"])
+def test_status_tells_whether_the_watcher_is_alive(cfg_dir, watchers, how):
+    """Measured: after SIGTERM or kill -9, status still printed "watcher: last cycle ..., 0 failing dates"."""
+    import socket
+
+    cfg = write_config(cfg_dir, end="2024-01-03")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def status(*args):
+        r = subprocess.run([sys.executable, "-m", "shardgen.cli", "status", "-c", str(cfg), *args],
+                           capture_output=True, text=True, timeout=60, env=env)
+        return json.loads(r.stdout)["watcher"] if args else r.stdout
+
+    w = watchers(cfg, "--interval", "0.2")
+    wait_for(lambda: status("--json")["alive"], what="status: the watcher is alive")
+    info = status("--json")
+    assert info["pid"] == w.proc.pid and info["host"] == socket.gethostname() and info["why"] is None
+    assert 0 <= info["heartbeat_age_s"] < 60
+    assert f"watcher: alive (pid {w.proc.pid} on {socket.gethostname()}, heartbeat " in status()
+    if how == "SIGTERM":
+        assert w.stop()[0] == 0
+    else:
+        w.kill()
+        assert w.proc.returncode == -signal.SIGKILL
+    wait_for(lambda: not status("--json")["alive"], what="status: the watcher is not alive")
+    info = status("--json")
+    if how == "SIGTERM":  # it removed its heartbeat file as it stopped
+        assert info["pid"] is None and info["why"] == "no heartbeat file (stopped, or never started)"
+        assert "watcher: NOT RUNNING (no heartbeat file (stopped, or never started)); last cycle" in status()
+    else:  # the file stays; its pid, of this host, pid namespace and boot, is gone
+        assert info["pid"] == w.proc.pid and info["why"] == f"process {w.proc.pid} is gone"
+        assert f"watcher: NOT RUNNING (pid {w.proc.pid} on {socket.gethostname()}, process {w.proc.pid} is gone)" \
+            in status()
+
+
+def test_the_watchers_heartbeat_is_kept_fresh_and_judged_by_the_store_clock(tmp_path, monkeypatch):
+    """A status on another host cannot check the pid: the heartbeat's age by the store's clock decides."""
+    from shardgen.store import open_store
+    from shardgen.watch.alive import WATCH_HEARTBEAT, WatcherHeartbeat, watcher_status
+
+    store = open_store(tmp_path / "s")
+    store.dir.mkdir()
+    path = store.dir / WATCH_HEARTBEAT
+    beat = WatcherHeartbeat(store, ttl_s=0.6)  # a beat every 0.1 s
+    beat.start()
+    beats, last = 0, path.stat().st_mtime_ns
+    deadline = time.monotonic() + 10
+    while beats < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        mtime = path.stat().st_mtime_ns
+        beats, last = beats + (mtime != last), mtime
+    assert beats == 3, "the watcher's heartbeat never refreshed its file"
+    assert watcher_status(store, 60)["alive"]
+    beat.stop()
+    assert not path.exists() and watcher_status(store, 60)["alive"] is False
+
+    path.write_text(json.dumps({"generation": 0, "host": "elsewhere", "pid": 1, "pidns": "", "boot_id": ""}))
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 3600)  # this host's clock is an hour ahead
+    assert watcher_status(store, 60) == {"alive": True, "pid": 1, "host": "elsewhere",
+                                         "heartbeat_age_s": pytest.approx(0, abs=5), "why": None}
+    old = path.stat().st_mtime - 90  # 90 s old by the store's clock
+    os.utime(path, (old, old))
+    info = watcher_status(store, 60)
+    assert info["alive"] is False and info["why"].startswith("no heartbeat for 9")
+
+
 def test_second_watcher_exits_2_naming_lock_and_pid(cfg_dir, watchers):
     cfg = write_config(cfg_dir)
     first = watchers(cfg, "--interval", "0.5")
@@ -277,26 +451,28 @@ def test_second_watcher_exits_2_naming_lock_and_pid(cfg_dir, watchers):
 def test_sigterm_during_a_build_stops_cleanly(cfg_dir, watchers):
     # Generators run in loky worker processes, which never see the watcher's STOP event: they must
     # still be abandoned at once, with their process groups (the "hang" one has a child), instead
-    # of running until their timeout (20 s here).
-    cfg = write_config(cfg_dir, end="2024-01-05", jobs=2, modes={"*": "slow:60", "2024-01-03": "hang"})
+    # of running until their timeout. That timeout (900 s) and "slow:600" outlast the 40 s the stop
+    # may take: a watcher that waited for its generators fails here, however loaded the machine.
+    cfg = write_config(cfg_dir, end="2024-01-05", jobs=2, timeout=900,
+                       modes={"*": "slow:600", "2024-01-03": "hang"})
     w = watchers(cfg, "--interval", "0.5")
     modes = f"{cfg_dir}/modes.json"
     wait_for(lambda: len(runs(cfg_dir)) >= 2, what="generators running")
     wait_for(lambda: processes_with("time.sleep(600)", modes), what="the hanging generator's child")
     assert len(processes_with("fake_gen.py", modes)) == 2  # both generators still running
     w.wait_ready()
-    t0 = time.monotonic()
-    code, out, err = w.stop(signal.SIGTERM, timeout=30)
-    elapsed = time.monotonic() - t0
+    try:
+        code, out, err = w.stop(signal.SIGTERM, timeout=40)  # measured: 0.2 s
+    except subprocess.SubprocessError:  # it did not exit in time
+        code = err = None
+    assert err is not None, "still running 40 s after SIGTERM: it waited for its generators"
     assert code == 0, err
-    assert elapsed < 1.0, f"stopped in {elapsed:.2f} s"  # README: well under a second (measured 0.2 s)
     assert "Traceback" not in err and "timed out" not in err
     left = processes_with(modes)
     assert not left, f"generators (or their children) outlived the watcher: {left} {err}"
     store = cfg_dir / "shards"
     assert not [p for p in store.iterdir() if p.suffix == ".rec"]  # nothing partial, nothing published
     # The lock was released: another watcher starts at once.
-    cfg.write_text(cfg.read_text().replace('"slow:60"', '"ok"'))
     (cfg_dir / "modes.json").write_text("{}")
     r = subprocess.run([sys.executable, "-m", "shardgen.cli", "watch", "-c", str(cfg), "--once"],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -379,7 +555,7 @@ def test_gc_in_a_watcher_process_while_a_reader_reads(tmp_path, watchers):
     cfg.write_text(cfg.read_text().replace('end = "2024-01-03"', 'end = "2024-01-05"'))
     w = watchers(cfg, "--interval", "0.2")
     wait_for(lambda: published(store) == ["2024-01-04", "2024-01-05"], what="new window")
-    time.sleep(0.6)  # several gc passes while the reader is mid-epoch
+    wait_cycles(store, 3)  # three more cycles, each with a gc pass, while the reader is mid-epoch
     assert (store / "2024-01-02.rec").exists()
     n = 16 - first.pad + sum(16 - b.pad for b in it)
     assert n == 2 * 396
