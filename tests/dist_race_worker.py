@@ -41,8 +41,8 @@ def main() -> None:
     rank, rounds, proposals = kv.rank, [0], []
     original = Choice.propose
 
-    def propose(location):
-        newest = original(location)
+    def propose(location, held=None):
+        newest = original(location, held)
         proposals.append(newest.generation)
         if rank == 0 and rounds[0] == args.publish_round:
             (args.flags / "proposed").write_text(str(newest.generation))

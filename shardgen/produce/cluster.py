@@ -84,7 +84,7 @@ def run_on_cluster(tasks: Iterable[tuple[Callable, tuple, dict]], scheduler: str
     def submit(task: tuple) -> object:
         fn, args, kwargs = task
         future = client.submit(fn, *args, pure=False, **kwargs)
-        dates[future] = args[1]
+        dates[future] = args[1] if len(args) > 1 else args  # (what a failure names)
         return future
 
     done = as_completed([submit(t) for t in itertools.islice(tasks, jobs)])
@@ -94,6 +94,7 @@ def run_on_cluster(tasks: Iterable[tuple[Callable, tuple, dict]], scheduler: str
         date = dates.pop(future)
         try:
             result = future.result()
+            future.release()  # the cluster need not keep it (closing it would warn about losing it)
         except Exception as exc:  # noqa: BLE001 - produce() returns its own failures: this is the cluster's
             # A worker died running it (KilledWorker after Dask's retries), or the scheduler was lost.
             from shardgen.produce.pipeline import DateResult
