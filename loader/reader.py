@@ -10,11 +10,12 @@ without re-reading what was consumed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from typing import Callable, Optional
 
 from loader.checkpoint import check_state, state_of
-from loader.errors import LoaderError
+from loader.errors import LoaderError, StoreUnreachableError
 from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs
 from loader.pipeline.memory import Arena, settle_allocator
@@ -26,6 +27,8 @@ from loader.source.selection import DateRange, normalize_dates, select_shards
 from shardgen.store.manifest import Manifest, ShardEntry
 
 __all__ = ["Reader"]
+
+log = logging.getLogger(__name__)
 
 
 class Reader:
@@ -90,21 +93,34 @@ class Reader:
         if manifest.schema.fingerprint != self.schema.fingerprint:
             raise LoaderError(f"{self.location.manifest_path}: the store's schema changed (fingerprint "
                               f"{self.schema.fingerprint} -> {manifest.schema.fingerprint}); make a new ShardIter")
-        shards = select_shards(manifest, self.dates)
         current = self.plan
         if current is None:  # close() from another thread while this reset() ran
             raise LoaderError(f"{self.location.manifest_path}: this ShardIter was closed (by another thread) "
                               "during reset()")
-        if shards != current.shards:
-            plan = self._plan_for(manifest, shards)
-        elif manifest.generation != current.generation:  # same files: only the generation moves on
-            plan = dataclasses.replace(current, generation=manifest.generation)
-        else:
-            plan = current
+        try:
+            plan = self._next_plan(manifest, current)
+        except StoreUnreachableError as exc:
+            # The manifest came, then the store went before the new generation's shards did. Alone
+            # (no kvstore agreement, no pin), go on with the generation held, as when the manifest
+            # itself cannot be had; the next reset() asks again.
+            if self.choice.kv is not None or self.choice.pin is not None or manifest is self.manifest:
+                raise
+            log.warning("%s; reading generation %d again (the next reset() asks the store again)", exc,
+                        self.manifest.generation)
+            manifest = self.manifest
+            plan = self._next_plan(manifest, current)
         if plan.folder == current.folder:
             self.epochs.recheck(plan, self.schema, self.verify)
         self._start(plan, epoch=self.epoch + 1)
         self.manifest = manifest
+
+    def _next_plan(self, manifest: Manifest, current: EpochPlan) -> EpochPlan:
+        shards = select_shards(manifest, self.dates)
+        if shards != current.shards:
+            return self._plan_for(manifest, shards)
+        if manifest.generation != current.generation:  # same files: only the generation moves on
+            return dataclasses.replace(current, generation=manifest.generation)
+        return current
 
     def end_epoch(self) -> None:
         """Stop this epoch's stream (a ``reset()`` or ``load()`` starts the next one)."""

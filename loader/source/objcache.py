@@ -46,6 +46,7 @@ from shardgen.store import S3Store
 from shardgen.store.manifest import Manifest, ShardEntry
 from shardgen.store.naming import MANIFEST_NAME, SNAPSHOT_DIR
 from shardgen.store.objstore import ObjectStoreError, store_errors_as
+from shardgen.store.objurl import StoreUnreachable
 
 __all__ = ["ObjectCache", "DOWNLOAD_THREADS"]
 
@@ -185,6 +186,8 @@ class ObjectCache:
                     atomic_write(self._marker(name), shard.sha256.encode(), fsync=False)
                 else:
                     self.remote.download(name, self.folder / name, what=f"index of {shard.date}")
+            except StoreUnreachable as exc:  # reset() may go on with the generation it holds
+                raise StoreUnreachableError(f"{shard.date}: {exc}") from None
             except ObjectStoreError as exc:
                 raise LoaderError(f"{shard.date}: {exc}") from None
             except OSError as exc:

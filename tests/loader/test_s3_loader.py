@@ -374,6 +374,42 @@ def test_the_store_down_at_reset_reads_the_held_generation_and_a_later_reset_mov
         assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(151))
 
 
+def test_the_store_lost_after_the_manifest_before_the_new_shards_reads_the_held_generation(s3, tmp_path, caplog,
+                                                                                          monkeypatch):
+    """Found in review: a generation published after the half-way fetch-ahead, and the store gone
+    between reset()'s manifest and that generation's shards, ended the run (a LoaderError)."""
+    from shardgen.store import objstore
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    objstore.forget_clients()
+    local, url = store_with(s3, tmp_path)
+    with ShardIter(url, 8, seed=5, cache_dir=tmp_path / "cache") as it:
+        held = it.generation
+        assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(131))
+        make_store(local, {**COUNTS, "2024-01-05": 20})  # after the fetch-ahead: its shard is not cached
+        upload_store(s3, local)
+        location = it.reader.location
+        real = location.manifest
+
+        def then_the_store_goes() -> Manifest:
+            manifest = real()
+            s3.stop()
+            return manifest
+
+        monkeypatch.setattr(location, "manifest", then_the_store_goes)
+        with caplog.at_level(logging.WARNING):
+            it.reset()
+        said = loader_warnings(caplog)
+        assert len(said) == 1 and "2024-01-05" in said[0] and f"reading generation {held} again" in said[0], said
+        assert it.generation == held
+        assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(131))
+        monkeypatch.setattr(location, "manifest", real)
+        s3.start()
+        it.reset()
+        assert it.generation > held
+        assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(151))
+
+
 def test_the_store_down_at_reset_with_shards_the_cache_lacks_is_a_loader_error(s3, tmp_path, monkeypatch):
     from shardgen.store import objstore
 
