@@ -229,7 +229,9 @@ class Watcher:
 
     def _prune_raw(self, deleted: list[str]) -> None:
         """Remove the raw files of the dates that left the window once gc deleted their shards (this
-        cycle, or another gc since), unless ``store.keep_raw``; never of a date the manifest lists."""
+        cycle, or another gc since, also one that ran while no watcher did: with the window full, a
+        date older than its oldest shard is never produced again), unless ``store.keep_raw``; never
+        of a date the manifest lists."""
         manifest = self.store.load_manifest()
         if manifest is None:
             return
@@ -237,6 +239,9 @@ class Watcher:
         self._left |= {r.date for r in manifest.retired} | set(deleted)
         if self.cfg.store.keep_raw:
             return
+        if manifest.window and len(manifest.shards) >= manifest.window:  # as ``wanted`` judges a date too old
+            oldest = manifest.shards[0].date
+            self._left |= {d.isoformat() for d in self.cfg.raw_files() if d.isoformat() < oldest}
         for day in sorted(self._left - listed):
             self._left.discard(day)
             path = self.cfg.raw_path(dt.date.fromisoformat(day))

@@ -199,12 +199,17 @@ def test_raw_files_after_today_off_the_calendar_or_older_than_the_window_are_nev
         today[0] = dt.date(2024, 1, 11)  # its date has come
         w.cycle()
     assert published(cfg.store.dir) == ["2024-01-09", "2024-01-11"]
+    # The old date's and the Saturday's files are older than the full window's oldest shard now: they
+    # can never be published, and went with the raw files of the dates gc deleted.
+    assert "2024-01-01" not in raw_dates(cfg_dir) and "2024-01-06" not in raw_dates(cfg_dir)
+    drop_raw(cfg_dir, "2024-01-13")  # a Saturday again, for a new process
     r = subprocess.run([sys.executable, "-m", "shardgen.cli", "watch", "--once", "-c", str(path), "--today",
                         "2024-01-11"], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert "watching" in r.stderr and " once (" in r.stderr and "every" not in r.stderr
-    assert r.stderr.count("not published") == 2  # this process's warnings: the Saturday and the old date
+    assert r.stderr.count("not published") == 1, r.stderr  # this process's warning: the new Saturday's file
+    (cfg_dir / "raw" / "2024-01-13.npy").unlink()
     later = dt.date.today() + dt.timedelta(days=3)
     drop_raw(cfg_dir, later.isoformat())
     r = subprocess.run([sys.executable, "-m", "shardgen.cli", "status", "--json", "-c", str(path)],
@@ -254,6 +259,25 @@ def test_raw_files_stay_through_the_grace_and_go_after_another_gc_deleted_their_
         assert collect(cfg.store.dir, grace_s=3600, lease_ttl_s=60, now=later) == ["2024-01-02", "2024-01-03"]
         w.cycle()
     assert raw_dates(cfg_dir) == ["2024-01-04", "2024-01-05"]
+
+
+def test_raw_files_of_shards_gc_deleted_while_no_watcher_ran_go_when_one_starts_again(cfg_dir):
+    """Found in review: a watcher knew only the dates it saw leave; after a restart, the raw files of
+    dates `shardgen gc` deleted meanwhile stayed for ever. With the window full, a date older than its
+    oldest shard is never produced again (``wanted``): its raw file goes."""
+    from shardgen.watch.watcher import Watcher
+
+    cfg = load_config(write_config(cfg_dir, end="2024-01-05", window=2, grace=3600))
+    with Watcher(cfg, interval=60.0) as w:
+        w.cycle()
+        w.cycle()
+    assert raw_dates(cfg_dir) == DATES_4  # two dates retired, within their grace
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=3601)
+    assert collect(cfg.store.dir, grace_s=3600, lease_ttl_s=60, now=later) == ["2024-01-02", "2024-01-03"]
+    with Watcher(cfg, interval=60.0) as w:  # a new process: it never saw those dates leave
+        w.cycle()
+    assert raw_dates(cfg_dir) == ["2024-01-04", "2024-01-05"]
+    assert published(cfg.store.dir) == ["2024-01-04", "2024-01-05"]
 
 
 def test_due_dates_follow_the_clock(cfg_dir, watchers):
