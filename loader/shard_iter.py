@@ -142,13 +142,14 @@ class ShardIter(mx.io.DataIter):
 
     def next(self) -> mx.io.DataBatch:
         t0 = time.perf_counter()
-        if self._epoch_t0 is None:
-            self._epoch_t0 = t0
         reader = self.reader
         if reader.cursor >= reader.batches:
             raise StopIteration
+        if self._epoch_t0 is None:
+            self._epoch_t0 = t0
         self._check_open()
         arrays, pad = reader.take()
+        self._batches += 1
         self._samples += self.batch_size - pad  # pad is 0 with last_batch="discard"
         t1 = time.perf_counter()
         self._blocked += t1 - t0
@@ -238,12 +239,12 @@ class ShardIter(mx.io.DataIter):
     # -- statistics -----------------------------------------------------------------------------
 
     def _restart_clock(self) -> None:
-        self._samples, self._blocked = 0, 0.0
+        self._batches, self._samples, self._blocked = 0, 0, 0.0
         self._epoch_t0 = self._epoch_t1 = None
 
     def _keep_stats(self) -> None:
-        """This epoch's statistics into ``history`` (if any batch was read)."""
-        if self.reader.cursor and self.reader.running:
+        """This epoch's statistics into ``history`` (if this process read a batch of it)."""
+        if self._batches and self.reader.running:
             self.history.append(self._epoch_stats())
 
     @property
@@ -259,7 +260,7 @@ class ShardIter(mx.io.DataIter):
         return {
             "epoch": self.epoch,
             "generation": self.plan.generation if self.plan is not None else None,  # None: closed
-            "batches": self.reader.cursor,
+            "batches": self._batches,  # read by this process (after a resume: since it)
             "samples": self._samples,
             "seconds": wall,
             "samples_per_s": self._samples / wall if wall > 0 else 0.0,

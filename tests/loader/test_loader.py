@@ -533,7 +533,25 @@ def test_history_keeps_one_entry_per_epoch_read_and_load_state_dict_starts_a_new
         it.load_state_dict(state)  # epoch 2 from its second batch: a new stream, a new clock
         assert [(h["epoch"], h["batches"]) for h in it.history] == [(0, 2)]
         it.next()
-        assert it.stats["samples"] == 8 and it.stats["batches"] == 2 and it.epoch == 2
+        assert it.stats["samples"] == 8 and it.stats["batches"] == 1 and it.epoch == 2  # what this process read
+
+
+def test_a_resume_at_an_epochs_end_adds_no_figures_of_its_own(store, cache):
+    """Found in review: resumed from a state saved after an epoch's last batch, the empty rest of
+    that epoch came into ``history`` and ``last_epoch`` with ~-11000 seconds (a clock started by the
+    StopIteration of ``list(it)`` and never stopped), and the previous process's batch count."""
+    with ShardIter(store, 8, cache_dir=cache) as it:
+        n = sum(1 for _ in it)
+        state = it.state_dict()
+    with ShardIter(store, 8, cache_dir=cache) as it:
+        it.load_state_dict(state)
+        assert list(it) == []
+        it.reset()
+        assert it.history == [] and it.stats["last_epoch"] is None
+        assert sum(1 for _ in it) == n
+        it.reset()
+        last = it.stats["last_epoch"]
+        assert last["batches"] == n and last["seconds"] > 0 and last["samples_per_s"] > 0, last
 
 
 def test_producer_thread_is_still_accepted_and_the_removed_process_producer_says_so(store, cache):
