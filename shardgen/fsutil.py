@@ -6,12 +6,14 @@ import contextlib
 import hashlib
 import os
 import re
+import shutil
 import socket
 import uuid
 from pathlib import Path
 from typing import Iterable, Iterator, Union
 
-__all__ = ["temp_name", "atomic_write", "atomic_writer", "fsync_dir", "clean_temp_files", "pid_alive",
+__all__ = ["temp_name", "atomic_write", "atomic_writer", "fsync_dir", "clean_temp_files", "clean_dead_joblib_files",
+           "pid_alive",
            "host_token", "pid_namespace", "boot_id", "make_dirs", "remove_empty_dirs", "HOST_TOKEN"]
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -48,6 +50,7 @@ def _ns_token(namespace: str, boot: str) -> str:
 # Containers that share a hostname but not a pid namespace get different tokens.
 HOST_TOKEN = f"{host_token(socket.gethostname())}_{_ns_token(pid_namespace(), boot_id())}"
 # .<final name>.tmp-<host>-<pid>-<random>: who wrote it, so a dead writer's leftovers can go.
+_JOBLIB_RE = re.compile(r"^(?:sem\.loky-(?P<sem>\d+)-|joblib_memmapping_folder_(?P<memmap>\d+)_)")
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>\w+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 
@@ -141,6 +144,33 @@ def clean_temp_files(folder: Path) -> list[Path]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
+    return removed
+
+
+def clean_dead_joblib_files(root: Union[str, Path] = "/dev/shm") -> list[Path]:
+    """joblib's shared-memory leftovers of processes that died without their cleanup (``kill -9``
+    of a build with ``jobs > 1``: its semaphores ``sem.loky-<pid>-*`` and memmapping folders
+    ``joblib_memmapping_folder_<pid>_*`` stay in /dev/shm for ever): removed when ``<pid>`` is gone
+    and the entry is this user's. Returns them."""
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _JOBLIB_RE.match(entry.name)
+        if not m or pid_alive(int(m["sem"] or m["memmap"])):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        removed.append(Path(entry.path))
     return removed
 
 

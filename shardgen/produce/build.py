@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional
 
 from shardgen.config import Config
-from shardgen.fsutil import clean_temp_files
+from shardgen.fsutil import clean_dead_joblib_files, clean_temp_files
 from shardgen.produce.generator import STOP, abandon_with
 from shardgen.produce.pipeline import DateResult, prepare, produce
 from shardgen.store import Store
@@ -66,6 +66,9 @@ def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = Fal
     if (jobs == 1 or len(dates) <= 1) and cfg.run.backend != "dask":
         return _pipelined(cfg, dates, force=force, raw_dates=raw_dates)
     from joblib import Parallel, delayed  # here: a jobs=1 build does not pay for its import
+
+    if cfg.run.backend == "loky":
+        clean_dead_joblib_files()  # what a build killed with -9 left in /dev/shm
 
     tasks = (delayed(produce)(cfg, d, force=force, raw_only=d in raw_dates) for d in dates)
     if cfg.run.backend == "dask":

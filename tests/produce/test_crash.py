@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -346,3 +347,32 @@ def test_the_environment_reaches_the_generator_unchanged(cfg_dir):
         r = subprocess.run([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg_path), "--force"],
                            capture_output=True, text=True, timeout=60, env={**base, **extra})
         assert "exited with code 3" in r.stderr and expected in r.stderr, r.stderr
+
+
+def test_a_build_with_workers_removes_what_a_killed_builds_joblib_left_in_dev_shm(cfg_dir):
+    """Found in review: ``kill -9`` of a ``jobs = 2`` build leaves loky's semaphores and joblib's
+    memmapping folders in /dev/shm for ever (1022 of them on this machine). The next build with
+    workers removes those of dead processes; a live process's are never touched."""
+    from shardgen.produce.build import build
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    shm = Path("/dev/shm")
+    tag = os.urandom(4).hex()
+    left = [shm / f"sem.loky-{dead.pid}-{tag}", shm / f"joblib_memmapping_folder_{dead.pid}_{tag}_x"]
+    live = [shm / f"sem.loky-{os.getpid()}-{tag}", shm / f"joblib_memmapping_folder_{os.getpid()}_{tag}_x"]
+    try:
+        for sem, folder in (left, live):
+            sem.write_bytes(b"x")
+            folder.mkdir()
+            (folder / "array.pkl").write_bytes(b"x")
+        report = build(load_config(write_config(cfg_dir, end="2024-01-03", jobs=2)))
+        assert len(report.published) == 2
+        assert not [p for p in left if p.exists()], "a dead build's joblib files stayed"
+        assert all(p.exists() for p in live), "a live process's joblib files were removed"
+    finally:
+        for p in left + live:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.exists():
+                p.unlink()
