@@ -141,8 +141,7 @@ def recheck(plan: EpochPlan, schema: Any, verify: str) -> None:
         return
     store = os.path.join(str(plan.store), "")
     for s, fd in zip(plan.shards, files.fds):
-        st = os.fstat(fd)
-        seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, verify)
+        seen = _identity(fd, verify)
         if files.checked.get(fd) == seen:
             continue
         try:
@@ -150,6 +149,13 @@ def recheck(plan: EpochPlan, schema: Any, verify: str) -> None:
         except ShardError as exc:
             raise LoaderError(str(exc)) from None
         files.checked[fd] = seen
+
+
+def _identity(fd: int, verify: str) -> tuple:
+    """What ``recheck`` compares: a file as it was when last found good (taken before the check, so a
+    change during the check makes the next recheck check it again)."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, verify
 
 
 def _ensure_fd_room(needed: int) -> None:
@@ -228,7 +234,9 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
         for s in shards:
             fd = _open_shard(store, s)
             files.fds.append(fd)
+            seen = _identity(fd, verify)
             frames = _check(location, store, fd, s, manifest.schema, verify)
+            files.checked[fd] = seen  # the first reset() costs one fstat per file, as later ones do
             parts.append(frames.offsets + base)
             counts.append(frames.counts)
             keys.append(frames.keys)
