@@ -21,13 +21,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import mxnet as mx
 import numpy as np
 
 from benchmarks.baselines import ListBatchIter, PoppedBatches, samples_from_arrays
+from benchmarks.boundaries import boundary_suite
 from benchmarks.e2e import end_to_end
+from benchmarks.measure import Loader, stall, throughput
 from benchmarks.objects import object_store_epoch
 from benchmarks.page import write_markdown
 from benchmarks.report import chart, machine_info, table, targets
@@ -75,62 +77,6 @@ def make_data(n: int, seed: int = 0) -> tuple[np.ndarray, list[np.ndarray], list
 
 
 # -- loaders: each a factory of an object with .batches() -> iterator of lists of NDArrays ----
-
-
-class Loader:
-    """A uniform face over DataIters and DataLoaders: endless batches, epoch after epoch."""
-
-    def __init__(self, name: str, make: Callable[[], object], note: str = ""):
-        self.name, self.make, self.note = name, make, note
-
-    def batches(self) -> Iterator[list]:
-        obj = self.make()
-        try:
-            while True:
-                if isinstance(obj, mx.io.DataIter):
-                    for b in obj:
-                        yield list(b.data) + list(b.label)
-                    obj.reset()
-                else:
-                    for b in obj:
-                        yield list(b)
-        finally:
-            if hasattr(obj, "close"):
-                obj.close()
-
-
-def throughput(loader: Loader, batch_size: int, seconds: float, warmup: int = 3) -> dict:
-    """Max rate: take batches as fast as they come (each array waited on) for ``seconds``."""
-    gen = loader.batches()
-    for _ in range(warmup):
-        touch(next(gen))
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        touch(next(gen))
-        n += 1
-    wall = time.perf_counter() - t0
-    gen.close()
-    rate = n * batch_size / wall
-    return {"samples_per_s": rate, "payload_gb_per_s": rate * SCHEMA.record_floats * 4 / 1e9, "batches": n}
-
-
-def stall(loader: Loader, step_s: float, seconds: float, warmup: int = 3) -> dict:
-    """A consumer spending ``step_s`` per batch outside the GIL: fraction of wall time waiting."""
-    gen = loader.batches()
-    for _ in range(warmup):
-        touch(next(gen))
-    waits: list[float] = []
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:  # across epoch boundaries: batches() resets
-        t1 = time.perf_counter()
-        touch(next(gen))
-        waits.append(time.perf_counter() - t1)
-        time.sleep(step_s)  # the GPU step: no GIL held
-    wall = time.perf_counter() - t0
-    gen.close()
-    ms = 1000 * np.array(waits)
-    return {"stall_pct": 100 * sum(waits) / wall, "step_ms": 1000 * step_s, "batches": len(waits),
-            "next_p50_ms": float(np.percentile(ms, 50)), "next_p99_ms": float(np.percentile(ms, 99))}
 
 
 def loaders(x: np.ndarray, labels: list[np.ndarray], store: Path, batch_size: int, cache: Path) -> list[Loader]:
@@ -191,9 +137,11 @@ def _arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--no-docs", action="store_true", help="write no results page")
     p.add_argument("--chart", type=Path, help="the PNG chart (default: next to the results page, else "
                    "bench/chart.png)")
+    p.add_argument("--only", choices=["boundaries"], help="run only these rows (boundaries: epoch boundaries "
+                   "at 400 shards, issue 37); writes no results page")
     p.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder, removed after)")
     args = p.parse_args(argv)
-    if args.no_docs:
+    if args.no_docs or args.only:
         args.docs = None
     elif args.docs is None and not args.quick:
         args.docs = ROOT / "docs" / "performance.md"
@@ -216,6 +164,10 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     cache = bench_cache()
     res["settings"] = {"samples": n, "batch_size": bs, "seconds": seconds, "quick": args.quick, "time_steps": 60,
                        "num_inputs": 32}
+    if args.only == "boundaries":
+        res["boundaries"] = boundary_suite(workdir, cache, quick=args.quick, seconds=seconds, batch_size=bs, log=log)
+        res["targets"] = targets(res)
+        return
     log(f"bench: {n} samples of 60x32 ({n * SCHEMA.record_floats * 4 / 1e9:.2f} GB payload) ...")
     x, labels, specs = make_data(n)
     store = workdir / "store"
@@ -247,6 +199,7 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     log("bench: a Gluon training loop")
     res["training_loop"] = loop_cost(store, bs, cache, steps=4 if args.quick else 30)
     res["scale"] = scale_suite(workdir, quick=args.quick, seconds=seconds, log=log)
+    res["boundaries"] = boundary_suite(workdir, cache, quick=args.quick, seconds=seconds, batch_size=bs, log=log)
     log("bench: soak")
     res["soak"] = soak_in_subprocess(workdir, cache, epochs=12 if args.quick else 300,
                                      publish_every=3 if args.quick else 10,
