@@ -130,8 +130,14 @@ class ObjectCache:
         if missing:
             self._make_room(missing, files)
             with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(missing)), thread_name_prefix="shardgen-fetch") as pool:
-                for done in [pool.submit(self._download, n, *files[n]) for n in missing]:
-                    done.result()  # the first download's error, if any
+                downloads = [pool.submit(self._download, n, *files[n]) for n in missing]
+                try:
+                    for done in downloads:
+                        done.result()  # the first download's error, if any
+                except BaseException:
+                    for later in downloads:  # not started: never (each would retry a store that is gone)
+                        later.cancel()
+                    raise
             log.info("%s: %d files downloaded in %.1fs", self.remote.url, len(missing), time.perf_counter() - t0)
         return time.perf_counter() - t0
 

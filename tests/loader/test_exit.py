@@ -109,7 +109,7 @@ def launch(*args, timeout):
 def test_plain_gluon_worker_exits_every_time(tmp_path):
     """A worker ending right after trainer.step, without waitall: hung in most runs before the hook."""
     make_store(tmp_path / "store", COUNTS)
-    for run in range(6):
+    for run in range(5):  # it hung in most runs before the hook: 5 clean runs in a row
         t0 = time.monotonic()
         r = launch("-n", 2, "-s", 1, "--", sys.executable, PLAIN_WORKER, tmp_path / "store" / "manifest.json",
                    timeout=65)
