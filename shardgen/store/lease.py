@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 import weakref
 from pathlib import Path
@@ -36,7 +35,7 @@ from shardgen.errors import ShardgenError
 from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.store import Store, open_store
 from shardgen.store.lease_file import Heartbeat, judge_lease
-from shardgen.store.naming import LEASE_DIR, new_lease_name
+from shardgen.store.naming import LEASE_DIR, lease_pid_of_this_host, new_lease_name
 from shardgen.store.objstore import ObjectStore
 
 __all__ = ["LEASE_DIR", "DEFAULT_TTL_S", "Lease", "live_lease_generations", "judge_lease", "store_clock",
@@ -44,7 +43,6 @@ __all__ = ["LEASE_DIR", "DEFAULT_TTL_S", "Lease", "live_lease_generations", "jud
 
 log = logging.getLogger(__name__)
 DEFAULT_TTL_S = 60.0
-_MINE = re.compile(rf"^{re.escape(HOST_TOKEN)}-(?P<pid>\d+)-[0-9a-f]{{8}}\.json$")  # naming.new_lease_name
 
 
 def remove_dead_leases_of_this_host(store: Store) -> list[str]:
@@ -55,10 +53,10 @@ def remove_dead_leases_of_this_host(store: Store) -> list[str]:
         return []
     removed = []
     for name in store.lease_names():
-        m = _MINE.match(name)
-        if m and not pid_alive(int(m["pid"])):
+        pid = lease_pid_of_this_host(name)
+        if pid is not None and not pid_alive(pid):
             store.delete(f"{LEASE_DIR}/{name}")
-            log.info("removed %s: process %s of this host is gone", store.where(f"{LEASE_DIR}/{name}"), m["pid"])
+            log.info("removed %s: process %d of this host is gone", store.where(f"{LEASE_DIR}/{name}"), pid)
             removed.append(name)
     return removed
 

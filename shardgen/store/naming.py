@@ -26,7 +26,7 @@ from shardgen.fsutil import HOST_TOKEN
 __all__ = ["MANIFEST_NAME", "SNAPSHOT_DIR", "MANIFEST_LOCK", "WATCH_LOCK", "WATCH_STATE", "WATCH_HEARTBEAT",
            "LEASE_DIR", "CLOCK_NAME", "check_date", "check_name", "shard_stem", "name_version", "shard_paths",
            "sidecar_of", "sidecar_name", "date_file_names", "dated_sidecars", "snapshot_name", "snapshot_path",
-           "snapshot_generations", "new_lease_name"]
+           "snapshot_generations", "new_lease_name", "lease_pid_of_this_host"]
 
 MANIFEST_NAME = "manifest.json"
 SNAPSHOT_DIR = "generations"
@@ -128,3 +128,13 @@ def snapshot_generations(store: Path) -> list[int]:
 def new_lease_name() -> str:
     """A fresh reader lease's file name (in ``LEASE_DIR``), naming this host, namespace and process."""
     return f"{HOST_TOKEN}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+
+
+_THIS_HOSTS_LEASE = re.compile(rf"^{re.escape(HOST_TOKEN)}-(?P<pid>\d+)-[0-9a-f]{{8}}\.json$")
+
+
+def lease_pid_of_this_host(name: str) -> Optional[int]:
+    """The pid in a lease name ``new_lease_name`` made on this host, pid namespace and boot; None
+    for any other name (another host's, an older format's)."""
+    m = _THIS_HOSTS_LEASE.match(name)
+    return int(m["pid"]) if m else None

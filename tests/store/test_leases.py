@@ -346,10 +346,10 @@ def test_no_lease_is_judged_by_pid_when_the_pid_namespace_is_unknown(tmp_path, m
     namespace's: a new lease removes nothing then."""
     import re
 
-    from shardgen.store import FolderStore, lease
+    from shardgen.store import FolderStore, lease, naming
 
     monkeypatch.setattr(lease, "HOST_TOKEN", "host_nons")
-    monkeypatch.setattr(lease, "_MINE", re.compile(r"^host_nons-(?P<pid>\d+)-[0-9a-f]{8}\.json$"))
+    monkeypatch.setattr(naming, "_THIS_HOSTS_LEASE", re.compile(r"^host_nons-(?P<pid>\d+)-[0-9a-f]{8}\.json$"))
     dead = subprocess.Popen(["true"])
     dead.wait()
     (tmp_path / LEASE_DIR).mkdir()
