@@ -191,7 +191,7 @@ class Watcher:
             report.adopted = adoptable(store, store.open_manifest(cfg.schema, st.window), cfg.schema, self._bad_files)
             saved = publish(store, cfg.schema, st.window, report.adopted, lock=self._writer)  # applies the window
             report.deleted = collect(store, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s, lock=self._writer)
-            self._prune_raw(report.deleted)
+            self._prune_raw(report.deleted, files)
             done = {s.date for s in (saved or manifest).shards} | {a.date for a in report.adopted}
             for date in [d for d in self._failures if d.isoformat() in done]:
                 del self._failures[date]  # published meanwhile (e.g. adopted)
@@ -227,7 +227,7 @@ class Watcher:
                 log.warning("%s: %s %s; not published", date, path, why)
         return arrivals
 
-    def _prune_raw(self, deleted: list[str]) -> None:
+    def _prune_raw(self, deleted: list[str], files: dict[dt.date, Path]) -> None:
         """Remove the raw files of the dates that left the window once gc deleted their shards (this
         cycle, or another gc since, also one that ran while no watcher did: with the window full, a
         date older than its oldest shard is never produced again), unless ``store.keep_raw``; never
@@ -241,7 +241,7 @@ class Watcher:
             return
         if manifest.window and len(manifest.shards) >= manifest.window:  # as ``wanted`` judges a date too old
             oldest = manifest.shards[0].date
-            self._left |= {d.isoformat() for d in self.cfg.raw_files() if d.isoformat() < oldest}
+            self._left |= {d.isoformat() for d in files if d.isoformat() < oldest}  # the cycle's raw files
         for day in sorted(self._left - listed):
             self._left.discard(day)
             path = self.cfg.raw_path(dt.date.fromisoformat(day))
