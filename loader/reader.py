@@ -22,7 +22,7 @@ from loader.pipeline.memory import Arena, settle_allocator
 from loader.pipeline.settings import check_memory
 from loader.source.generations import Choice
 from loader.source.location import Location
-from loader.source.plan import EpochPlan, make_plan
+from loader.source.plan import EpochPlan, make_plan, part_shards
 from loader.source.selection import DateRange, normalize_dates, select_shards
 from shardgen.store.manifest import Manifest, ShardEntry
 
@@ -126,8 +126,19 @@ class Reader:
         """Stop this epoch's stream (a ``reset()`` or ``load()`` starts the next one)."""
         self.epochs.end_current(wait=self.cursor < self.batches)  # read to its end: its thread is ending
 
+    @property
+    def part(self) -> Optional[tuple[int, int]]:
+        """``(num_parts, part_index)`` when only this part's shards are fetched (an object store)."""
+        return (self.params.num_parts, self.params.part_index) if self.location.downloads else None
+
     def _plan_for(self, manifest: Manifest, shards: tuple) -> EpochPlan:
-        return make_plan(self.location, manifest, shards, verify=self.verify, fetcher=f"iter-{id(self)}")
+        return make_plan(self.location, manifest, shards, verify=self.verify, fetcher=f"iter-{id(self)}",
+                         part=self.part)
+
+    def _part_of(self, manifest: Manifest) -> tuple:
+        """The shards of ``manifest`` this part reads (fetched ahead of a new generation)."""
+        shards = select_shards(manifest, self.dates)
+        return tuple(s for s, r in zip(shards, part_shards(shards, self.part)) if r)
 
     def _start(self, plan: EpochPlan, *, skip: int = 0, epoch: Optional[int] = None) -> None:
         """Make ``plan`` this reader's, reading ``epoch`` (default: the current one). Nothing
@@ -152,7 +163,7 @@ class Reader:
         self.ahead_asked = True
         self.epochs.open_ahead(self.epoch + 1, self.params)
         if self.choice.pin is None:
-            self.location.fetch_ahead(lambda m: select_shards(m, self.dates))
+            self.location.fetch_ahead(self._part_of)
 
     # -- resumption -------------------------------------------------------------------------------
 

@@ -47,6 +47,8 @@ class Location:
     """A store as the loader reads it: ``origin`` (the ``shardgen.store.Store`` itself, where the
     reader lease lives), ``manifest_path`` (local) and what comes before reading."""
 
+    downloads = False  # files come from elsewhere: a worker fetches only what its part reads
+
     def __init__(self, origin: Store, manifest_path: Path, root: Path):
         self.origin = origin
         self.manifest_path = manifest_path
@@ -77,6 +79,11 @@ class Location:
         """A reader lease in the store (it tells gc which generation this process reads)."""
         return Lease(self.origin)
 
+    @property
+    def downloaded_bytes(self) -> int:
+        """Bytes this process downloaded from the store (shards and indexes)."""
+        return 0
+
     def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema) -> None:
         """Every file reading ``shards`` needs is in ``store``: LoaderError naming what is missing."""
         for s in shards:
@@ -101,6 +108,8 @@ class FolderLocation(Location):
 class MirrorLocation(Location):
     """A store on an object store, read from its mirror in ``<root>/objects`` (:class:`ObjectCache`)."""
 
+    downloads = True
+
     def __init__(self, cache: ObjectCache, root: Path):
         super().__init__(cache.store, cache.manifest_path, root)
         self.cache = cache
@@ -116,6 +125,10 @@ class MirrorLocation(Location):
         except ManifestError as exc:
             raise LoaderError(f"cannot open generation {generation} of {self.store}: {exc}") from None
         return super().generation(generation)
+
+    @property
+    def downloaded_bytes(self) -> int:
+        return self.cache.downloaded_bytes
 
     def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema) -> None:
         self.cache.fetch(shards, who=who, schema=schema)

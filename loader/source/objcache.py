@@ -69,6 +69,7 @@ class ObjectCache:
         self.folder, self.limit = Path(folder), limit
         self.wanted: dict[str, set] = {}  # who -> names its epochs use (never evicted)
         self.downloads = 0  # files this process downloaded (not found in the cache)
+        self.downloaded_bytes = 0  # and their bytes
         self._ahead: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._ensure_folder()
@@ -192,6 +193,8 @@ class ObjectCache:
                     atomic_write(self._marker(name), shard.sha256.encode(), fsync=False)
                 else:
                     self.remote.download(name, self.folder / name, what=f"index of {shard.date}")
+                with self._lock:
+                    self.downloaded_bytes += (self.folder / name).stat().st_size
             except StoreUnreachable as exc:  # reset() may go on with the generation it holds
                 raise StoreUnreachableError(f"{shard.date}: {exc}") from None
             except ObjectStoreError as exc:

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import numpy as np
 
 from loader.errors import LoaderError
+from loader.pipeline.parts import shards_needed
 from loader.source.location import Location
 from shardgen.errors import ShardError
 from shardgen.format.check import VERIFY_MODES, check_shard
@@ -33,7 +34,7 @@ from shardgen.format.schema import day_number
 from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.store.manifest import Manifest, ShardEntry
 
-__all__ = ["EpochPlan", "ReaderSource", "reader_source", "make_plan", "hold", "drop", "recheck"]
+__all__ = ["EpochPlan", "ReaderSource", "reader_source", "part_shards", "make_plan", "hold", "drop", "recheck"]
 
 class PlanFiles:
     """The shard files a plan reads, held open: MXNet opens them through ``/proc/self/fd``, so a
@@ -55,6 +56,8 @@ class PlanFiles:
         fds, self.fds = self.fds, []
         for fd in fds:
             with contextlib.suppress(OSError):
+                if fd < 0:
+                    continue
                 os.close(fd)
 
     def __del__(self) -> None:
@@ -88,6 +91,8 @@ class EpochPlan:
         """True when no other record of its shard has the same key and window count (see
         ``Schema.key_words``), so a reader can tell it apart from the others of its date."""
         s = self.shard_of(record)
+        if self.files is not None and self.files.fds[s] < 0:  # not read (``part_shards``): a bound there stays
+            return True
         span = slice(self.shard_first[s], self.shard_first[s + 1])
         same = (self.keys[span] == self.keys[record]).all(axis=1) & (self.counts[span] == self.counts[record])
         return int(np.count_nonzero(same)) == 1
@@ -141,6 +146,8 @@ def recheck(plan: EpochPlan, schema: Any, verify: str) -> None:
         return
     store = os.path.join(str(plan.store), "")
     for s, fd in zip(plan.shards, files.fds):
+        if fd < 0:  # not read by this part
+            continue
         seen = _identity(fd, verify)
         if files.checked.get(fd) == seen:
             continue
@@ -207,9 +214,22 @@ def _make_folder(folder: Path) -> None:
                 raise
 
 
+def part_shards(shards: tuple[ShardEntry, ...], part: Optional[tuple[int, int]]) -> np.ndarray:
+    """Which of ``shards`` part ``part = (num_parts, part_index)`` reads (all of them for None):
+    from the manifest alone (``loader.pipeline.parts.shards_needed``)."""
+    if part is None or part[0] == 1:
+        return np.ones(len(shards), bool)
+    stays = [s.windows in (0, s.records) or bool(s.distinct) for s in shards]
+    return shards_needed([s.samples for s in shards], stays, *part)
+
+
 def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, ...], *, verify: str = "frame",
-              fetcher: str = "") -> EpochPlan:
+              fetcher: str = "", part: Optional[tuple[int, int]] = None) -> EpochPlan:
     """Fetch, open and check the shards' files and return a plan with its own folder for MXNet.
+
+    ``part = (num_parts, part_index)``: only the shards that part reads are fetched and opened
+    (``part_shards``); each of the others stands in the plan as one record of all its samples,
+    which no reader's range includes (an object store's worker downloads its part, not the store).
 
     dmlc resolves each ``.rec`` path (and the index) by listing its folder and ``stat``-ing every
     entry there, which fails if a file is renamed meanwhile -- as the watcher's temp files are in
@@ -222,7 +242,8 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
     store = location.store.resolve()
     if not shards:
         raise LoaderError(f"{location.manifest_path}: no shards selected (generation {manifest.generation})")
-    location.fetch(shards, who=fetcher, schema=manifest.schema)  # an object store's: into the local mirror
+    reads = part_shards(shards, part)
+    location.fetch([s for s, r in zip(shards, reads) if r], who=fetcher, schema=manifest.schema)  # into a mirror
     plans = location.plans.resolve()
     mine = plans / f"{HOST_TOKEN}-{os.getpid()}"
     if ";" in str(mine):
@@ -231,7 +252,15 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
     files = PlanFiles()
     try:
         parts, counts, keys, base = [], [], [], 0
-        for s in shards:
+        no_key = np.zeros((1, len(manifest.schema.key_words)), np.float32)
+        for s, read in zip(shards, reads):
+            if not read:
+                files.fds.append(-1)
+                parts.append(np.array([base], np.int64))
+                counts.append(np.array([s.samples], np.int64))
+                keys.append(no_key)
+                base += s.bytes
+                continue
             fd = _open_shard(store, s)
             files.fds.append(fd)
             seen = _identity(fd, verify)
@@ -244,7 +273,7 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
         shard_first = np.concatenate(([0], np.cumsum([len(c) for c in counts]))).astype(np.int64)
         offsets, counts, keys = np.concatenate(parts), np.concatenate(counts), np.concatenate(keys)
         proc_fd = Path("/proc/self/fd")
-        key = hashlib.sha256(json.dumps([str(store)] + [s.to_json() for s in shards]).encode()).hexdigest()[:12]
+        key = hashlib.sha256(json.dumps([str(store), part] + [s.to_json() for s in shards]).encode()).hexdigest()[:12]
         folder = mine / f"{next(_SEQ):05d}-{key}"
         try:
             _clean_dead_processes(plans)
@@ -253,6 +282,8 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
             _make_folder(folder)
             files.folder = folder
             for i, (s, fd) in enumerate(zip(shards, files.fds)):
+                if fd < 0:
+                    continue
                 target = proc_fd / str(fd) if proc_fd.is_dir() else store / s.rec
                 (folder / f"{i:06d}").mkdir()  # one link per folder: dmlc lists a path's folder to find it
                 os.symlink(target, folder / f"{i:06d}" / "s.rec")

@@ -7,9 +7,11 @@ module publishes them: a hashing thread beside the writes, temp-and-rename, the 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
+import os
 import queue
 import threading
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 import numpy as np
 
 from shardgen.errors import ShardError
+from shardgen.format.check import check_shard
 from shardgen.format.framing import frame_records
 from shardgen.format.index import shard_index_text
 from shardgen.format.schema import Schema, day_number
@@ -37,6 +40,22 @@ def _records(ws: WindowSet, schema: Schema, date: dt.date) -> tuple[int, Callabl
         return schema.codec.encode(ws, schema, day_number(date))
     except ValueError as exc:
         raise ShardError(f"{date}: {exc}") from None
+
+
+def _distinct(paths: dict, sidecar: Sidecar, schema: Schema) -> Optional[bool]:
+    """Whether every record of the shard just written is told apart from the others by its key
+    words and window count: then a loader may put a part boundary inside any record knowing the
+    manifest alone (``loader.pipeline.parts``). None when records hold one window each (a boundary
+    never falls inside one)."""
+    if sidecar.windows == sidecar.records or not schema.key_words:
+        return None
+    fd = os.open(paths["rec"], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        frames = check_shard(fd, str(paths["rec"]), str(paths["idx"]), sidecar, schema, verify="none")
+    finally:
+        os.close(fd)
+    rows = np.concatenate([frames.keys, frames.counts[:, None].astype(np.float32)], axis=1)
+    return len(np.unique(rows, axis=0)) == len(rows)
 
 
 def write_shard(store: Path, date: dt.date, x: Union[np.ndarray, RunSpec, WindowSet],
@@ -79,6 +98,7 @@ def write_shard(store: Path, date: dt.date, x: Union[np.ndarray, RunSpec, Window
     sidecar = Sidecar(date=date.isoformat(), records=packed.records, bytes=packed.size,
                       sha256=digest.hexdigest(), idx_bytes=len(idx), fingerprint=schema.fingerprint,
                       rec=paths["rec"].name, idx=paths["idx"].name, windows=ws.n)
+    sidecar = dataclasses.replace(sidecar, distinct=_distinct(paths, sidecar, schema))
     atomic_write(paths["json"], json.dumps(sidecar.to_json(), sort_keys=True).encode(), fsync=fsync)
     return sidecar
 

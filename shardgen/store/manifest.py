@@ -74,6 +74,10 @@ class ShardEntry:
     bytes: int
     sha256: str
     windows: int = 0  # samples in the shard (0 in format 1 manifests: one per record)
+    # Every record is told apart from the others of its date by key words and window count, so a
+    # part boundary inside one stays there (``loader.pipeline.parts``); None in manifests before
+    # 2026-12-05: a loader then reads the shard to know.
+    distinct: Optional[bool] = None
 
     def __post_init__(self) -> None:
         check_date(self.date, "shard")
@@ -95,12 +99,15 @@ class ShardEntry:
         out = dict(self.__dict__)
         if not self.windows:
             del out["windows"]
+        if self.distinct is None:
+            del out["distinct"]
         return out
 
     @classmethod
     def from_json(cls, obj: dict) -> ShardEntry:
         return cls(str(obj["date"]), str(obj["rec"]), str(obj["idx"]), int(obj["records"]),
-                   int(obj["bytes"]), str(obj["sha256"]), int(obj.get("windows", 0)))
+                   int(obj["bytes"]), str(obj["sha256"]), int(obj.get("windows", 0)),
+                   None if obj.get("distinct") is None else bool(obj["distinct"]))
 
 
 @dataclass(frozen=True)

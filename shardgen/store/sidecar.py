@@ -15,6 +15,8 @@ from shardgen.store.naming import check_date, check_name
 
 __all__ = ["Sidecar"]
 
+_OPTIONAL = ("windows", "distinct")  # keys sidecars of older versions do not have
+
 
 @dataclass(frozen=True)
 class Sidecar:
@@ -29,6 +31,7 @@ class Sidecar:
     rec: str
     idx: str
     windows: int = 0
+    distinct: Optional[bool] = None  # every record told apart by key words and window count (None: not said)
 
     def __post_init__(self) -> None:
         check_date(self.date, "sidecar")
@@ -37,10 +40,11 @@ class Sidecar:
                 check_name(name, f"sidecar {self.date}")
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "distinct" or v is not None}
 
     def entry(self) -> ShardEntry:
-        return ShardEntry(self.date, self.rec, self.idx, self.records, self.bytes, self.sha256, self.windows)
+        return ShardEntry(self.date, self.rec, self.idx, self.records, self.bytes, self.sha256, self.windows,
+                          self.distinct)
 
     @classmethod
     def load(cls, path: Path) -> Optional[Sidecar]:
@@ -58,6 +62,6 @@ class Sidecar:
         """A sidecar from its bytes; ShardError naming ``where`` if they are not one."""
         try:
             obj = json.loads(text)
-            return cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k in obj or k != "windows"})
+            return cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k in obj or k not in _OPTIONAL})
         except (ValueError, KeyError, TypeError) as exc:
             raise ShardError(f"{where}: malformed sidecar ({exc})") from None

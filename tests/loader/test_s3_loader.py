@@ -214,11 +214,32 @@ def test_processes_sharing_a_cache_download_each_file_once(s3, tmp_path):
     assert sum(o["downloads"] for o in outs) == len(counts)
 
 
+def test_each_of_4_parts_downloads_only_its_shards_and_says_how_many_bytes(s3, tmp_path):
+    counts = {f"2024-02-{d:02d}": 40 + 3 * d for d in range(1, 13)}
+    local, url = store_with(s3, tmp_path, counts)
+    shards = Manifest.load(local / "manifest.json").shards
+    cum = np.cumsum([0] + [s.windows for s in shards])
+    store_bytes = sum(s.bytes for s in shards)
+    for part in range(4):
+        cache = tmp_path / f"cache-{part}"
+        with ShardIter(url, 8, num_parts=4, part_index=part, cache_dir=cache) as it:
+            for _ in it:
+                pass
+            got = it.stats["downloaded_bytes"]
+        lo, hi = part * cum[-1] // 4, (part + 1) * cum[-1] // 4
+        mine = [s for s, a, b in zip(shards, cum[:-1], cum[1:]) if a < hi and b > lo]
+        mirror = cache / "objects" / "data" / "store"
+        assert {p.name for p in mirror.glob("*.rec")} == {s.rec for s in mine}
+        assert got == sum(p.stat().st_size for p in mirror.iterdir() if p.suffix in (".rec", ".idx"))
+        straddling = sum(s.bytes for s, a, b in zip(shards, cum[:-1], cum[1:]) if a < lo < b or a < hi < b)
+        assert got <= store_bytes / 4 + straddling
+
+
 @pytest.mark.slow
 def test_dist_sync_workers_with_a_cache_each_read_their_parts_exactly(s3, tmp_path):
     from test_distributed import launch, train_cmd
 
-    _, url = store_with(s3, tmp_path)
+    local, url = store_with(s3, tmp_path)
     cmd = train_cmd(tmp_path / "unused", tmp_path)
     cmd[cmd.index("--manifest") + 1] = url
     cmd += ["--cache-dir", str(tmp_path / "cache-{rank}")]  # one cache per worker, as on two machines
@@ -229,8 +250,16 @@ def test_dist_sync_workers_with_a_cache_each_read_their_parts_exactly(s3, tmp_pa
     for epoch in range(2):
         assert sorted(int(v) for v in records[0][epoch] + records[1][epoch]) == list(range(131))
         assert history[0][epoch]["generation"] == history[1][epoch]["generation"]
+    # Each worker downloaded the shards its part's samples live in, and no other (its boundary shard
+    # is read by both): worked out here from the manifest's window counts.
+    shards = Manifest.load(local / "manifest.json").shards
+    cum = np.cumsum([0] + [s.windows for s in shards])
     for k in (0, 1):
-        assert (tmp_path / f"cache-{k}" / "objects" / "data" / "store" / "2024-01-02.rec").is_file()
+        lo, hi = k * cum[-1] // 2, (k + 1) * cum[-1] // 2
+        mine = {s.rec for s, a, b in zip(shards, cum[:-1], cum[1:]) if a < hi and b > lo}
+        cached = {p.name for p in (tmp_path / f"cache-{k}" / "objects" / "data" / "store").glob("*.rec")}
+        assert cached == mine, (k, sorted(cached), sorted(mine))
+        assert len(mine) < len(shards)
 
 
 def test_records_that_differ_in_size_come_with_their_index(s3, tmp_path):
