@@ -424,6 +424,55 @@ def test_a_download_that_would_nearly_fill_the_disk_is_refused(s3, tmp_path, mon
     assert not list((tmp_path / "cache" / "objects" / "data" / "store").glob("*.rec"))
 
 
+def test_a_disk_that_fills_mid_download_is_one_clear_line_and_leaves_no_partial_file(s3, tmp_path, monkeypatch):
+    """ENOSPC part way through writing one shard's download (after some of its bytes reached the
+    disk): one line naming the date, the object and the cache folder that says the disk is full;
+    no temp file, no target and no sha256 marker of that shard in the cache."""
+    import errno
+
+    from shardgen.store import objfetch
+
+    _, url = store_with(s3, tmp_path)
+    cache = tmp_path / "cache"
+    mirror = cache / "objects" / "data" / "store"
+    written = []
+
+    class FillsUp:
+        """A file of ours whose disk fills after half of the first chunk written to it."""
+
+        def __init__(self, path, mode):
+            self.fh = open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def write(self, chunk):
+            self.fh.write(chunk[: len(chunk) // 2])
+            self.fh.flush()
+            written.append(os.path.getsize(self.fh.name))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def open_download(path, mode="r", *args, **kwargs):
+        if ".2024-01-03.rec.tmp-" in str(path):
+            return FillsUp(path, mode)
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(objfetch, "open", open_download, raising=False)
+    with pytest.raises(LoaderError) as info:
+        ShardIter(url, 8, cache_dir=cache)
+    said = str(info.value)
+    assert said == (f"2024-01-03: {mirror}: the disk is full (No space left on device) writing the download of "
+                    "s3://data/store/2024-01-03.rec; free space there"), said
+    assert written and written[0] > 0  # the disk filled part way through the shard
+    left = [p.name for p in cache.rglob("*") if p.is_file() and "2024-01-03.rec" in p.name
+            and not p.name.endswith(".lock")]
+    assert not left, f"{left}: left behind by the failed download"
+    assert not [p for p in cache.rglob("*") if ".tmp-" in p.name]
+
+
 def test_the_next_generations_shards_are_fetched_half_way_through_an_epoch(s3, tmp_path):
     local, url = store_with(s3, tmp_path)
     with ShardIter(url, 8, cache_dir=tmp_path / "cache") as it:
