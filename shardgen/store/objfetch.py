@@ -4,13 +4,14 @@ The bytes go to a temp file next to the target; size and sha256 are checked, the
 a file at the target name is always whole and verified. Bytes that differ are fetched once more,
 then refused (``ObjectMismatch``). Transient faults are tried ``attempts`` times in all (the AWS
 setting ``max_attempts``, default ``ATTEMPTS``) with ``backoff``, then ``StoreUnreachable`` names
-the endpoint and the object. A local write that fails (a full disk) is not a network fault: it is
-said at once.
+the endpoint and the object. A local write that fails is not a network fault: it is said at once,
+in one line naming the folder and the object (a full disk says so).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import time
@@ -77,8 +78,12 @@ class Downloads:
                     os.replace(tmp, dest)
                     return
             except _LocalWrite as exc:
+                cause = exc.__cause__
+                if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise ObjectStoreError(f"{tmp.parent}: the disk is full ({cause.strerror}) writing the download "
+                                           f"of {self.where(name)}; free space there") from None
                 raise ObjectStoreError(f"{tmp.parent}: cannot write the download of {self.where(name)} "
-                                       f"({exc.__cause__})") from None
+                                       f"({cause.strerror or cause})") from None
             except (ConnectionError, OSError, TransientFault) as exc:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)

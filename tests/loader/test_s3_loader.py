@@ -4,10 +4,10 @@ through the local cache, faults, a shared cache, the cache limit, new generation
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -124,6 +124,47 @@ def test_an_object_whose_bytes_differ_is_refused_naming_the_date(s3, tmp_path):
     assert not [p for p in mirror.iterdir() if ".tmp-" in p.name]
 
 
+def test_an_object_tampered_on_the_way_down_is_refused_and_never_enters_the_cache(s3, tmp_path, monkeypatch):
+    """A byte flipped in one shard's body as the server's answer passes (a proxy in between): a
+    LoaderError naming the date; no file holding those bytes, no sha256 marker, no temp file in the
+    cache. Once the bytes arrive intact, the next iterator downloads the shard and reads it."""
+    from s3server import TamperingProxy
+
+    from shardgen.store import objstore
+
+    local, url = store_with(s3, tmp_path)
+    cache = tmp_path / "cache"
+    served = []
+
+    def flip(key, body):
+        if key == "store/2024-01-03.rec":
+            body = bytearray(body)
+            body[len(body) // 2] ^= 0xFF
+            served.append(bytes(body))
+        return bytes(body)
+
+    with TamperingProxy(s3) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        objstore.forget_clients()
+        proxy.on_get = flip
+        with pytest.raises(LoaderError, match=r"^2024-01-03: s3://data/store/2024-01-03\.rec \(shard 2024-01-03\): "
+                                              r"refused after 2 downloads: sha256 [0-9a-f]{16}\.\.\., the manifest "
+                                              r"says [0-9a-f]{16}\.\.\.$"):
+            ShardIter(url, 8, cache_dir=cache)
+        assert len(served) == 2  # fetched once more, then refused
+        files = [p for p in cache.rglob("*") if p.is_file()]
+        assert not [p for p in files if p.read_bytes() in served], "tampered bytes entered the cache"
+        assert not [p for p in files if p.name.startswith("2024-01-03.rec") and p.suffix == ".sha256"]
+        assert not [p for p in files if ".tmp-" in p.name]
+        proxy.on_get = lambda key, body: body
+        with ShardIter(url, 8, cache_dir=cache) as it:
+            assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(131))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # what is left to release goes to the server, not the
+    objstore.forget_clients()                             # proxy that is gone (no retries at teardown)
+    mirror = cache / "objects" / "data" / "store"
+    assert (mirror / "2024-01-03.rec").read_bytes() == (local / "2024-01-03.rec").read_bytes()
+
+
 def test_endpoint_down_at_construction_names_the_url(s3, tmp_path):
     _, url = store_with(s3, tmp_path)
     s3.stop()
@@ -144,33 +185,105 @@ def test_wrong_credentials_say_so(s3, tmp_path, monkeypatch):
     assert "\n" not in str(info.value)
 
 
-def test_the_server_dying_mid_download_is_a_clear_error_and_leaves_no_partial_file(s3, tmp_path):
-    counts = {f"2024-02-{d:02d}": 400 for d in range(1, 29)}
-    _, url = store_with(s3, tmp_path, counts)
-    cache = tmp_path / "cache"
-    mirror = cache / "objects" / "data" / "store"
+def arrays(batch) -> tuple:
+    """A batch as numpy arrays (data, labels) and its pad: what a resumed run must give again."""
+    return (batch.data[0].asnumpy(), *(a.asnumpy() for a in batch.label), batch.pad)
 
-    def kill_when_downloading():
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if mirror.is_dir() and any(p.suffix == ".rec" or ".tmp-" in p.name for p in mirror.iterdir()):
+
+def assert_same_batches(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert g[-1] == w[-1], f"batch {k}: pad"
+        for a, b in zip(g[:-1], w[:-1]):
+            np.testing.assert_array_equal(a, b, err_msg=f"batch {k}")
+
+
+class KillAtGet:
+    """Kills the server (at once, as a crash does) when a download of object ``name`` starts, while
+    the epoch's other downloads are under way; ``tries`` records that object's download attempts."""
+
+    def __init__(self, s3, monkeypatch):
+        from shardgen.store.objstore import ObjectStore
+
+        self.name, self.tries = None, []
+        real = ObjectStore.chunks
+
+        def chunks(store, name):
+            if name == self.name:
+                self.tries.append(name)
                 s3.kill()
-                return
-            time.sleep(0.001)
+            return real(store, name)
 
-    killer = threading.Thread(target=kill_when_downloading)
-    killer.start()
-    t0 = time.monotonic()
-    with pytest.raises(LoaderError, match=r"cannot reach|failed"):
-        ShardIter(url, 8, cache_dir=cache)
-    killer.join()
-    assert time.monotonic() - t0 < 60
-    manifest = Manifest.load(mirror / "manifest.json")
-    sizes = {s.rec: s.bytes for s in manifest.shards}
+        monkeypatch.setattr(ObjectStore, "chunks", chunks)
+
+    def arm(self, name: str) -> None:
+        self.name, self.tries = name, []
+
+
+def assert_no_partial_file(mirror) -> None:
+    """Every file in the cache is whole: no temp file; a ``.rec`` has its manifest size."""
+    sizes = {s.rec: s.bytes for s in Manifest.load(mirror / "manifest.json").shards}
     for p in mirror.iterdir():
         assert ".tmp-" not in p.name, f"{p.name}: a partial download was left"
         if p.suffix == ".rec":
             assert p.stat().st_size == sizes[p.name]
+
+
+def test_the_server_dying_mid_download_names_the_object_and_a_saved_state_resumes_once_it_is_back(
+        s3, tmp_path, monkeypatch):
+    """The server killed while an epoch's shards download, at construction and at a reset() that
+    must fetch the agreed new generation: ``AWS_MAX_ATTEMPTS`` tries, then one line naming the
+    object, and no partial file in the cache. With the server back (same port, same data), a
+    ``state_dict`` saved before the error continues in a new iterator on the same cache with
+    exactly the batches an uninterrupted run reads."""
+    from loader.source.generations import Choice
+    from shardgen.store import objstore
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    objstore.forget_clients()
+    local, url = store_with(s3, tmp_path)
+    with ShardIter(local, 8, seed=5) as ref:
+        want = [arrays(b) for b in ref]  # the uninterrupted run
+    cache = tmp_path / "cache"
+    mirror = cache / "objects" / "data" / "store"
+    killer = KillAtGet(s3, monkeypatch)
+    killer.arm("2024-01-02.rec")
+    with pytest.raises(LoaderError) as info:
+        ShardIter(url, 8, seed=5, cache_dir=cache)
+    assert re.fullmatch(r"2024-01-02: s3://data/store/2024-01-02\.rec: download failed 2 times; cannot reach "
+                        r"http://127\.0\.0\.1:\d+ \(.+\)", str(info.value)), str(info.value)
+    assert killer.tries == ["2024-01-02.rec"] * 2  # retried, within the budget
+    assert_no_partial_file(mirror)
+
+    s3.start()
+    killer.arm(None)
+    with ShardIter(url, 8, seed=5, cache_dir=cache) as it:
+        got = [arrays(it.next()) for _ in range(5)]
+        state = it.state_dict()  # a checkpoint, before the error
+        for _ in it:
+            pass
+        ahead = it.reader.location.cache._ahead
+        if ahead is not None:  # the half-way fetch ahead found nothing new: let it end first
+            ahead.join(30)
+        make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation with one more date
+        upload_store(s3, local)
+        g2 = Manifest.load(local / "manifest.json").generation
+        it.reader.choice = Choice(kv=RankOne(g2))  # a worker must read the generation rank 0 agreed
+        killer.arm("2024-01-05.rec")
+        with pytest.raises(LoaderError) as info:
+            it.reset()
+        assert re.fullmatch(r"2024-01-05: s3://data/store/2024-01-05\.rec: download failed 2 times; cannot "
+                            r"reach http://127\.0\.0\.1:\d+ \(.+\)", str(info.value)), str(info.value)
+        assert killer.tries == ["2024-01-05.rec"] * 2
+    assert_no_partial_file(mirror)
+
+    s3.start()
+    killer.arm(None)
+    with ShardIter(url, 8, seed=5, cache_dir=cache) as it:
+        assert it.generation == g2
+        it.load_state_dict(state)
+        got += [arrays(b) for b in it]
+    assert_same_batches(got, want)
 
 
 def test_cache_limit_refuses_an_epoch_that_cannot_fit_and_evicts_what_is_not_used(s3, tmp_path):
@@ -338,6 +451,55 @@ def test_a_download_that_would_nearly_fill_the_disk_is_refused(s3, tmp_path, mon
     with pytest.raises(LoaderError, match=r"needs .* MB more, but the disk has .* MB free"):
         ShardIter(url, 8, cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache" / "objects" / "data" / "store").glob("*.rec"))
+
+
+def test_a_disk_that_fills_mid_download_is_one_clear_line_and_leaves_no_partial_file(s3, tmp_path, monkeypatch):
+    """ENOSPC part way through writing one shard's download (after some of its bytes reached the
+    disk): one line naming the date, the object and the cache folder that says the disk is full;
+    no temp file, no target and no sha256 marker of that shard in the cache."""
+    import errno
+
+    from shardgen.store import objfetch
+
+    _, url = store_with(s3, tmp_path)
+    cache = tmp_path / "cache"
+    mirror = cache / "objects" / "data" / "store"
+    written = []
+
+    class FillsUp:
+        """A file of ours whose disk fills after half of the first chunk written to it."""
+
+        def __init__(self, path, mode):
+            self.fh = open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def write(self, chunk):
+            self.fh.write(chunk[: len(chunk) // 2])
+            self.fh.flush()
+            written.append(os.path.getsize(self.fh.name))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def open_download(path, mode="r", *args, **kwargs):
+        if ".2024-01-03.rec.tmp-" in str(path):
+            return FillsUp(path, mode)
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(objfetch, "open", open_download, raising=False)
+    with pytest.raises(LoaderError) as info:
+        ShardIter(url, 8, cache_dir=cache)
+    said = str(info.value)
+    assert said == (f"2024-01-03: {mirror}: the disk is full (No space left on device) writing the download of "
+                    "s3://data/store/2024-01-03.rec; free space there"), said
+    assert written and written[0] > 0  # the disk filled part way through the shard
+    left = [p.name for p in cache.rglob("*") if p.is_file() and "2024-01-03.rec" in p.name
+            and not p.name.endswith(".lock")]
+    assert not left, f"{left}: left behind by the failed download"
+    assert not [p for p in cache.rglob("*") if ".tmp-" in p.name]
 
 
 def test_the_next_generations_shards_are_fetched_half_way_through_an_epoch(s3, tmp_path):
