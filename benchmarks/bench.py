@@ -30,7 +30,7 @@ from benchmarks.baselines import ListBatchIter, PoppedBatches, samples_from_arra
 from benchmarks.boundaries import boundary_suite
 from benchmarks.e2e import end_to_end
 from benchmarks.measure import Loader, stall, throughput
-from benchmarks.objects import object_store_epoch
+from benchmarks.objects import object_store_suite
 from benchmarks.page import write_markdown
 from benchmarks.report import chart, machine_info, table, targets
 from benchmarks.scale import scale_suite
@@ -137,7 +137,7 @@ def _arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--no-docs", action="store_true", help="write no results page")
     p.add_argument("--chart", type=Path, help="the PNG chart (default: next to the results page, else "
                    "bench/chart.png)")
-    p.add_argument("--only", choices=["boundaries"], help="run only these rows (boundaries: epoch boundaries "
+    p.add_argument("--only", choices=["boundaries", "objects"], help="run only these rows (objects: S3 on loopback, issue 36; boundaries: epoch boundaries "
                    "at 400 shards, issue 37); writes no results page")
     p.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder, removed after)")
     args = p.parse_args(argv)
@@ -168,6 +168,12 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
         res["boundaries"] = boundary_suite(workdir, cache, quick=args.quick, seconds=seconds, batch_size=bs, log=log)
         res["targets"] = targets(res)
         return
+    if args.only == "objects":
+        _, _, specs = make_data(n)
+        build(workdir / "store", RUNS_SCHEMA, specs, fsync=True)
+        res["object_store"] = object_store_suite(workdir / "store", workdir, bs, cache, quick=args.quick, log=log)
+        res["targets"] = targets(res)
+        return
     log(f"bench: {n} samples of 60x32 ({n * SCHEMA.record_floats * 4 / 1e9:.2f} GB payload) ...")
     x, labels, specs = make_data(n)
     store = workdir / "store"
@@ -185,7 +191,7 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     res["stall_floor"] = stall_floor(x, labels, bs, res["loaders"]["ShardIter"], seconds)
     res["shardier_cold_epoch"] = cold_epoch(store, bs, cache)
     log("bench: a cold epoch from an S3 store on loopback")
-    res["object_store"] = object_store_epoch(store, workdir, bs, cache)
+    res["object_store"] = object_store_suite(store, workdir, bs, cache, quick=args.quick, log=log)
     log("bench: end to end")
     res["end_to_end"] = end_to_end(workdir, n_dates, bs, step_s, cache)
     log("bench: end to end, a generator that costs time")

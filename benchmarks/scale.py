@@ -8,7 +8,7 @@ import datetime as dt
 import shutil
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import mxnet as mx
 import numpy as np
@@ -69,8 +69,10 @@ def stock_one_file(rec: str, idx: str, floats: int, seconds: float, batch_size: 
     return {"open_s": opened, "samples_per_s": rate}
 
 
-def randomness(store: Path, cache: Path, per_date: int, batch_size: int = 512, seed: int = 0) -> dict:
-    """Distinct dates per batch, and windows per (batch, run), against an exact shuffle."""
+def randomness(store: Path, cache: Path, per_date: int, batch_size: int = 512, seed: int = 0, *,
+               url: Optional[str] = None, **kw) -> dict:
+    """Distinct dates per batch, and windows per (batch, run), against an exact shuffle; read from
+    ``url`` (the store uploaded to an object store) with ``kw`` if given."""
     dates_seen, per_run = [], []
 
     def on_batch(b) -> None:
@@ -81,7 +83,7 @@ def randomness(store: Path, cache: Path, per_date: int, batch_size: int = 512, s
         runs = np.unique(day.astype(np.int64) * 1_000_000 + start.astype(np.int64) // RUN_PACK)
         per_run.append(n / len(runs))
 
-    with ShardIter(store, batch_size, shuffle=True, seed=seed, cache_dir=cache) as it:
+    with ShardIter(url or store, batch_size, shuffle=True, seed=seed, cache_dir=cache, **kw) as it:
         for b in it:
             on_batch(b)
     m = Manifest.load(store / MANIFEST_NAME)

@@ -19,6 +19,7 @@ from loader.errors import LoaderError, StoreUnreachableError
 from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs
 from loader.pipeline.memory import Arena, settle_allocator
+from loader.pipeline.segments import Budget, StreamSource
 from loader.pipeline.settings import check_memory
 from loader.source.generations import Choice
 from loader.source.location import Location
@@ -46,6 +47,7 @@ class Reader:
         self.cursor = self.batches = self.part_samples = 0
         self.ahead_at, self.ahead_asked = 0, False
         self.epochs = Epochs(location.lease())  # the lease tells gc which generation we read
+        self.budget = Budget(location.cache_limit)  # an object store's segments held in the cache
         self._finalizer = weakref.finalize(self, self.epochs.close_when_free)
         settle_allocator()
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
@@ -98,7 +100,7 @@ class Reader:
             raise LoaderError(f"{self.location.manifest_path}: this ShardIter was closed (by another thread) "
                               "during reset()")
         try:
-            plan = self._next_plan(manifest, current)
+            self._start_next(self._next_plan(manifest, current), current)
         except StoreUnreachableError as exc:
             # The manifest came, then the store went before the new generation's shards did. Alone
             # (no kvstore agreement, no pin), go on with the generation held, as when the manifest
@@ -108,11 +110,13 @@ class Reader:
             log.warning("%s; reading generation %d again (the next reset() asks the store again)", exc,
                         self.manifest.generation)
             manifest = self.manifest
-            plan = self._next_plan(manifest, current)
+            self._start_next(self._next_plan(manifest, current), current)
+        self.manifest = manifest
+
+    def _start_next(self, plan: EpochPlan, current: EpochPlan) -> None:
         if plan.folder == current.folder:
             self.epochs.recheck(plan, self.schema, self.verify)
         self._start(plan, epoch=self.epoch + 1)
-        self.manifest = manifest
 
     def _next_plan(self, manifest: Manifest, current: EpochPlan) -> EpochPlan:
         shards = select_shards(manifest, self.dates)
@@ -132,8 +136,9 @@ class Reader:
         return (self.params.num_parts, self.params.part_index) if self.location.downloads else None
 
     def _plan_for(self, manifest: Manifest, shards: tuple) -> EpochPlan:
+        source = StreamSource(self.location, manifest, self.verify, self.budget) if self.location.downloads else None
         return make_plan(self.location, manifest, shards, verify=self.verify, fetcher=f"iter-{id(self)}",
-                         part=self.part)
+                         part=self.part, source=source)
 
     def _part_of(self, manifest: Manifest) -> tuple:
         """The shards of ``manifest`` this part reads (fetched ahead of a new generation)."""
@@ -162,7 +167,7 @@ class Reader:
         generation at ``reset()`` discards it); an object store's newest shards are fetched."""
         self.ahead_asked = True
         self.epochs.open_ahead(self.epoch + 1, self.params)
-        if self.choice.pin is None:
+        if self.choice.pin is None and self.location.cache_limit is None:  # under a limit, segments stream
             self.location.fetch_ahead(self._part_of)
 
     # -- resumption -------------------------------------------------------------------------------

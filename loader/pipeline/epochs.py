@@ -64,10 +64,14 @@ class Epochs:
             if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != epoch or skip):
                 ahead.close()  # reads files of the old plan: gone before its files are let go
                 ahead = None
+            stream = None
             try:
                 stream = ahead if ahead is not None else EpochStream(plan, epoch, params, self.arena, skip=skip,
                                                                                   on_half=self._half_way)
+                stream.started()  # streamed from an object store: its first segments are here
             except BaseException:
+                if stream is not None:
+                    stream.close()
                 if plan.files is not None and (previous is None or previous.folder != plan.folder):
                     plan.files.close()
                 raise

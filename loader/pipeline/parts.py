@@ -65,17 +65,25 @@ def sample_bounds(counts: np.ndarray, num_parts: int, can_split: Callable[[int],
     return np.maximum.accumulate(bounds)
 
 
-def shards_needed(samples: Sequence[int], stays: Sequence[bool], num_parts: int, part_index: int) -> np.ndarray:
+def shards_needed(samples: Sequence[int], stays: Sequence[bool], num_parts: int, part_index: int, *,
+                  edges: bool = False) -> np.ndarray:
     """Which shards part ``part_index`` must read (a bool per shard), knowing only each shard's
     sample count (the manifest's): those holding its samples, and those where another part's
     bound falls inside a record unless ``stays[k]`` says a bound there stays put (records of one
     sample, or told apart: the manifest's ``distinct``). The others' records matter to the split
-    only by their count: ``sample_bounds`` gives the same bounds from one pseudo-record per shard."""
+    only by their count: ``sample_bounds`` gives the same bounds from one pseudo-record per shard.
+    ``edges``: of the part's own shards, only those its bounds fall inside."""
     cum = np.concatenate(([0], np.cumsum(samples, dtype=np.int64)))
     total = int(cum[-1])
     bounds = [p * total // num_parts for p in range(num_parts + 1)]
     s0, s1 = bounds[part_index], bounds[part_index + 1]
     need = (cum[:-1] < max(s1, s0 + 1)) & (cum[1:] > s0)
+    if edges:  # only those its own bounds fall inside (the others are streamed: ``pipeline.segments``)
+        need[:] = False
+        for b in (s0, s1):
+            k = int(np.searchsorted(cum, b, side="right")) - 1
+            if 0 <= k < len(samples) and cum[k] < b < cum[k + 1]:
+                need[k] = True
     for b in bounds[1:-1]:
         k = int(np.searchsorted(cum, b, side="right")) - 1
         if cum[k] < b < cum[k + 1] and not stays[k]:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["epoch_shuffle"]
+__all__ = ["epoch_shuffle", "segment_order"]
 
 
 def epoch_shuffle(seed: int, epoch: int, part_index: int, readers: int, shuffle: bool
@@ -21,3 +21,8 @@ def epoch_shuffle(seed: int, epoch: int, part_index: int, readers: int, shuffle:
     """
     natives = [((seed + r) * 1_000_003 + epoch * 7919) % (2**31 - 1) for r in range(readers)]
     return natives, (np.random.default_rng([seed, epoch, part_index]) if shuffle else None)
+
+
+def segment_order(seed: int, epoch: int, part_index: int, shuffle: bool) -> Optional[np.random.Generator]:
+    """The generator that orders a streamed part's shards (``loader.pipeline.segments``); None: stored order."""
+    return np.random.default_rng([seed, epoch, part_index, 1]) if shuffle else None

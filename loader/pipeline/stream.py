@@ -25,7 +25,8 @@ from loader.pipeline.batches import StreamParams, batch_views, buffer_capacity, 
 from loader.pipeline.memory import Arena
 from loader.pipeline.native import copy_into, next_label, open_record_iter
 from loader.pipeline.parts import PartSplit, SharedRecords, split_part
-from loader.pipeline.seeding import epoch_shuffle
+from loader.pipeline.seeding import epoch_shuffle, segment_order
+from loader.pipeline.segments import SegmentFeed, check_room, cut_segments, part_units
 from loader.pipeline.shuffle_buffer import ShuffleBuffer
 from loader.source.plan import EpochPlan, reader_source
 
@@ -78,6 +79,12 @@ class EpochStream:
         self.split = plan_part(plan, params)
         self.part_samples = list(self.split.part_samples)
         self.readers = len(self.split.readers)
+        self._units: list = []  # streamed (an object store): the part's shards, read segment by segment
+        self._feed: Optional[SegmentFeed] = None
+        if plan.source is not None:
+            self._units = part_units(plan, self.split.first, self.split.stop)
+            self.readers = max(1, min(params.readers if params.shuffle else 1, len(self._units)))
+            self._start_feed()
         self.batches = epoch_batches(plan, params, self.part_samples)
         self.samples = self.split.samples
         # Batches ready for the caller. The producer refills only when the buffer falls to half
@@ -171,20 +178,62 @@ class EpochStream:
                     self._cond.wait(0.1)
         return True
 
+    def _open_native(self, source, records: int, seed: int):
+        p = self.params
+        return open_record_iter(source, record_floats=p.schema.record_floats,
+                                batch_size=min(p.native_batch, records), shuffle=p.shuffle, seed=seed,
+                                preprocess_threads=p.preprocess_threads, prefetch_buffer=1)
+
+    def _start_feed(self) -> None:
+        """A streamed part's segments (``loader.pipeline.segments``) start downloading."""
+        p, lanes = self.params, self.readers
+        check_room(self._units, lanes, self.plan.source.budget.limit, self.plan.source.location.url)
+        segments = cut_segments(self._units, lanes, self.plan.source.budget.limit,
+                                segment_order(p.seed, self.epoch, p.part_index, p.shuffle))
+        seeds, _ = epoch_shuffle(p.seed, self.epoch, p.part_index, len(segments), p.shuffle)
+        self._segments = len(segments)
+        self._feed = SegmentFeed(self.plan.source, self.plan, segments, self.epoch, lanes,
+                                 lambda source, records, k: self._open_native(source, records, seeds[k]),
+                                 who=f"stream-{id(self)}")
+
+    def started(self) -> None:
+        """Streamed: wait until every lane's first segment is fetched and checked, so what stops
+        the epoch from starting (the store out of reach, a shard refused) is raised here, by
+        ``ShardIter()`` or ``reset()``, not by the first ``next()``. A folder's stream: at once."""
+        if self._feed is not None:
+            for lane in range(min(self.readers, self._segments)):
+                self._feed.wait(lane)
+
+    def _open_streamed(self) -> list:
+        """The lanes of a streamed part, each on its first segment (``loader.pipeline.segments``)."""
+        p, lanes, segments = self.params, self.readers, self._segments
+        out = []
+        for lane in range(min(lanes, segments)):
+            native, records = self._feed.take(lane)
+            out.append([native, records, np.empty((p.native_batch, p.schema.record_floats), np.float32), lane])
+        return out
+
+    def _next_segment(self, reader: list) -> None:
+        """``reader``'s lane read its segment to its end: on to the lane's next one, if any."""
+        while reader[0].iter_next():  # at its end it holds no batch: freeing it leaks none
+            pass
+        self._feed.done(reader[3])
+        reader[3] += self.readers
+        if reader[3] < self._segments:
+            reader[0], reader[1] = self._feed.take(reader[3])
+
     def _open(self, seeds: list[int]) -> list:
         """The native iterators, opened side by side (each parses the combined index; ctypes
         releases the GIL)."""
+        if self._feed is not None:
+            return self._open_streamed()
         p, plan = self.params, self.plan
         ranges = self.split.readers
         opened: list = [None] * len(ranges)
 
         def open_one(r: int, first: int, stop: int) -> None:
             try:
-                opened[r] = open_record_iter(
-                    reader_source(plan, first, stop), record_floats=p.schema.record_floats,
-                    batch_size=min(p.native_batch, stop - first), shuffle=p.shuffle,
-                    seed=seeds[r], preprocess_threads=p.preprocess_threads,
-                    prefetch_buffer=1)
+                opened[r] = self._open_native(reader_source(plan, first, stop), stop - first, seeds[r])
             except BaseException as exc:  # raised below, in the producer thread
                 opened[r] = exc
 
@@ -213,7 +262,7 @@ class EpochStream:
             seeds, rng = epoch_shuffle(p.seed, self.epoch, p.part_index, len(self.split.readers), p.shuffle)
             natives = self._open(seeds)
             self._produce(natives, rng)
-            for native, left, _buffer in natives:
+            for native, left, *_ in natives:
                 if not left:  # at its end, MXNet 1.9.1's iterator holds no batch: freeing it leaks none
                     while native.iter_next():
                         pass
@@ -228,6 +277,8 @@ class EpochStream:
             self._producing = False
             self.past_half = True  # ended (or failed) before it: nobody else will ask
             natives.clear()  # frees the native iterators (their threads stop) in this thread
+            if self._feed is not None:
+                self._feed.close()  # and the segments fetched ahead
             with self._cond:
                 self._ended = True
                 halted = self._halt.is_set()
@@ -282,6 +333,8 @@ class EpochStream:
                 rows = copy_into(label, reader[2])[:reader[1]]
                 reader[1] -= len(rows)
                 buffer.add(rows, *(shared.spans(rows) if shared else ()))
+                if not reader[1] and self._feed is not None:
+                    self._next_segment(reader)
             if buffer.count < valid or (index == last_real and (buffer.count != valid or (
                     shared is not None and not shared.each_seen_once))):
                 raise LoaderError(f"part {p.part_index} of {p.num_parts} read {buffer.count} samples for its batch "

@@ -84,6 +84,16 @@ class Location:
         """Bytes this process downloaded from the store (shards and indexes)."""
         return 0
 
+    @property
+    def cache_limit(self) -> Optional[int]:
+        """The bound on what downloads may hold on disk (None: none)."""
+        return None
+
+    @property
+    def url(self) -> str:
+        """Where the store is, as the user named it."""
+        return str(self.store)
+
     def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema) -> None:
         """Every file reading ``shards`` needs is in ``store``: LoaderError naming what is missing."""
         for s in shards:
@@ -129,6 +139,14 @@ class MirrorLocation(Location):
     @property
     def downloaded_bytes(self) -> int:
         return self.cache.downloaded_bytes
+
+    @property
+    def cache_limit(self) -> Optional[int]:
+        return self.cache.limit
+
+    @property
+    def url(self) -> str:
+        return self.cache.remote.url
 
     def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema) -> None:
         self.cache.fetch(shards, who=who, schema=schema)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from loader.errors import LoaderError, StoreUnreachableError
+from loader.sizes import say_size
 from shardgen.format.check import needs_index
 from shardgen.format.schema import Schema
 from shardgen.fsutil import atomic_write, clean_temp_files
@@ -56,8 +57,7 @@ _LOCKS = ".locks"
 _RESERVE = 64 << 20  # never leave the disk with less than this free
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
+_mb = say_size
 
 
 class ObjectCache:
@@ -220,9 +220,10 @@ class ObjectCache:
     def _check_limit(self, shards: list) -> None:
         need = sum(s.bytes for s in shards)
         if self.limit is not None and need > self.limit:
-            raise LoaderError(f"{self.remote.url}: this epoch's shards need {_mb(need)} in the cache, but "
-                              f"cache_limit is {_mb(self.limit)}; raise cache_limit to at least {_mb(need)} or "
-                              "select fewer dates")
+            raise LoaderError(f"{self.remote.url}: {', '.join(s.date for s in shards[:3])}"
+                              f"{', ...' if len(shards) > 3 else ''}: {len(shards)} shard(s) need {_mb(need)} in the "
+                              f"cache at once, but cache_limit is {_mb(self.limit)}; raise cache_limit to at least "
+                              f"{_mb(need)}")
 
     def _make_room(self, missing: list, files: dict) -> None:
         """Evict what no epoch of ours uses until the new files fit; refuse to fill the disk."""
@@ -234,7 +235,9 @@ class ObjectCache:
                                   f"are using; {_mb(left)} more is needed for this epoch")
         free = shutil.disk_usage(self.folder).free
         if incoming + _RESERVE > free:
-            raise LoaderError(f"{self.folder}: downloading this epoch's shards needs {_mb(incoming)} more, but the "
+            dates = sorted({files[n][0].date for n in missing})
+            raise LoaderError(f"{self.folder}: downloading {', '.join(dates[:3])}{', ...' if len(dates) > 3 else ''} "
+                              f"needs {_mb(incoming)} more, but the "
                               f"disk has {_mb(free)} free (keeping {_mb(_RESERVE)}); free space, set cache_limit, "
                               "or pass another cache_dir")
 

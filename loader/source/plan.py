@@ -79,6 +79,7 @@ class EpochPlan:
     offsets: np.ndarray = field(compare=False, repr=False, default=None)  # int64 byte offset of each record
     keys: np.ndarray = field(compare=False, repr=False, default=None)  # float32 key words of each record
     shard_first: np.ndarray = field(compare=False, repr=False, default=None)  # first record of each shard, + n
+    source: Any = field(compare=False, repr=False, default=None)  # streamed: ``pipeline.segments.StreamSource``
 
     @property
     def samples(self) -> int:
@@ -214,22 +215,26 @@ def _make_folder(folder: Path) -> None:
                 raise
 
 
-def part_shards(shards: tuple[ShardEntry, ...], part: Optional[tuple[int, int]]) -> np.ndarray:
+def part_shards(shards: tuple[ShardEntry, ...], part: Optional[tuple[int, int]], *, edges: bool = False
+                ) -> np.ndarray:
     """Which of ``shards`` part ``part = (num_parts, part_index)`` reads (all of them for None):
-    from the manifest alone (``loader.pipeline.parts.shards_needed``)."""
-    if part is None or part[0] == 1:
+    from the manifest alone (``loader.pipeline.parts.shards_needed``); ``edges``: only those the
+    part's bounds fall inside (its other shards are streamed)."""
+    if part is None or (part[0] == 1 and not edges):
         return np.ones(len(shards), bool)
     stays = [s.windows in (0, s.records) or bool(s.distinct) for s in shards]
-    return shards_needed([s.samples for s in shards], stays, *part)
+    return shards_needed([s.samples for s in shards], stays, *part, edges=edges)
 
 
 def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, ...], *, verify: str = "frame",
-              fetcher: str = "", part: Optional[tuple[int, int]] = None) -> EpochPlan:
+              fetcher: str = "", part: Optional[tuple[int, int]] = None, source: Any = None) -> EpochPlan:
     """Fetch, open and check the shards' files and return a plan with its own folder for MXNet.
 
     ``part = (num_parts, part_index)``: only the shards that part reads are fetched and opened
     (``part_shards``); each of the others stands in the plan as one record of all its samples,
     which no reader's range includes (an object store's worker downloads its part, not the store).
+    With a ``source`` (``loader.pipeline.segments.StreamSource``), only the shards the part's
+    bounds fall inside are fetched now: the stream fetches the rest segment by segment.
 
     dmlc resolves each ``.rec`` path (and the index) by listing its folder and ``stat``-ing every
     entry there, which fails if a file is renamed meanwhile -- as the watcher's temp files are in
@@ -242,7 +247,7 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
     store = location.store.resolve()
     if not shards:
         raise LoaderError(f"{location.manifest_path}: no shards selected (generation {manifest.generation})")
-    reads = part_shards(shards, part)
+    reads = part_shards(shards, part or (1, 0), edges=True) if source is not None else part_shards(shards, part)
     location.fetch([s for s, r in zip(shards, reads) if r], who=fetcher, schema=manifest.schema)  # into a mirror
     plans = location.plans.resolve()
     mine = plans / f"{HOST_TOKEN}-{os.getpid()}"
@@ -294,7 +299,7 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
         files.close()
         raise
     return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, folder, len(offsets),
-                     counts, files, offsets, keys, shard_first)
+                     counts, files, offsets, keys, shard_first, source)
 
 
 def _check(location: Location, store: Path, fd: int, s: ShardEntry, schema: Any, verify: str):

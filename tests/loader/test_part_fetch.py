@@ -1,7 +1,8 @@
 """A worker reading an object store fetches only the shards its part reads (issue 36): the split is
-worked out from the manifest's window counts, and the batches are exactly those of a worker that
-read every shard. Shown on a store folder whose location is made to behave as a download's (the
-S3 path is covered end to end by test_s3_loader's dist_sync test)."""
+worked out from the manifest's window counts, the shards the part's bounds fall inside are opened
+with the plan, the others stream segment by segment, and the part reads exactly the windows a
+worker reading a folder reads. Shown on a store folder whose location is made to behave as a
+download's (the S3 path itself: test_s3_loader)."""
 
 from __future__ import annotations
 
@@ -19,28 +20,35 @@ from loader.source.location import FolderLocation
 COUNTS = {f"2024-03-{d:02d}": n for d, n in zip(range(1, 11), (30, 20, 30, 10, 30, 30, 10, 20, 30, 30))}
 
 
-def arrays(it):
-    return [np.concatenate([b.data[0].asnumpy().ravel()] + [a.asnumpy().ravel() for a in b.label]) for b in it]
+def rows(batches) -> list:
+    """Every real row of the batches (x and labels), sorted: what was read, in any order."""
+    out = []
+    for b in batches:
+        n = b.data[0].shape[0] - b.pad
+        cols = [b.data[0].asnumpy().reshape(len(b.data[0]), -1)] + [a.asnumpy().reshape(len(a), -1) for a in b.label]
+        out += [r.tobytes() for r in np.concatenate(cols, axis=1)[:n]]
+    return sorted(out)
 
 
-def expected_reads(manifest: dict, parts: int, part: int) -> set:
-    """Dates part ``part`` must open, worked out independently: those its samples live in, and
-    where the manifest does not say a bound inside a record stays (packed records of an older
-    manifest), every shard another part's bound falls inside."""
+def expected(manifest: dict, parts: int, part: int) -> tuple[set, set]:
+    """(dates the plan opens, dates the part fetches), worked out independently: the part's plan
+    opens the shards its own bounds fall inside, and, where the manifest does not say a bound
+    inside a record stays put (packed records of an older manifest), each shard another part's
+    bound falls inside; the part fetches those and every shard its samples live in."""
     shards = manifest["shards"]
     cum = np.cumsum([0] + [s["windows"] for s in shards])
     bounds = [p * int(cum[-1]) // parts for p in range(parts + 1)]
     lo, hi = bounds[part], bounds[part + 1]
-    out = {s["date"] for s, a, b in zip(shards, cum[:-1], cum[1:]) if a < hi and b > lo}
+    inside = {b: {s["date"] for s, a, z in zip(shards, cum[:-1], cum[1:]) if a < b < z} for b in bounds}
+    opened = inside[lo] | inside[hi]
     for b in bounds[1:-1]:
-        for s, a, z in zip(shards, cum[:-1], cum[1:]):
-            if a < b < z and s["records"] != s["windows"] and not s.get("distinct"):
-                out.add(s["date"])
-    return out
+        opened |= {d for d in inside[b] for s in shards if s["date"] == d
+                   and s["records"] != s["windows"] and not s.get("distinct")}
+    return opened, opened | {s["date"] for s, a, z in zip(shards, cum[:-1], cum[1:]) if a < hi and z > lo}
 
 
 @pytest.mark.parametrize("pack,older", [(1, False), (4, False), (4, True)])
-def test_a_part_opens_only_its_shards_and_reads_the_same_batches(tmp_path, monkeypatch, pack, older):
+def test_a_part_opens_its_edge_shards_fetches_only_its_own_and_reads_its_windows(tmp_path, monkeypatch, pack, older):
     store = tmp_path / "s"
     make_store(store, COUNTS, pack=pack)
     path = store / "manifest.json"
@@ -51,22 +59,29 @@ def test_a_part_opens_only_its_shards_and_reads_the_same_batches(tmp_path, monke
         path.write_text(json.dumps(manifest))
     assert all(("distinct" in s) == (pack > 1 and not older) for s in manifest["shards"])
     kw = dict(seed=3, cache_dir=tmp_path / "cache", readers=2, shuffle_buffer=16, native_batch=4)
+    fetched: set = set()
+    real_fetch = FolderLocation.fetch
+
+    def fetch(self, shards, **kw):
+        fetched.update(s.date for s in shards)
+        return real_fetch(self, shards, **kw)
+
     for parts in (5, 8):
         for part in range(parts):
             with ShardIter(store, 5, num_parts=parts, part_index=part, **kw) as it:
-                assert all(fd >= 0 for fd in it.reader.plan.files.fds)
-                want = arrays(it)
-            monkeypatch.setattr(FolderLocation, "downloads", True)
-            try:
+                want = list(it)
+                want_rows, want_pads = rows(want), [b.pad for b in want]
+            with monkeypatch.context() as m:
+                m.setattr(FolderLocation, "downloads", True)
+                m.setattr(FolderLocation, "fetch", fetch)
+                fetched.clear()
                 with ShardIter(store, 5, num_parts=parts, part_index=part, **kw) as it:
                     plan = it.reader.plan
                     opened = {s.date for s, fd in zip(plan.shards, plan.files.fds) if fd >= 0}
-                    got = arrays(it)
-            finally:
-                monkeypatch.setattr(FolderLocation, "downloads", False)
-            assert opened == expected_reads(manifest, parts, part), (parts, part)
-            assert len(opened) < len(COUNTS)
-            assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want)), (parts, part)
+                    got = list(it)
+            assert (opened, fetched) == expected(manifest, parts, part), (parts, part)
+            assert len(fetched) < len(COUNTS)
+            assert [b.pad for b in got] == want_pads and rows(got) == want_rows, (parts, part)
 
 
 @pytest.mark.parametrize("same_labels", [False, True])
@@ -94,3 +109,22 @@ def test_a_shard_says_whether_its_records_are_told_apart(tmp_path, same_labels):
     assert sidecar.records < sidecar.windows
     assert sidecar.distinct is (not same_labels)
     assert sidecar.entry().to_json().get("distinct") is (not same_labels)
+
+
+def test_a_parts_units_are_its_records_and_their_bytes(tmp_path):
+    """What a streamed part reads, by shard (loader.pipeline.segments.part_units): exactly its
+    records, and the bytes they take (the budget of a cache_limit counts them)."""
+    from loader.pipeline.segments import part_units
+    from loader.pipeline.stream import plan_part
+
+    store = tmp_path / "s"
+    make_store(store, COUNTS, pack=4)
+    for parts, part in ((5, 0), (5, 2), (5, 4), (8, 3)):
+        with ShardIter(store, 5, num_parts=parts, part_index=part, cache_dir=tmp_path / "cache") as it:
+            plan = it.reader.plan
+            split = plan_part(plan, it.reader.params)
+            units = part_units(plan, split.first, split.stop)
+            end = plan.offsets[split.stop] if split.stop < plan.records else sum(s.bytes for s in plan.shards)
+            assert [u.shard for u in units] == list(range(plan.shard_of(split.first), plan.shard_of(split.stop - 1) + 1))
+            assert sum(u.hi - u.lo for u in units) == split.stop - split.first
+            assert sum(u.nbytes for u in units) == end - plan.offsets[split.first]

@@ -8,7 +8,10 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
+
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -41,13 +44,20 @@ def read_epoch(it):
     return [(batch_ids(b), b.pad) for b in it]
 
 
+def read_all(url, cache, **kw) -> None:
+    """Read an epoch: a shard's download fails at construction or at the next() that needs it."""
+    with ShardIter(url, 8, cache_dir=cache, **kw) as it:
+        for _ in it:
+            pass
+
+
 def store_with(s3, tmp_path, counts=COUNTS, prefix="store"):
     local = tmp_path / f"local-{prefix}"
     make_store(local, counts)
     return local, upload_store(s3, local, prefix)
 
 
-def test_reads_exactly_what_the_local_store_reads_and_caches_it(s3, tmp_path):
+def test_reads_every_window_the_local_store_reads_and_caches_it(s3, tmp_path):
     local, url = store_with(s3, tmp_path)
     cache = tmp_path / "cache"
     with ShardIter(local, 8, seed=5) as it:
@@ -55,13 +65,17 @@ def test_reads_exactly_what_the_local_store_reads_and_caches_it(s3, tmp_path):
     with ShardIter(url + "/manifest.json", 8, seed=5, cache_dir=cache) as it:
         got = [read_epoch(it), (it.reset(), read_epoch(it))[1]]
         downloads = it.reader.location.cache.downloads
-    assert got == want
-    assert sorted(i for ids, _ in got[0] for i in ids) == list(range(131))
+    # Streamed segment by segment (loader.pipeline.segments): another order than the folder's, the
+    # same windows once each, the same pads, and the same order for the same seed (below).
+    for g, w in zip(got, want):
+        assert sorted(i for ids, _ in g for i in ids) == sorted(i for ids, _ in w for i in ids) == list(range(131))
+        assert [pad for _, pad in g] == [pad for _, pad in w]
+    assert got[0] != got[1]
     assert downloads == len(COUNTS)  # each .rec once (records of one size: the loader needs no .idx)
     for s in Manifest.load(local / "manifest.json").shards:  # the cache holds the store's bytes
         assert (cache / "objects" / "data" / "store" / s.rec).read_bytes() == (local / s.rec).read_bytes()
     with ShardIter(url, 8, seed=5, cache_dir=cache) as it:  # a second reader finds everything cached
-        assert read_epoch(it) == want[0]
+        assert read_epoch(it) == got[0]
         assert it.reader.location.cache.downloads == downloads
 
 
@@ -118,7 +132,7 @@ def test_an_object_whose_bytes_differ_is_refused_naming_the_date(s3, tmp_path):
     rec.write_bytes(bytes(data))
     cache = tmp_path / "cache"
     with pytest.raises(LoaderError, match=r"2024-01-03.*refused after 2 downloads: sha256"):
-        ShardIter(url, 8, cache_dir=cache)
+        read_all(url, cache)
     mirror = cache / "objects" / "data" / "store"
     assert not (mirror / "2024-01-03.rec").exists()  # nothing wrong ever reaches the cache
     assert not [p for p in mirror.iterdir() if ".tmp-" in p.name]
@@ -150,7 +164,7 @@ def test_an_object_tampered_on_the_way_down_is_refused_and_never_enters_the_cach
         with pytest.raises(LoaderError, match=r"^2024-01-03: s3://data/store/2024-01-03\.rec \(shard 2024-01-03\): "
                                               r"refused after 2 downloads: sha256 [0-9a-f]{16}\.\.\., the manifest "
                                               r"says [0-9a-f]{16}\.\.\.$"):
-            ShardIter(url, 8, cache_dir=cache)
+            read_all(url, cache)
         assert len(served) == 2  # fetched once more, then refused
         files = [p for p in cache.rglob("*") if p.is_file()]
         assert not [p for p in files if p.read_bytes() in served], "tampered bytes entered the cache"
@@ -199,25 +213,32 @@ def assert_same_batches(got: list, want: list) -> None:
 
 
 class KillAtGet:
-    """Kills the server (at once, as a crash does) when a download of object ``name`` starts, while
-    the epoch's other downloads are under way; ``tries`` records that object's download attempts."""
+    """Kills the server (at once, as a crash does) when the download of object ``name`` (or the
+    ``nth`` download, counting from 1) starts, while other downloads are under way; ``tries``
+    records that object's download attempts."""
 
     def __init__(self, s3, monkeypatch):
         from shardgen.store.objstore import ObjectStore
 
-        self.name, self.tries = None, []
+        self.name, self.nth, self.seen, self.tries = None, None, 0, []
         real = ObjectStore.chunks
+        lock = threading.Lock()
 
         def chunks(store, name):
-            if name == self.name:
-                self.tries.append(name)
-                s3.kill()
+            with lock:
+                if name.endswith(".rec"):
+                    self.seen += 1
+                    if self.nth is not None and self.seen == self.nth and self.name is None:
+                        self.name = name
+                if name == self.name:
+                    self.tries.append(name)
+                    s3.kill()
             return real(store, name)
 
         monkeypatch.setattr(ObjectStore, "chunks", chunks)
 
-    def arm(self, name: str) -> None:
-        self.name, self.tries = name, []
+    def arm(self, name: Optional[str] = None, nth: Optional[int] = None) -> None:
+        self.name, self.nth, self.seen, self.tries = name, nth, 0, []
 
 
 def assert_no_partial_file(mirror) -> None:
@@ -229,10 +250,13 @@ def assert_no_partial_file(mirror) -> None:
             assert p.stat().st_size == sizes[p.name]
 
 
-def test_the_server_dying_mid_download_names_the_object_and_a_saved_state_resumes_once_it_is_back(
+MANY = {f"2024-01-{d:02d}": 30 + d for d in range(2, 14)}  # 12 dates: an epoch of several segments
+
+
+def test_the_server_dying_mid_epoch_names_the_object_and_a_saved_state_resumes_once_it_is_back(
         s3, tmp_path, monkeypatch):
-    """The server killed while an epoch's shards download, at construction and at a reset() that
-    must fetch the agreed new generation: ``AWS_MAX_ATTEMPTS`` tries, then one line naming the
+    """The server killed while an epoch streams (a later segment's download), and at a reset()
+    that must fetch the agreed new generation: ``AWS_MAX_ATTEMPTS`` tries, then one line naming the
     object, and no partial file in the cache. With the server back (same port, same data), a
     ``state_dict`` saved before the error continues in a new iterator on the same cache with
     exactly the batches an uninterrupted run reads."""
@@ -241,66 +265,103 @@ def test_the_server_dying_mid_download_names_the_object_and_a_saved_state_resume
 
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
     objstore.forget_clients()
-    local, url = store_with(s3, tmp_path)
-    with ShardIter(local, 8, seed=5) as ref:
+    local, url = store_with(s3, tmp_path, MANY)
+    KW = dict(seed=5, shuffle_buffer=16, native_batch=4)  # a small buffer: the first batches need the first segments
+    with ShardIter(url, 8, **KW, cache_dir=tmp_path / "ref") as ref:
         want = [arrays(b) for b in ref]  # the uninterrupted run
     cache = tmp_path / "cache"
     mirror = cache / "objects" / "data" / "store"
     killer = KillAtGet(s3, monkeypatch)
-    killer.arm("2024-01-02.rec")
-    with pytest.raises(LoaderError) as info:
-        ShardIter(url, 8, seed=5, cache_dir=cache)
-    assert re.fullmatch(r"2024-01-02: s3://data/store/2024-01-02\.rec: download failed 2 times; cannot reach "
+    killer.arm(nth=7)  # a shard of the third round of segments: read well after the first batches
+    got = []
+    with ShardIter(url, 8, **KW, cache_dir=cache) as it:
+        got = [arrays(it.next()) for _ in range(5)]
+        state = it.state_dict()  # a checkpoint, before the error
+        with pytest.raises(LoaderError) as info:
+            for _ in it:
+                pass
+    name = killer.name.split("/")[-1]
+    assert re.fullmatch(rf"{name[:10]}: s3://data/store/{re.escape(name)}: download failed 2 times; cannot reach "
                         r"http://127\.0\.0\.1:\d+ \(.+\)", str(info.value)), str(info.value)
-    assert killer.tries == ["2024-01-02.rec"] * 2  # retried, within the budget
+    assert killer.tries == [killer.name] * 2  # retried, within the budget
     assert_no_partial_file(mirror)
 
     s3.start()
     killer.arm(None)
-    with ShardIter(url, 8, seed=5, cache_dir=cache) as it:
-        got = [arrays(it.next()) for _ in range(5)]
-        state = it.state_dict()  # a checkpoint, before the error
+    with ShardIter(url, 8, **KW, cache_dir=cache) as it:
+        it.load_state_dict(state)
+        got += [arrays(b) for b in it]
+    assert_same_batches(got, want)
+
+    with ShardIter(url, 8, **KW, cache_dir=cache) as it:
         for _ in it:
             pass
         ahead = it.reader.location.cache._ahead
         if ahead is not None:  # the half-way fetch ahead found nothing new: let it end first
             ahead.join(30)
-        make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation with one more date
+        make_store(local, {**MANY, "2024-01-15": 20})  # a new generation with one more date
         upload_store(s3, local)
         g2 = Manifest.load(local / "manifest.json").generation
         it.reader.choice = Choice(kv=RankOne(g2))  # a worker must read the generation rank 0 agreed
-        killer.arm("2024-01-05.rec")
+        killer.arm("2024-01-15.rec")
         with pytest.raises(LoaderError) as info:
-            it.reset()
-        assert re.fullmatch(r"2024-01-05: s3://data/store/2024-01-05\.rec: download failed 2 times; cannot "
+            it.reset()  # the new date's segment may be one of the first: then reset() says it
+            for _ in it:
+                pass
+        assert re.fullmatch(r"2024-01-15: s3://data/store/2024-01-15\.rec: download failed 2 times; cannot "
                             r"reach http://127\.0\.0\.1:\d+ \(.+\)", str(info.value)), str(info.value)
-        assert killer.tries == ["2024-01-05.rec"] * 2
+        assert killer.tries == ["2024-01-15.rec"] * 2
     assert_no_partial_file(mirror)
 
-    s3.start()
-    killer.arm(None)
-    with ShardIter(url, 8, seed=5, cache_dir=cache) as it:
-        assert it.generation == g2
-        it.load_state_dict(state)
-        got += [arrays(b) for b in it]
-    assert_same_batches(got, want)
 
+def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_resumes(s3, tmp_path):
+    """cache_limit a quarter of the part: segments download ahead and are evicted once read; every
+    window once per epoch, the files on disk (temp files too) never above the limit, and a saved
+    state resumes exactly. A shard larger than the limit is refused, saying what is needed."""
+    import contextlib
 
-def test_cache_limit_refuses_an_epoch_that_cannot_fit_and_evicts_what_is_not_used(s3, tmp_path):
-    local, url = store_with(s3, tmp_path)
-    sizes = {s.date: s.bytes for s in Manifest.load(local / "manifest.json").shards}
+    counts = {f"2024-02-{d:02d}": 30 + d % 7 for d in range(1, 25)}  # 24 dates
+    local, url = store_with(s3, tmp_path, counts)
+    shards = Manifest.load(local / "manifest.json").shards
+    limit = sum(s.bytes for s in shards) // 4  # one reader: room for 3 shards at once
+    assert limit >= 3 * max(s.bytes for s in shards)
     cache = tmp_path / "cache"
-    with pytest.raises(LoaderError, match=r"need .* MB in the cache, but cache_limit is .*raise cache_limit"):
-        ShardIter(url, 8, cache_dir=cache, cache_limit=sum(sizes.values()) - 1)
-    limit = sizes["2024-01-02"] + sizes["2024-01-03"] + 200  # room for two dates (and their indexes)
-    with ShardIter(url, 8, cache_dir=cache, cache_limit=limit, dates=("2024-01-02", "2024-01-03")) as it:
-        assert len(read_epoch(it)) == 11
     mirror = cache / "objects" / "data" / "store"
-    with ShardIter(url, 8, cache_dir=cache, cache_limit=limit, dates=("2024-01-04", "2024-01-04")) as it:
-        assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(87, 131))
-    held = sum(p.stat().st_size for p in mirror.iterdir() if p.suffix in (".rec", ".idx"))
-    assert held <= limit
-    assert (mirror / "2024-01-04.rec").exists() and not (mirror / "2024-01-02.rec").exists()
+    with pytest.raises(LoaderError, match=r"^s3://data/store: cache_limit .* kB is too small to stream this part: it must "
+                                          r"hold 3 of its largest shard .*raise cache_limit to at least .* kB"):
+        read_all(url, cache, cache_limit=3 * max(s.bytes for s in shards) - 1, readers=1)
+    assert not list(mirror.glob("*.rec"))
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                peak[0] = max(peak[0], sum(p.stat().st_size for p in mirror.iterdir()
+                                           if p.is_file() and p.name != "manifest.json"))
+            time.sleep(0.0002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    kw = dict(seed=2, cache_limit=limit, shuffle_buffer=16, native_batch=4, readers=1)
+    try:
+        with ShardIter(url, 8, cache_dir=cache, **kw) as it:
+            epochs = [read_epoch(it), (it.reset(), read_epoch(it))[1]]
+            downloads = it.reader.location.cache.downloads
+    finally:
+        stop.set()
+        watcher.join()
+    for epoch in epochs:
+        assert sorted(i for ids, _ in epoch for i in ids) == list(range(sum(counts.values())))
+    assert epochs[0] != epochs[1]
+    assert 0 < peak[0] <= limit
+    assert downloads > len(counts)  # the second epoch fetched again what the first evicted
+    with ShardIter(url, 8, cache_dir=cache, **kw) as it:
+        [it.next() for _ in range(7)]
+        state = it.state_dict()
+        rest = [arrays(b) for b in it]
+    with ShardIter(url, 8, cache_dir=cache, **kw) as it:
+        it.load_state_dict(state)
+        assert_same_batches([arrays(b) for b in it], rest)
 
 
 SHARED = """
@@ -448,7 +509,7 @@ def test_a_download_that_would_nearly_fill_the_disk_is_refused(s3, tmp_path, mon
     _, url = store_with(s3, tmp_path)
     free = shutil.disk_usage(tmp_path).free
     monkeypatch.setattr(objcache, "_RESERVE", free)  # as if the disk had no room beyond the reserve
-    with pytest.raises(LoaderError, match=r"needs .* MB more, but the disk has .* MB free"):
+    with pytest.raises(LoaderError, match=r"needs .* kB more, but the disk has .* MB free"):
         ShardIter(url, 8, cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache" / "objects" / "data" / "store").glob("*.rec"))
 
@@ -491,7 +552,7 @@ def test_a_disk_that_fills_mid_download_is_one_clear_line_and_leaves_no_partial_
 
     monkeypatch.setattr(objfetch, "open", open_download, raising=False)
     with pytest.raises(LoaderError) as info:
-        ShardIter(url, 8, cache_dir=cache)
+        read_all(url, cache)
     said = str(info.value)
     assert said == (f"2024-01-03: {mirror}: the disk is full (No space left on device) writing the download of "
                     "s3://data/store/2024-01-03.rec; free space there"), said
@@ -714,3 +775,75 @@ def test_a_killed_trainers_lease_is_removed_by_the_next_trainer_on_the_host(s3, 
             if p.poll() is None:
                 p.kill()
                 p.communicate(timeout=30)
+
+
+def test_the_first_batch_comes_while_the_rest_of_the_epoch_is_still_downloading(s3, tmp_path, monkeypatch):
+    """Every download after the first two is held back until the first batches are read: the
+    iterator opens and yields batches from each reader's first segment (one shard each)."""
+    from shardgen.store.objstore import ObjectStore
+
+    _, url = store_with(s3, tmp_path, MANY)
+    gate, started, real = threading.Event(), [], ObjectStore.chunks
+
+    def chunks(store, name):
+        if name.endswith(".rec"):
+            started.append(name)
+            if len(started) > 2:
+                assert gate.wait(60), "held back for good"
+        return real(store, name)
+
+    monkeypatch.setattr(ObjectStore, "chunks", chunks)
+    kw = dict(seed=4, shuffle_buffer=16, native_batch=4, readers=2)
+    try:
+        with ShardIter(url, 8, cache_dir=tmp_path / "cache", **kw) as it:
+            first = [batch_ids(it.next()) for _ in range(3)]
+            assert it.stats["downloaded_bytes"] < sum(s.bytes for s in it.reader.plan.shards) / 4
+            gate.set()
+            rest = [ids for b in it for ids in [batch_ids(b)]]
+    finally:
+        gate.set()
+    assert sorted(i for ids in first + rest for i in ids) == list(range(sum(MANY.values())))
+
+
+def test_segments_cover_the_part_once_double_each_round_and_fit_the_limit():
+    from loader.pipeline.segments import Unit, check_room, cut_segments, segment_cap
+
+    units = [Unit(k, 0, 10, 100 + k) for k in range(40)]
+    rng = np.random.default_rng(3)
+    segs = cut_segments(units, 2, None, rng)
+    assert [len(s) for s in segs[:8]] == [1, 1, 2, 2, 4, 4, 8, 8]
+    assert sorted(u.shard for s in segs for u in s) == list(range(40))
+    assert [u.shard for s in segs for u in s] != list(range(40))  # shuffled
+    assert [u.shard for s in cut_segments(units, 2, None, None) for u in s] == list(range(40))  # in order
+    assert segs == cut_segments(units, 2, None, np.random.default_rng(3))
+    limit = 3 * 2 * 400
+    cap = segment_cap(limit, 2)
+    capped = cut_segments(units, 2, limit, np.random.default_rng(3))
+    assert max(sum(u.nbytes for u in s) for s in capped) <= cap
+    assert max(len(s) for s in capped) == 3 and sorted(u.shard for s in capped for u in s) == list(range(40))
+    check_room(units, 2, 6 * 139, "s3://b/p")
+    with pytest.raises(LoaderError, match=r"^s3://b/p: cache_limit 833 bytes is too small to stream this part: it "
+                                          r"must hold 6 of its largest shard \(139 bytes\).*at least 834 bytes"):
+        check_room(units, 2, 6 * 139 - 1, "s3://b/p")
+
+
+def test_the_next_epochs_feed_waits_until_this_epochs_has_fetched_its_last_segment():
+    from loader.pipeline.segments import Budget
+
+    budget, halted, got = Budget(1000), threading.Event(), []
+    budget.started(1, +1)  # epoch 1 still fetching
+    later = threading.Thread(target=lambda: got.append(budget.acquire(10, 2, halted)))
+    later.start()
+    assert budget.acquire(900, 1, halted)  # this epoch's own segment goes first
+    later.join(0.3)
+    assert later.is_alive() and not got  # epoch 2 waits, although 10 bytes would fit
+    budget.started(1, -1)
+    later.join(10)
+    assert got == [True] and budget.held == 910
+    blocked = threading.Thread(target=lambda: got.append(budget.acquire(200, 3, halted)))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive()  # 910 + 200 > 1000
+    budget.release(900)
+    blocked.join(10)
+    assert got == [True, True] and budget.held == 210

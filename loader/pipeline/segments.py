@@ -1,0 +1,269 @@
+"""Reading a part from an object store as it downloads: the part's shards in segments.
+
+A store folder's part is read by ``readers`` native iterators over contiguous record ranges,
+each shuffling its whole range, so every file must be there before the first record is read.
+From an object store that would wait for the whole part and need a cache as large. Instead:
+
+* the part's shards (``units``: a whole shard, or the records of an edge shard the part owns)
+  are put in an order drawn from ``(seed, epoch, part)`` and cut into **segments**. The first
+  segments hold one shard each (the first batch waits for ``lanes`` shards, not the part); each
+  round of ``lanes`` segments doubles, up to ``segment_cap`` bytes when there is a ``cache_limit``;
+* ``lanes`` native iterators read segment after segment (segment ``k`` goes to lane
+  ``k % lanes``), each shuffling within its segment, and the shuffle buffer mixes the lanes;
+* a ``SegmentFeed`` thread downloads the segments in that order, checks them, and opens each
+  one's native iterator before its lane gets there, at most ``lanes`` segments ahead and within
+  the byte ``Budget`` (``cache_limit``, see ``segment_cap``); a segment read to its end is let go
+  (its files may be evicted) and frees its bytes for the next.
+
+Everything is a function of (plan, seed, epoch, part, lanes, cache_limit): the same batches
+every time, and a resumed epoch passes over its first batches as a folder's does.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from loader.errors import LoaderError
+from loader.sizes import say_size
+from loader.source.plan import EpochPlan, make_plan, reader_source
+
+__all__ = ["Unit", "Budget", "StreamSource", "part_units", "segment_cap", "check_room", "cut_segments", "SegmentFeed"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Records ``[lo, hi)`` of shard ``shard`` (an index into ``plan.shards``)."""
+
+    shard: int
+    lo: int
+    hi: int
+    nbytes: int
+
+
+class Budget:
+    """Bytes of segments a reader holds in the cache (fetched, not read to their end yet), at most
+    ``limit`` (None: no bound). The next epoch's feed waits until this epoch's has fetched its last
+    segment, so the epoch being read is never starved by the one after it."""
+
+    def __init__(self, limit: Optional[int]):
+        self.limit = limit
+        self.held = 0
+        self.fetching: collections.Counter = collections.Counter()  # epoch -> feeds still fetching
+        self.cond = threading.Condition()
+
+    def acquire(self, nbytes: int, epoch: int, halted: threading.Event) -> bool:
+        with self.cond:
+            while not halted.is_set() and (any(e < epoch for e in self.fetching if self.fetching[e]) or (
+                    self.limit is not None and self.held and self.held + nbytes > self.limit)):
+                self.cond.wait(0.1)
+            if halted.is_set():
+                return False
+            self.held += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self.cond:
+            self.held -= nbytes
+            self.cond.notify_all()
+
+    def started(self, epoch: int, delta: int) -> None:
+        with self.cond:
+            self.fetching[epoch] += delta
+            if self.fetching[epoch] <= 0:
+                del self.fetching[epoch]
+            self.cond.notify_all()
+
+
+@dataclass(frozen=True)
+class StreamSource:
+    """What a streamed plan's segments are made from: where the files come from, how they are
+    checked, and the reader's byte budget."""
+
+    location: Any
+    manifest: Any
+    verify: str
+    budget: Budget
+
+
+def part_units(plan: EpochPlan, first: int, stop: int) -> list[Unit]:
+    """The part's records ``[first, stop)`` (the plan's numbering, see ``make_plan``) by shard."""
+    if first >= stop:
+        return []
+    sf = plan.shard_first
+    units = []
+    for k in range(plan.shard_of(first), plan.shard_of(stop - 1) + 1):
+        s = plan.shards[k]
+        if plan.files.fds[k] < 0:  # not read yet: one pseudo-record, the whole shard
+            units.append(Unit(k, 0, s.records, s.bytes))
+            continue
+        lo, hi = max(first, sf[k]) - sf[k], min(stop, sf[k + 1]) - sf[k]
+        off = plan.offsets[sf[k]:sf[k + 1]] - plan.offsets[sf[k]]
+        nbytes = (off[hi] if hi < len(off) else s.bytes) - off[lo]
+        units.append(Unit(k, int(lo), int(hi), int(nbytes)))
+    return units
+
+
+def segment_cap(limit: Optional[int], lanes: int) -> Optional[int]:
+    """Bytes a segment may hold under ``cache_limit``. A feed holds at most ``3 * lanes - 1``
+    segments: one being read per lane, one fetched per other lane that has not got to it yet, and
+    ``lanes`` fetched ahead. So the next one always fits: the feed never waits for room that only
+    the lane waiting for it could free."""
+    return None if limit is None else limit // (3 * lanes)
+
+
+def check_room(units: list, lanes: int, limit: Optional[int], where: str) -> None:
+    """LoaderError unless ``limit`` can stream ``units``: every shard within ``segment_cap``."""
+    cap = segment_cap(limit, lanes)
+    if cap is None or not units:
+        return
+    largest = max(u.nbytes for u in units)
+    if largest > cap:
+        need = 3 * lanes * largest
+        raise LoaderError(f"{where}: cache_limit {say_size(limit)} is too small to stream this part: it must hold "
+                          f"{3 * lanes} of its largest shard ({say_size(largest)}) at once ({lanes} reader(s) x 3: "
+                          f"one read, one waiting, one fetched ahead); raise cache_limit to at least "
+                          f"{say_size(need)}, or pass readers=1")
+
+
+def cut_segments(units: list[Unit], lanes: int, limit: Optional[int], rng: Optional[np.random.Generator]
+                 ) -> list[list[Unit]]:
+    """The units in reading order (shuffled by ``rng``, else as stored) cut into segments: round
+    ``r`` (``lanes`` segments) of ``2**r`` units each, at most ``segment_cap`` bytes."""
+    order = [units[i] for i in rng.permutation(len(units))] if rng is not None else list(units)
+    cap = segment_cap(limit, lanes)
+    segments, at, r = [], 0, 0
+    while at < len(order):
+        want = 2 ** r
+        for _ in range(lanes):
+            if at >= len(order):
+                break
+            seg, size = [], 0
+            while at < len(order) and len(seg) < want and (cap is None or not seg or size + order[at].nbytes <= cap):
+                seg.append(order[at])
+                size += order[at].nbytes
+                at += 1
+            segments.append(seg)
+        r += 1
+    return segments
+
+
+class SegmentFeed:
+    """Downloads, checks and opens the segments of one epoch in order, ahead of the lanes."""
+
+    def __init__(self, source: StreamSource, plan: EpochPlan, segments: list, epoch: int, lanes: int,
+                 open_native, who: str):
+        self.source, self.plan, self.segments, self.epoch = source, plan, segments, epoch
+        self.ahead = lanes
+        self._open_native, self._who = open_native, who
+        self._ready: dict = {}  # k -> (sub plan, native, records) or the exception that stopped the feed
+        self._taken = 0  # segments handed to a lane
+        self._halt = threading.Event()
+        self._cond = threading.Condition()
+        self._held: dict = {}  # k -> (sub plan, bytes): fetched, not let go yet
+        self._error: Optional[BaseException] = None  # what stopped the feed
+        source.budget.started(epoch, +1)
+        self._fetching = True
+        self._thread = threading.Thread(target=self._run, name="shardgen-segments", daemon=True)
+        self._thread.start()
+
+    def _done_fetching(self) -> None:
+        if self._fetching:
+            self._fetching = False
+            self.source.budget.started(self.epoch, -1)
+
+    def _run(self) -> None:
+        src, plan = self.source, self.plan
+        try:
+            for k, seg in enumerate(self.segments):
+                with self._cond:
+                    while k >= self._taken + self.ahead and not self._halt.is_set():
+                        self._cond.wait(0.1)
+                nbytes = sum(u.nbytes for u in seg)
+                if self._halt.is_set() or not src.budget.acquire(nbytes, self.epoch, self._halt):
+                    return
+                try:
+                    sub = self._make(k, seg)
+                    with self._cond:
+                        self._held[k] = (sub[0], nbytes)
+                except BaseException:
+                    src.budget.release(nbytes)
+                    raise
+                with self._cond:
+                    self._ready[k] = sub
+                    self._cond.notify_all()
+                if k == len(self.segments) - 1:
+                    self._done_fetching()
+        except BaseException as exc:  # raised to the lane that asks for a segment it did not make
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+        finally:
+            self._done_fetching()
+
+    def _make(self, k: int, seg: list) -> tuple:
+        """Segment ``k``'s plan (its shards fetched and checked; the unit a part starts inside
+        first, the unit it ends inside last, so its records are one range) and native iterator."""
+        src, plan = self.source, self.plan
+        seg = sorted(seg, key=lambda u: (u.lo == 0, u.hi < plan.shards[u.shard].records))
+        shards = tuple(plan.shards[u.shard] for u in seg)
+        sub = make_plan(src.location, src.manifest, shards, verify=src.verify, fetcher=f"{self._who}-s{k}")
+        try:
+            first = seg[0].lo
+            stop = int(sub.shard_first[-2]) + seg[-1].hi
+            native = self._open_native(reader_source(sub, first, stop), stop - first, k)
+        except BaseException:
+            sub.files.close()
+            src.location.release(f"{self._who}-s{k}")
+            raise
+        return sub, native, stop - first
+
+    def wait(self, k: int) -> None:
+        """Until segment ``k`` is ready; the error that stopped the feed before it, if one did."""
+        with self._cond:
+            while k not in self._ready and k >= self._taken and not self._halt.is_set() and self._error is None:
+                self._cond.wait(0.1)
+            if k not in self._ready and k >= self._taken and self._error is not None:
+                raise self._error
+
+    def take(self, k: int) -> tuple:
+        """Segment ``k``'s ``(native iterator, records)``, once the feed has it."""
+        with self._cond:
+            while k not in self._ready and not self._halt.is_set() and self._error is None:
+                self._cond.wait(0.1)
+            item = self._ready.pop(k, None)
+            if item is None:
+                if self._error is not None:
+                    raise self._error
+                raise LoaderError("the iterator was closed (or reset) while a segment downloaded")
+            self._taken = max(self._taken, k + 1)
+            self._cond.notify_all()
+        return item[1], item[2]
+
+    def done(self, k: int) -> None:
+        """Segment ``k`` was read to its end: its files may go, its bytes are free."""
+        with self._cond:
+            sub, nbytes = self._held.pop(k, (None, 0))
+        if sub is not None:
+            sub.files.close()
+            self.source.location.release(f"{self._who}-s{k}")
+            self.source.budget.release(nbytes)
+
+    def close(self) -> None:
+        """Stop fetching; let go of every segment held (natives not taken are freed here)."""
+        self._halt.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._cond:
+            ready, self._ready = self._ready, {}
+            held = list(self._held)
+        ready.clear()  # natives never taken: freed (their threads stop)
+        for k in held:
+            self.done(k)
+        self._done_fetching()
