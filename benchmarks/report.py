@@ -44,12 +44,36 @@ def git_state() -> dict:
     return {"commit": commit or "unknown", "uncommitted_changes": changed}
 
 
+def _object_targets(ob: dict) -> list:
+    """Training from S3 on loopback (issue 36)."""
+    rows = []
+    rows.append(("cold epoch from an S3 store on loopback / from local disk (from ShardIter())", ob["ratio"],
+                 ">=", 0.9))
+    rows.append(("first batch, cold: S3 / local disk (seconds)", ob["first_batch_ratio"], "<=", 1.5))
+    if "x10" in ob:
+        rows.append(("first batch from S3, a store 10x larger / this store (seconds)", ob["first_batch_10x_ratio"],
+                     "<=", 1.5))
+        rows.append(("first batch from S3, a store 10x larger / this store (at least)", ob["first_batch_10x_ratio"],
+                     ">=", 0.5))
+    if "parts" in ob:
+        rows.append(("bytes a worker of 4 downloads / (store / 4 + its straddling shards)", ob["parts"]["worst"],
+                     "<=", 1.0))
+    q = ob.get("quality")
+    if q:
+        for frac in ("0.1", "0.5", "1"):
+            rows.append((f"S3, cache_limit {float(frac):.0%} of the part: dates per batch / exact shuffle "
+                         "(reported)", q[frac], ">=", 0.0))
+        rows.append(("S3, cache_limit 25% of the part: dates per batch / exact shuffle", q["0.25"], ">=", 0.8))
+    return rows
+
+
 def targets(res: dict) -> list[dict]:
     """Each target: name, value, the limit and how it is judged (``target``), met. ShardIter's stall
     is judged against the floor measured in the same run (``res["stall_floor"]``): the shared
     machine's own cost of waking a sleeping consumer, which moves from run to run."""
-    if "loaders" not in res:  # --only boundaries
-        return _judge(_boundary_targets(res["boundaries"]))
+    if "loaders" not in res:  # --only boundaries / objects
+        return _judge((_boundary_targets(res["boundaries"]) if "boundaries" in res else [])
+                      + (_object_targets(res["object_store"]) if "object_store" in res else []))
     lo = res["loaders"]
     si = lo["ShardIter"]
     floor = {load: res["stall_floor"][load]["stall_pct"] for load in ("stall_50", "stall_90")}
@@ -75,25 +99,8 @@ def targets(res: dict) -> list[dict]:
     tl = res.get("training_loop")
     if tl:
         rows.append(("Gluon LSTM loop time: ShardIter / batches in RAM", tl["thread_ratio"], "<=", 1.05))
-    ob = res.get("object_store")
-    if ob:
-        rows.append(("cold epoch from an S3 store on loopback / from local disk (from ShardIter())", ob["ratio"],
-                     ">=", 0.9))
-        rows.append(("first batch, cold: S3 / local disk (seconds)", ob["first_batch_ratio"], "<=", 1.5))
-        if "x10" in ob:
-            rows.append(("first batch from S3, a store 10x larger / this store (seconds)", ob["first_batch_10x_ratio"],
-                         "<=", 1.5))
-            rows.append(("first batch from S3, a store 10x larger / this store (at least)", ob["first_batch_10x_ratio"],
-                         ">=", 0.5))
-        if "parts" in ob:
-            rows.append(("bytes a worker of 4 downloads / (store / 4 + its straddling shards)", ob["parts"]["worst"],
-                         "<=", 1.0))
-        q = ob.get("quality")
-        if q:
-            for frac in ("0.1", "0.5", "1"):
-                rows.append((f"S3, cache_limit {float(frac):.0%} of the part: dates per batch / exact shuffle "
-                             "(reported)", q[frac], ">=", 0.0))
-            rows.append(("S3, cache_limit 25% of the part: dates per batch / exact shuffle", q["0.25"], ">=", 0.8))
+    if res.get("object_store"):
+        rows += _object_targets(res["object_store"])
     e2e = res.get("end_to_end", {})
     if "shardgen_watch_shardier" in e2e:
         rows.append(("End to end wall / consumer time (watch + ShardIter)",
@@ -189,10 +196,35 @@ def _boundary_lines(bo: dict) -> list[str]:
             f"a new generation: median {rs['new_generation_ms']:.2f} ms (max {rs['new_generation_max_ms']:.2f})"]
 
 
+def _object_lines(ob: dict) -> list[str]:
+    lines = []
+    s3, loc = ob["s3_cold"], ob["local_cold"]
+    lines.append(f"S3 store on loopback ({ob['bytes'] / 1e6:.0f} MB, rclone serve s3), from ShardIter(): cold "
+                 f"epoch {s3['samples_per_s']:,.0f}/s, first batch after {s3['first_batch_s']:.2f}s; local disk, "
+                 f"cold {loc['samples_per_s']:,.0f}/s, first batch after {loc['first_batch_s']:.2f}s -> "
+                 f"{ob['ratio']:.2f}x; S3 again from the cache {ob['s3_cached']['samples_per_s']:,.0f}/s")
+    if "x10" in ob:
+        b = ob["x10"]
+        lines.append(f"S3, a store 10x larger ({b['bytes'] / 1e6:.0f} MB): cold epoch {b['s3_cold']['samples_per_s']:,.0f}/s "
+                     f"({b['ratio']:.2f}x local cold), first batch after {b['s3_cold']['first_batch_s']:.2f}s "
+                     f"(local {b['local_cold']['first_batch_s']:.2f}s)")
+    if "parts" in ob:
+        pt = ob["parts"]
+        lines.append("S3, 4 workers: MB downloaded each " + ", ".join(f"{o['bytes'] / 1e6:.1f}" for o in pt["parts"])
+                     + f" of a {pt['store_bytes'] / 1e6:.1f} MB store")
+    q = ob.get("quality")
+    if q:
+        lines.append(f"S3, dates per batch by cache_limit (of the part): " + ", ".join(
+            f"{float(f):.0%} {q['dates_per_batch_' + f]:.1f}" for f in ("0.1", "0.25", "0.5", "1"))
+            + f"; exact shuffle {q['exact_dates_per_batch']:.1f}")
+    return lines
+
+
 def results_table(res: dict) -> str:
     """Every figure of a run, as plain text (the targets apart)."""
-    if "loaders" not in res:  # --only boundaries
-        return "\n".join(_boundary_lines(res["boundaries"])[1:])
+    if "loaders" not in res:  # --only boundaries / objects
+        return "\n".join((_boundary_lines(res["boundaries"])[1:] if "boundaries" in res else [])
+                         + (_object_lines(res["object_store"]) if "object_store" in res else []))
     lines = [f"{'loader':32} {'samples/s':>11} {'GB/s':>6} {'stall@50%':>10} {'stall@90%':>10} "
              f"{'next() p99 ms @50%/@90%':>24}"]
     for name, r in res["loaders"].items():
@@ -203,27 +235,8 @@ def results_table(res: dict) -> str:
                      "   (ShardIter's steps; next() builds nothing)")
     c = res["shardier_cold_epoch"]
     lines.append(f"{'ShardIter, first (cold) epoch':32} {c['samples_per_s']:>11,.0f} {c['payload_gb_per_s']:>6.2f}")
-    ob = res.get("object_store")
-    if ob:
-        s3, loc = ob["s3_cold"], ob["local_cold"]
-        lines.append(f"S3 store on loopback ({ob['bytes'] / 1e6:.0f} MB, rclone serve s3), from ShardIter(): cold "
-                     f"epoch {s3['samples_per_s']:,.0f}/s, first batch after {s3['first_batch_s']:.2f}s; local disk, "
-                     f"cold {loc['samples_per_s']:,.0f}/s, first batch after {loc['first_batch_s']:.2f}s -> "
-                     f"{ob['ratio']:.2f}x; S3 again from the cache {ob['s3_cached']['samples_per_s']:,.0f}/s")
-        if "x10" in ob:
-            b = ob["x10"]
-            lines.append(f"S3, a store 10x larger ({b['bytes'] / 1e6:.0f} MB): cold epoch {b['s3_cold']['samples_per_s']:,.0f}/s "
-                         f"({b['ratio']:.2f}x local cold), first batch after {b['s3_cold']['first_batch_s']:.2f}s "
-                         f"(local {b['local_cold']['first_batch_s']:.2f}s)")
-        if "parts" in ob:
-            pt = ob["parts"]
-            lines.append("S3, 4 workers: MB downloaded each " + ", ".join(f"{o['bytes'] / 1e6:.1f}" for o in pt["parts"])
-                         + f" of a {pt['store_bytes'] / 1e6:.1f} MB store")
-        q = ob.get("quality")
-        if q:
-            lines.append(f"S3, dates per batch by cache_limit (of the part): " + ", ".join(
-                f"{float(f):.0%} {q['dates_per_batch_' + f]:.1f}" for f in ("0.1", "0.25", "0.5", "1"))
-                + f"; exact shuffle {q['exact_dates_per_batch']:.1f}")
+    if res.get("object_store"):
+        lines += _object_lines(res["object_store"])
     e2e = res.get("end_to_end", {})
     if "question_design" in e2e:
         q, s = e2e["question_design"], e2e["shardgen_watch_shardier"]

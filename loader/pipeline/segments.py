@@ -7,7 +7,7 @@ From an object store that would wait for the whole part and need a cache as larg
 * the part's shards (``units``: a whole shard, or the records of an edge shard the part owns)
   are put in an order drawn from ``(seed, epoch, part)`` and cut into **segments**. The first
   segments hold one shard each (the first batch waits for ``lanes`` shards, not the part); each
-  round of ``lanes`` segments doubles, up to ``segment_cap`` bytes when there is a ``cache_limit``;
+  round of ``lanes`` segments holds ``GROWTH`` times more, up to ``segment_cap`` bytes when there is a ``cache_limit``;
 * ``lanes`` native iterators read segment after segment (segment ``k`` goes to lane
   ``k % lanes``), each shuffling within its segment, and the shuffle buffer mixes the lanes;
 * a ``SegmentFeed`` thread downloads the segments in that order, checks them, and opens each
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,6 +32,8 @@ import numpy as np
 from loader.errors import LoaderError
 from loader.sizes import say_size
 from loader.source.plan import EpochPlan, make_plan, reader_source
+
+GROWTH = 4  # each round's segments hold this many times the last's shards (opening a native costs 15-70 ms)
 
 __all__ = ["Unit", "Budget", "StreamSource", "part_units", "segment_cap", "check_room", "cut_segments", "SegmentFeed"]
 
@@ -56,12 +59,24 @@ class Budget:
         self.fetching: collections.Counter = collections.Counter()  # epoch -> feeds still fetching
         self.cond = threading.Condition()
 
+    def _blocked(self, nbytes: int, epoch: int) -> bool:
+        return any(e < epoch for e in self.fetching if self.fetching[e]) or (
+            self.limit is not None and self.held and self.held + nbytes > self.limit)
+
     def acquire(self, nbytes: int, epoch: int, halted: threading.Event) -> bool:
+        """Count ``nbytes`` in, waiting until they fit; False if ``halted`` first."""
         with self.cond:
-            while not halted.is_set() and (any(e < epoch for e in self.fetching if self.fetching[e]) or (
-                    self.limit is not None and self.held and self.held + nbytes > self.limit)):
+            while not halted.is_set() and self._blocked(nbytes, epoch):
                 self.cond.wait(0.1)
             if halted.is_set():
+                return False
+            self.held += nbytes
+            return True
+
+    def try_acquire(self, nbytes: int, epoch: int) -> bool:
+        """Count ``nbytes`` in if they fit now."""
+        with self.cond:
+            if self._blocked(nbytes, epoch):
                 return False
             self.held += nbytes
             return True
@@ -133,12 +148,12 @@ def check_room(units: list, lanes: int, limit: Optional[int], where: str) -> Non
 def cut_segments(units: list[Unit], lanes: int, limit: Optional[int], rng: Optional[np.random.Generator]
                  ) -> list[list[Unit]]:
     """The units in reading order (shuffled by ``rng``, else as stored) cut into segments: round
-    ``r`` (``lanes`` segments) of ``2**r`` units each, at most ``segment_cap`` bytes."""
+    ``r`` (``lanes`` segments) of ``GROWTH**r`` units each, at most ``segment_cap`` bytes."""
     order = [units[i] for i in rng.permutation(len(units))] if rng is not None else list(units)
     cap = segment_cap(limit, lanes)
     segments, at, r = [], 0, 0
     while at < len(order):
-        want = 2 ** r
+        want = GROWTH ** r
         for _ in range(lanes):
             if at >= len(order):
                 break
@@ -153,57 +168,101 @@ def cut_segments(units: list[Unit], lanes: int, limit: Optional[int], rng: Optio
 
 
 class SegmentFeed:
-    """Downloads, checks and opens the segments of one epoch in order, ahead of the lanes."""
+    """Downloads, checks and opens the segments of one epoch in order, ahead of the lanes: the
+    downloads of later segments run as far ahead as the budget allows (``FETCHERS`` segments at a
+    time), the checking and opening at most ``lanes`` segments ahead of the lanes."""
+
+    FETCHERS = 2  # segments downloading at once (each with up to objcache.DOWNLOAD_THREADS files)
 
     def __init__(self, source: StreamSource, plan: EpochPlan, segments: list, epoch: int, lanes: int,
                  open_native, who: str):
         self.source, self.plan, self.segments, self.epoch = source, plan, segments, epoch
-        self.ahead = lanes
+        self.ahead = 2 * lanes if source.budget.limit is None else lanes
         self._open_native, self._who = open_native, who
-        self._ready: dict = {}  # k -> (sub plan, native, records) or the exception that stopped the feed
+        self._ready: dict = {}  # k -> (sub plan, native, records)
         self._taken = 0  # segments handed to a lane
         self._halt = threading.Event()
         self._cond = threading.Condition()
-        self._held: dict = {}  # k -> (sub plan, bytes): fetched, not let go yet
+        self._held: dict = {}  # k -> [sub plan or None, bytes]: its bytes counted in the budget, not let go yet
         self._error: Optional[BaseException] = None  # what stopped the feed
         source.budget.started(epoch, +1)
         self._fetching = True
+        self._pool = ThreadPoolExecutor(self.FETCHERS, thread_name_prefix="shardgen-segment-fetch")
+        self._makers = ThreadPoolExecutor(lanes, thread_name_prefix="shardgen-segment-open")
         self._thread = threading.Thread(target=self._run, name="shardgen-segments", daemon=True)
         self._thread.start()
 
     def _done_fetching(self) -> None:
-        if self._fetching:
+        with self._cond:
+            if not self._fetching:
+                return
             self._fetching = False
-            self.source.budget.started(self.epoch, -1)
+        self.source.budget.started(self.epoch, -1)
+
+    def _fetch(self, k: int) -> None:
+        shards = [self.plan.shards[u.shard] for u in self.segments[k]]
+        self.source.location.fetch(shards, who=f"{self._who}-s{k}", schema=self.source.manifest.schema)
+
+    def _submit(self, downloads: dict, k: int, *, wait: bool) -> bool:
+        """Segment ``k``'s downloads into the pool once its bytes fit the budget (``wait``: until they
+        do; else False at once if they do not)."""
+        nbytes = sum(u.nbytes for u in self.segments[k])
+        budget = self.source.budget
+        if not (budget.acquire(nbytes, self.epoch, self._halt) if wait else budget.try_acquire(nbytes, self.epoch)):
+            return False
+        with self._cond:
+            self._held[k] = [None, nbytes]
+        downloads[k] = self._pool.submit(self._fetch, k)
+        return True
 
     def _run(self) -> None:
-        src, plan = self.source, self.plan
+        downloads: dict = {}
         try:
+            n = len(self.segments)
             for k, seg in enumerate(self.segments):
+                if k not in downloads and not self._submit(downloads, k, wait=True):
+                    return  # halted
+                nxt = max(downloads) + 1
+                # Later segments download ahead once the lanes have their first (the first batch first).
+                while nxt < n and nxt - k <= 2 * self.FETCHERS and self._taken and self._submit(downloads, nxt,
+                                                                                                 wait=False):
+                    nxt += 1
+                if nxt == n:
+                    self._done_fetching()  # the next epoch's feed may start downloading
                 with self._cond:
-                    while k >= self._taken + self.ahead and not self._halt.is_set():
+                    while k >= self._taken + self.ahead and not self._halt.is_set() and self._error is None:
                         self._cond.wait(0.1)
-                nbytes = sum(u.nbytes for u in seg)
-                if self._halt.is_set() or not src.budget.acquire(nbytes, self.epoch, self._halt):
+                if self._halt.is_set() or self._error is not None:
                     return
-                try:
-                    sub = self._make(k, seg)
-                    with self._cond:
-                        self._held[k] = (sub[0], nbytes)
-                except BaseException:
-                    src.budget.release(nbytes)
-                    raise
-                with self._cond:
-                    self._ready[k] = sub
-                    self._cond.notify_all()
-                if k == len(self.segments) - 1:
-                    self._done_fetching()
+                self._makers.submit(self._make_when_fetched, k, seg, downloads.pop(k))
         except BaseException as exc:  # raised to the lane that asks for a segment it did not make
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
+            self._fail(exc)
         finally:
+            stop = self._halt.is_set() or self._error is not None  # else the segments submitted are all made
+            self._makers.shutdown(wait=True, cancel_futures=stop)
+            self._pool.shutdown(wait=True, cancel_futures=True)  # downloads started end; the others never start
             self._done_fetching()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    def _make_when_fetched(self, k: int, seg: list, download) -> None:
+        """Segment ``k`` checked and opened once its files are here (``lanes`` of these side by side:
+        opening a native iterator takes 15-70 ms, mostly outside the GIL)."""
+        try:
+            download.result()  # its error, if any
+            if self._halt.is_set():
+                return
+            sub = self._make(k, seg)
+            with self._cond:
+                self._held[k][0] = sub[0]
+                self._ready[k] = sub
+                self._cond.notify_all()
+        except BaseException as exc:
+            self._fail(exc)
 
     def _make(self, k: int, seg: list) -> tuple:
         """Segment ``k``'s plan (its shards fetched and checked; the unit a part starts inside
@@ -245,13 +304,14 @@ class SegmentFeed:
         return item[1], item[2]
 
     def done(self, k: int) -> None:
-        """Segment ``k`` was read to its end: its files may go, its bytes are free."""
+        """Segment ``k`` was read to its end (or is given up): its files may go, its bytes are free."""
         with self._cond:
-            sub, nbytes = self._held.pop(k, (None, 0))
-        if sub is not None:
-            sub.files.close()
+            held = self._held.pop(k, None)
+        if held is not None:
+            if held[0] is not None:
+                held[0].files.close()
             self.source.location.release(f"{self._who}-s{k}")
-            self.source.budget.release(nbytes)
+            self.source.budget.release(held[1])
 
     def close(self) -> None:
         """Stop fetching; let go of every segment held (natives not taken are freed here)."""

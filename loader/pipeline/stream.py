@@ -316,9 +316,13 @@ class EpochStream:
                 if index >= self._skip and not self._offer((index, self._repeat(saved), 1)):
                     return
                 continue
-            # Fill: shuffling, until the buffer is full; in order, until the batch is there.
+            # Fill: shuffling, until the buffer is full; in order, until the batch is there. Streamed,
+            # the buffer's fill grows with the batches (2, 4, 8, ... batches' samples): the first ones
+            # come from the first segments, not after the whole part has downloaded.
+            target = bs * 2 ** min(index + 1, 40) if self._feed is not None else None
             while any(r[1] for r in natives) and (
-                    buffer.free_slots >= p.native_batch if p.shuffle else buffer.count < valid):
+                    buffer.free_slots >= p.native_batch if p.shuffle else buffer.count < valid) and (
+                    target is None or buffer.count < target):
                 reader = natives[turn % len(natives)]
                 turn += 1
                 if not reader[1]:

@@ -72,6 +72,8 @@ class ObjectCache:
         self.downloaded_bytes = 0  # and their bytes
         self._ahead: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._room = threading.Lock()  # one fetch at a time makes room (and counts its bytes in)
+        self._inflight = 0  # bytes of .rec downloads under way (their fetch has not ended)
         self._ensure_folder()
         for path in clean_temp_files(self.folder):  # downloads of killed processes of this host
             log.info("removed %s left by a dead process", path.name)
@@ -129,9 +131,28 @@ class ObjectCache:
         missing = [n for n in files if not self._cached(n, files[n])]
         self._check_limit(shards)
         if missing:
-            self._make_room(missing, files)
+            left = [self._make_room(missing, files)]  # counted in _inflight until each file is in place
+            try:
+                self._download_all(missing, files, left)
+            finally:
+                with self._room:
+                    self._inflight -= left[0]
+            log.info("%s: %d files downloaded in %.1fs", self.remote.url, len(missing), time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    def _download_all(self, missing: list, files: dict, left: list) -> None:
+        def one(name: str) -> None:
+            try:
+                self._download(name, *files[name])
+            finally:
+                if files[name][1] == "rec":  # in place (counted by _cache_bytes now), or failed
+                    with self._room:
+                        self._inflight -= files[name][0].bytes
+                        left[0] -= files[name][0].bytes
+
+        if missing:
             with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(missing)), thread_name_prefix="shardgen-fetch") as pool:
-                downloads = [pool.submit(self._download, n, *files[n]) for n in missing]
+                downloads = [pool.submit(one, n) for n in missing]
                 try:
                     for done in downloads:
                         done.result()  # the first download's error, if any
@@ -139,8 +160,6 @@ class ObjectCache:
                     for later in downloads:  # not started: never (each would retry a store that is gone)
                         later.cancel()
                     raise
-            log.info("%s: %d files downloaded in %.1fs", self.remote.url, len(missing), time.perf_counter() - t0)
-        return time.perf_counter() - t0
 
     def fetch_index(self, shard: ShardEntry) -> None:
         """The ``.idx`` of one shard (see ``fetch``)."""
@@ -225,11 +244,19 @@ class ObjectCache:
                               f"cache at once, but cache_limit is {_mb(self.limit)}; raise cache_limit to at least "
                               f"{_mb(need)}")
 
-    def _make_room(self, missing: list, files: dict) -> None:
-        """Evict what no epoch of ours uses until the new files fit; refuse to fill the disk."""
+    def _make_room(self, missing: list, files: dict) -> int:
+        """Evict what no epoch of ours uses until the new files fit beside the downloads already
+        under way (``_inflight``, counted until their fetch ends); refuse to fill the disk. The
+        bytes counted in ``_inflight`` for these files."""
         incoming = sum(files[n][0].bytes for n in missing if files[n][1] == "rec")
+        with self._room:
+            self._make_room_now(incoming, missing, files)
+            self._inflight += incoming
+        return incoming
+
+    def _make_room_now(self, incoming: int, missing: list, files: dict) -> None:
         if self.limit is not None:
-            left = self._evict(self._cache_bytes() + incoming - self.limit)
+            left = self._evict(self._cache_bytes() + self._inflight + incoming - self.limit)
             if left > 0:
                 raise LoaderError(f"{self.folder}: cache_limit {_mb(self.limit)} is full of files other processes "
                                   f"are using; {_mb(left)} more is needed for this epoch")

@@ -14,6 +14,7 @@ from conftest import make_store
 
 from loader import ShardIter
 from loader.source.location import FolderLocation
+from loader.source.plan import part_shards
 
 # 240 windows: of 8 parts, most bounds fall on a shard's edge (30, 90, 120, ...), one inside (60);
 # of 5 parts, all inside a shard (48, 96, ...) and, packed by 4, inside a record.
@@ -80,6 +81,8 @@ def test_a_part_opens_its_edge_shards_fetches_only_its_own_and_reads_its_windows
                     opened = {s.date for s, fd in zip(plan.shards, plan.files.fds) if fd >= 0}
                     got = list(it)
             assert (opened, fetched) == expected(manifest, parts, part), (parts, part)
+            whole = part_shards(plan.shards, (parts, part))  # what is fetched ahead of a new generation
+            assert {s.date for s, r in zip(plan.shards, whole) if r} == fetched
             assert len(fetched) < len(COUNTS)
             assert [b.pad for b in got] == want_pads and rows(got) == want_rows, (parts, part)
 

@@ -253,6 +253,7 @@ def assert_no_partial_file(mirror) -> None:
 MANY = {f"2024-01-{d:02d}": 30 + d for d in range(2, 14)}  # 12 dates: an epoch of several segments
 
 
+@pytest.mark.timeout(90)  # a feed that deadlocks fails here, not at the suite's limit
 def test_the_server_dying_mid_epoch_names_the_object_and_a_saved_state_resumes_once_it_is_back(
         s3, tmp_path, monkeypatch):
     """The server killed while an epoch streams (a later segment's download), and at a reset()
@@ -280,10 +281,10 @@ def test_the_server_dying_mid_epoch_names_the_object_and_a_saved_state_resumes_o
         with pytest.raises(LoaderError) as info:
             for _ in it:
                 pass
-    name = killer.name.split("/")[-1]
-    assert re.fullmatch(rf"{name[:10]}: s3://data/store/{re.escape(name)}: download failed 2 times; cannot reach "
+    # the killed object's download, or another one under way when the server went, says it
+    assert re.fullmatch(r"(2024-01-\d\d): s3://data/store/\1\.rec: download failed 2 times; cannot reach "
                         r"http://127\.0\.0\.1:\d+ \(.+\)", str(info.value)), str(info.value)
-    assert killer.tries == [killer.name] * 2  # retried, within the budget
+    assert 1 <= len(killer.tries) <= 2  # retried, within the budget
     assert_no_partial_file(mirror)
 
     s3.start()
@@ -314,6 +315,7 @@ def test_the_server_dying_mid_epoch_names_the_object_and_a_saved_state_resumes_o
     assert_no_partial_file(mirror)
 
 
+@pytest.mark.timeout(90)  # a feed that deadlocks fails here, not at the suite's limit
 def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_resumes(s3, tmp_path):
     """cache_limit a quarter of the part: segments download ahead and are evicted once read; every
     window once per epoch, the files on disk (temp files too) never above the limit, and a saved
@@ -777,6 +779,7 @@ def test_a_killed_trainers_lease_is_removed_by_the_next_trainer_on_the_host(s3, 
                 p.communicate(timeout=30)
 
 
+@pytest.mark.timeout(90)  # a feed that deadlocks fails here, not at the suite's limit
 def test_the_first_batch_comes_while_the_rest_of_the_epoch_is_still_downloading(s3, tmp_path, monkeypatch):
     """Every download after the first two is held back until the first batches are read: the
     iterator opens and yields batches from each reader's first segment (one shard each)."""
@@ -806,12 +809,12 @@ def test_the_first_batch_comes_while_the_rest_of_the_epoch_is_still_downloading(
 
 
 def test_segments_cover_the_part_once_double_each_round_and_fit_the_limit():
-    from loader.pipeline.segments import Unit, check_room, cut_segments, segment_cap
+    from loader.pipeline.segments import GROWTH, Unit, check_room, cut_segments, segment_cap
 
     units = [Unit(k, 0, 10, 100 + k) for k in range(40)]
     rng = np.random.default_rng(3)
     segs = cut_segments(units, 2, None, rng)
-    assert [len(s) for s in segs[:8]] == [1, 1, 2, 2, 4, 4, 8, 8]
+    assert [len(s) for s in segs] == [1, 1, GROWTH, GROWTH, GROWTH ** 2, 40 - 2 - 2 * GROWTH - GROWTH ** 2]
     assert sorted(u.shard for s in segs for u in s) == list(range(40))
     assert [u.shard for s in segs for u in s] != list(range(40))  # shuffled
     assert [u.shard for s in cut_segments(units, 2, None, None) for u in s] == list(range(40))  # in order
