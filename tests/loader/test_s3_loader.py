@@ -796,10 +796,10 @@ def test_the_first_batch_comes_while_the_rest_of_the_epoch_is_still_downloading(
         return real(store, name)
 
     monkeypatch.setattr(ObjectStore, "chunks", chunks)
-    kw = dict(seed=4, shuffle_buffer=16, native_batch=4, readers=2)
+    kw = dict(seed=4, native_batch=4, readers=2)  # the default buffer holds the whole epoch: it must not wait to fill
     try:
         with ShardIter(url, 8, cache_dir=tmp_path / "cache", **kw) as it:
-            first = [batch_ids(it.next()) for _ in range(3)]
+            first = [batch_ids(it.next()) for _ in range(2)]
             assert it.stats["downloaded_bytes"] < sum(s.bytes for s in it.reader.plan.shards) / 4
             gate.set()
             rest = [ids for b in it for ids in [batch_ids(b)]]
@@ -850,3 +850,24 @@ def test_the_next_epochs_feed_waits_until_this_epochs_has_fetched_its_last_segme
     budget.release(900)
     blocked.join(10)
     assert got == [True, True] and budget.held == 210
+
+
+def test_every_segment_is_shuffled_with_a_seed_of_its_own_and_the_same_every_run(s3, tmp_path, monkeypatch):
+    import loader.pipeline.stream as stream
+
+    _, url = store_with(s3, tmp_path, MANY)
+    seeds, real = [], stream.open_record_iter
+
+    def open_record_iter(source, **kw):
+        seeds.append(kw["seed"])
+        return real(source, **kw)
+
+    monkeypatch.setattr(stream, "open_record_iter", open_record_iter)
+    runs = []
+    for _ in range(2):
+        seeds.clear()
+        read_all(url, tmp_path / "cache", seed=8, readers=2)
+        runs.append(sorted(seeds))
+    # (the next epoch's stream, opened half way, adds segments of its own: as many as time allowed)
+    assert all(len(set(run)) == len(run) for run in runs)
+    assert len(set(runs[0]) & set(runs[1])) >= 6
