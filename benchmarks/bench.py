@@ -137,7 +137,8 @@ def _arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--no-docs", action="store_true", help="write no results page")
     p.add_argument("--chart", type=Path, help="the PNG chart (default: next to the results page, else "
                    "bench/chart.png)")
-    p.add_argument("--only", choices=["boundaries", "objects"], help="run only these rows (objects: S3 on loopback, issue 36; boundaries: epoch boundaries "
+    p.add_argument("--only", choices=["boundaries", "objects"], help="run only these rows (objects: S3 on "
+                   "loopback, issue 36; boundaries: epoch boundaries "
                    "at 400 shards, issue 37); writes no results page")
     p.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder, removed after)")
     args = p.parse_args(argv)

@@ -14,7 +14,6 @@ import shutil
 import sys
 import time
 from pathlib import Path
-
 from typing import Callable
 
 import numpy as np
@@ -25,7 +24,7 @@ from loader.shard_iter import ShardIter
 from shardgen.store import objstore
 from shardgen.store.manifest import MANIFEST_NAME, Manifest
 
-__all__ = ["object_store_epoch", "object_store_suite"]
+__all__ = ["object_store_suite"]
 
 ROOT = Path(__file__).resolve().parent.parent
 

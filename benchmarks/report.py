@@ -205,7 +205,8 @@ def _object_lines(ob: dict) -> list[str]:
                  f"{ob['ratio']:.2f}x; S3 again from the cache {ob['s3_cached']['samples_per_s']:,.0f}/s")
     if "x10" in ob:
         b = ob["x10"]
-        lines.append(f"S3, a store 10x larger ({b['bytes'] / 1e6:.0f} MB): cold epoch {b['s3_cold']['samples_per_s']:,.0f}/s "
+        lines.append(f"S3, a store 10x larger ({b['bytes'] / 1e6:.0f} MB): cold epoch "
+                     f"{b['s3_cold']['samples_per_s']:,.0f}/s "
                      f"({b['ratio']:.2f}x local cold), first batch after {b['s3_cold']['first_batch_s']:.2f}s "
                      f"(local {b['local_cold']['first_batch_s']:.2f}s)")
     if "parts" in ob:
@@ -214,7 +215,7 @@ def _object_lines(ob: dict) -> list[str]:
                      + f" of a {pt['store_bytes'] / 1e6:.1f} MB store")
     q = ob.get("quality")
     if q:
-        lines.append(f"S3, dates per batch by cache_limit (of the part): " + ", ".join(
+        lines.append("S3, dates per batch by cache_limit (of the part): " + ", ".join(
             f"{float(f):.0%} {q['dates_per_batch_' + f]:.1f}" for f in ("0.1", "0.25", "0.5", "1"))
             + f"; exact shuffle {q['exact_dates_per_batch']:.1f}")
     return lines

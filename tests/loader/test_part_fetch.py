@@ -94,6 +94,7 @@ def test_a_shard_says_whether_its_records_are_told_apart(tmp_path, same_labels):
     import datetime as dt
 
     from fake_gen import raw_for
+
     from shardgen.format import LabelSpec, Layout, Schema
     from shardgen.process import RunSpec, sliding_windows
     from shardgen.produce.writer import write_shard
@@ -128,6 +129,7 @@ def test_a_parts_units_are_its_records_and_their_bytes(tmp_path):
             split = plan_part(plan, it.reader.params)
             units = part_units(plan, split.first, split.stop)
             end = plan.offsets[split.stop] if split.stop < plan.records else sum(s.bytes for s in plan.shards)
-            assert [u.shard for u in units] == list(range(plan.shard_of(split.first), plan.shard_of(split.stop - 1) + 1))
+            shards = range(plan.shard_of(split.first), plan.shard_of(split.stop - 1) + 1)
+            assert [u.shard for u in units] == list(shards)
             assert sum(u.hi - u.lo for u in units) == split.stop - split.first
             assert sum(u.nbytes for u in units) == end - plan.offsets[split.first]

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-
 from typing import Optional
 
 import numpy as np
@@ -329,8 +328,8 @@ def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_r
     assert limit >= 3 * max(s.bytes for s in shards)
     cache = tmp_path / "cache"
     mirror = cache / "objects" / "data" / "store"
-    with pytest.raises(LoaderError, match=r"^s3://data/store: cache_limit .* kB is too small to stream this part: it must "
-                                          r"hold 3 of its largest shard .*raise cache_limit to at least .* kB"):
+    with pytest.raises(LoaderError, match=r"^s3://data/store: cache_limit .* kB is too small to stream this part: "
+                                          r"it must hold 3 of its largest shard .*raise cache_limit to at least .* kB"):
         read_all(url, cache, cache_limit=3 * max(s.bytes for s in shards) - 1, readers=1)
     assert not list(mirror.glob("*.rec"))
     peak, stop = [0], threading.Event()
