@@ -46,9 +46,10 @@ class Reader:
         self.epoch = 0
         self.cursor = self.batches = self.part_samples = 0
         self.ahead_at, self.ahead_asked = 0, False
+        location.claim(f"iter-{id(self)}")  # a cache under cache_limit streams for one iterator
         self.epochs = Epochs(location.lease())  # the lease tells gc which generation we read
         self.budget = Budget(location.cache_limit)  # an object store's segments held in the cache
-        self._finalizer = weakref.finalize(self, self.epochs.close_when_free)
+        self._finalizer = weakref.finalize(self, _let_go, location, f"iter-{id(self)}", self.epochs)
         settle_allocator()
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
         self.epochs.arena = Arena(self.schema, batch_floats(params), keep=2 * (params.prefetch_buffer + 4))
@@ -220,3 +221,9 @@ class Reader:
         self.location.release(f"iter-{id(self)}")
         self._finalizer.detach()
         self.epochs.close()
+
+
+def _let_go(location: Location, who: str, epochs: Epochs) -> None:
+    """A reader dropped without ``close()``: its files and cache claim go, its streams close."""
+    location.release(who)
+    epochs.close_when_free()

@@ -40,7 +40,8 @@ __all__ = ["Unit", "Budget", "StreamSource", "part_units", "segment_cap", "check
 
 @dataclass(frozen=True)
 class Unit:
-    """Records ``[lo, hi)`` of shard ``shard`` (an index into ``plan.shards``)."""
+    """Records ``[lo, hi)`` of shard ``shard`` (an index into ``plan.shards``), whose file takes
+    ``nbytes`` in the cache."""
 
     shard: int
     lo: int
@@ -55,13 +56,25 @@ class Budget:
 
     def __init__(self, limit: Optional[int]):
         self.limit = limit
+        self.reserved = 0  # the plan's own files (the shards its part's bounds fall inside), outside segments
         self.held = 0
         self.fetching: collections.Counter = collections.Counter()  # epoch -> feeds still fetching
         self.cond = threading.Condition()
 
     def _blocked(self, nbytes: int, epoch: int) -> bool:
         return any(e < epoch for e in self.fetching if self.fetching[e]) or (
-            self.limit is not None and self.held and self.held + nbytes > self.limit)
+            self.limit is not None and self.held and self.held + nbytes > self.for_segments)
+
+    @property
+    def for_segments(self) -> Optional[int]:
+        """What the segments may hold: ``limit`` less the plan's own files."""
+        return None if self.limit is None else self.limit - self.reserved
+
+    def reserve(self, plan_bytes: int) -> None:
+        """A plan holds ``plan_bytes`` of files in the cache beside its segments (the largest such
+        plan so far is kept out of what segments may hold)."""
+        with self.cond:
+            self.reserved = max(self.reserved, plan_bytes)
 
     def acquire(self, nbytes: int, epoch: int, halted: threading.Event) -> bool:
         """Count ``nbytes`` in, waiting until they fit; False if ``halted`` first."""
@@ -117,9 +130,7 @@ def part_units(plan: EpochPlan, first: int, stop: int) -> list[Unit]:
             units.append(Unit(k, 0, s.records, s.bytes))
             continue
         lo, hi = max(first, sf[k]) - sf[k], min(stop, sf[k + 1]) - sf[k]
-        off = plan.offsets[sf[k]:sf[k + 1]] - plan.offsets[sf[k]]
-        nbytes = (off[hi] if hi < len(off) else s.bytes) - off[lo]
-        units.append(Unit(k, int(lo), int(hi), int(nbytes)))
+        units.append(Unit(k, int(lo), int(hi), s.bytes))  # the cache holds the whole file
     return units
 
 
@@ -131,17 +142,18 @@ def segment_cap(limit: Optional[int], lanes: int) -> Optional[int]:
     return None if limit is None else limit // (3 * lanes)
 
 
-def check_room(units: list, lanes: int, limit: Optional[int], where: str) -> None:
-    """LoaderError unless ``limit`` can stream ``units``: every shard within ``segment_cap``."""
-    cap = segment_cap(limit, lanes)
-    if cap is None or not units:
+def check_room(units: list, lanes: int, limit: Optional[int], where: str, reserved: int = 0) -> None:
+    """LoaderError unless ``limit`` can stream ``units`` beside ``reserved`` bytes of the plan's own
+    files: every shard within ``segment_cap``."""
+    if limit is None or not units:
         return
     largest = max(u.nbytes for u in units)
-    if largest > cap:
-        need = 3 * lanes * largest
+    if largest > segment_cap(limit - reserved, lanes):
+        need = 3 * lanes * largest + reserved
+        beside = f", beside the {say_size(reserved)} of the shards its bounds fall inside" if reserved else ""
         raise LoaderError(f"{where}: cache_limit {say_size(limit)} is too small to stream this part: it must hold "
                           f"{3 * lanes} of its largest shard ({say_size(largest)}) at once ({lanes} reader(s) x 3: "
-                          f"one read, one waiting, one fetched ahead); raise cache_limit to at least "
+                          f"one read, one waiting, one fetched ahead){beside}; raise cache_limit to at least "
                           f"{say_size(need)}, or pass readers=1")
 
 
@@ -244,9 +256,11 @@ class SegmentFeed:
             self._done_fetching()
 
     def _fail(self, exc: BaseException) -> None:
+        # No traceback kept: its frames would keep a native iterator alive (freed later, by the GC in
+        # another thread, after its segment's files were let go: MXNet then reads removed paths).
         with self._cond:
             if self._error is None:
-                self._error = exc
+                self._error = exc.with_traceback(None)
             self._cond.notify_all()
 
     def _make_when_fetched(self, k: int, seg: list, download) -> None:
@@ -258,9 +272,15 @@ class SegmentFeed:
                 return
             sub = self._make(k, seg)
             with self._cond:
-                self._held[k][0] = sub[0]
-                self._ready[k] = sub
-                self._cond.notify_all()
+                held = self._held.get(k)
+                if held is not None and not self._halt.is_set():
+                    held[0] = sub[0]
+                    self._ready[k] = sub
+                    self._cond.notify_all()
+                    return
+            files, sub = sub[0].files, None  # closed meanwhile: the native freed here, then its files
+            files.close()
+            self.source.location.release(f"{self._who}-s{k}")
         except BaseException as exc:
             self._fail(exc)
 

@@ -186,9 +186,10 @@ class EpochStream:
 
     def _start_feed(self) -> None:
         """A streamed part's segments (``loader.pipeline.segments``) start downloading."""
-        p, lanes = self.params, self.readers
-        check_room(self._units, lanes, self.plan.source.budget.limit, self.plan.source.location.url)
-        segments = cut_segments(self._units, lanes, self.plan.source.budget.limit,
+        p, lanes, plan, budget = self.params, self.readers, self.plan, self.plan.source.budget
+        budget.reserve(sum(s.bytes for s, fd in zip(plan.shards, plan.files.fds) if fd >= 0))
+        check_room(self._units, lanes, budget.limit, plan.source.location.url, budget.reserved)
+        segments = cut_segments(self._units, lanes, budget.for_segments,
                                 segment_order(p.seed, self.epoch, p.part_index, p.shuffle))
         seeds, _ = epoch_shuffle(p.seed, self.epoch, p.part_index, len(segments), p.shuffle)
         self._segments = len(segments)
@@ -208,9 +209,15 @@ class EpochStream:
         """The lanes of a streamed part, each on its first segment (``loader.pipeline.segments``)."""
         p, lanes, segments = self.params, self.readers, self._segments
         out = []
-        for lane in range(min(lanes, segments)):
-            native, records = self._feed.take(lane)
-            out.append([native, records, np.empty((p.native_batch, p.schema.record_floats), np.float32), lane])
+        try:
+            for lane in range(min(lanes, segments)):
+                out.append([*self._feed.take(lane), np.empty((p.native_batch, p.schema.record_floats), np.float32),
+                            lane])
+        except BaseException:
+            # Free the natives taken now, in this thread: the traceback keeps this frame alive, and a
+            # native freed later (by the GC, after its segment's files were let go) reads a removed path.
+            out.clear()
+            raise
         return out
 
     def _next_segment(self, reader: list) -> None:
@@ -245,6 +252,7 @@ class EpochStream:
             t.join()
         for item in opened:
             if isinstance(item, BaseException):
+                opened.clear()  # the others freed now, not whenever the traceback goes
                 raise item
         floats = p.schema.record_floats  # each reader: [native, records left, its label buffer]
         return [[native, b - a, np.empty((min(p.native_batch, b - a), floats), np.float32)]
@@ -276,7 +284,9 @@ class EpochStream:
         finally:
             self._producing = False
             self.past_half = True  # ended (or failed) before it: nobody else will ask
-            natives.clear()  # frees the native iterators (their threads stop) in this thread
+            for reader in natives:  # frees the native iterators (their threads stop) in this thread, also
+                reader.clear()  # those a traceback's frames still hold a lane of
+            natives.clear()
             if self._feed is not None:
                 self._feed.close()  # and the segments fetched ahead
             with self._cond:

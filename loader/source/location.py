@@ -107,6 +107,9 @@ class Location:
     def fetch_ahead(self, select: Callable[[Manifest], tuple]) -> None:
         """Start fetching the newest generation's files in the background (``select`` picks the shards)."""
 
+    def claim(self, who: str) -> None:
+        """``who`` (an iterator) reads from here (a cache under ``cache_limit`` takes one)."""
+
     def release(self, who: str) -> None:
         """``who`` (an iterator) no longer needs its files kept."""
 
@@ -159,6 +162,9 @@ class MirrorLocation(Location):
 
     def fetch_ahead(self, select: Callable[[Manifest], tuple]) -> None:
         self.cache.fetch_ahead(select)
+
+    def claim(self, who: str) -> None:
+        self.cache.claim(who)
 
     def release(self, who: str) -> None:
         self.cache.release(who)

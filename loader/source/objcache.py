@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 DOWNLOAD_THREADS = 8
 _LOCKS = ".locks"
 _RESERVE = 64 << 20  # never leave the disk with less than this free
+_CLAIMS: dict = {}  # cache folder -> (fd, flock mode) this process holds on its .locks/limit
+_CLAIMS_LOCK = threading.Lock()
 
 
 _mb = say_size
@@ -73,12 +75,48 @@ class ObjectCache:
         self._ahead: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._room = threading.Lock()  # one fetch at a time makes room (and counts its bytes in)
-        self._inflight = 0  # bytes of .rec downloads under way (their fetch has not ended)
+        self._inflight: dict = {}  # name -> bytes of a .rec download under way (not counted on disk yet)
+        self.streamers: set = set()  # iterators streaming into this cache (``claim``)
+        self._ensure_folder()
+        self._claim_folder()
         self._ensure_folder()
         for path in clean_temp_files(self.folder):  # downloads of killed processes of this host
             log.info("removed %s left by a dead process", path.name)
         with store_errors_as(LoaderError):
             self.remote.check()
+
+    def _claim_folder(self) -> None:
+        """Under ``cache_limit`` the cache is this process's alone (its evictions assume no other
+        process fetched ahead into it): an exclusive ``flock`` on ``.locks/limit``, else a shared
+        one, which another process with a limit cannot then take. Held by this process from then on."""
+        want = fcntl.LOCK_SH if self.limit is None else fcntl.LOCK_EX
+        with _CLAIMS_LOCK:
+            fd, held = _CLAIMS.get(self.folder, (None, None))
+            if fd is None:
+                fd = os.open(self.folder / _LOCKS / "limit", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            if held != fcntl.LOCK_EX and held != want:
+                try:
+                    fcntl.flock(fd, want | fcntl.LOCK_NB)
+                except OSError:
+                    if held is None:
+                        os.close(fd)
+                    raise LoaderError(f"{self.folder}: another process reads this cache"
+                                      f"{' under cache_limit' if self.limit is None else ''}; a cache under cache_limit "
+                                      "is one reader's alone (its evictions would remove files another fetched "
+                                      "ahead): give each process its own cache_dir (e.g. --cache-dir "
+                                      "/nvme/cache-{rank})") from None
+                held = want
+            _CLAIMS[self.folder] = (fd, held)
+
+    def claim(self, who: str) -> None:
+        """``who`` (an iterator) streams into this cache: under ``cache_limit``, alone in this process."""
+        with self._lock:
+            others = self.streamers - {who}
+            if self.limit is not None and others:
+                raise LoaderError(f"{self.folder}: another ShardIter of this process streams into this cache under "
+                                  "cache_limit; a cache under cache_limit is one reader's alone: give each its own "
+                                  "cache_dir")
+            self.streamers.add(who)
 
     @property
     def manifest_path(self) -> Path:
@@ -131,24 +169,23 @@ class ObjectCache:
         missing = [n for n in files if not self._cached(n, files[n])]
         self._check_limit(shards)
         if missing:
-            left = [self._make_room(missing, files)]  # counted in _inflight until each file is in place
+            self._make_room(missing, files)  # counted in _inflight until each file is in place
             try:
-                self._download_all(missing, files, left)
+                self._download_all(missing, files)
             finally:
                 with self._room:
-                    self._inflight -= left[0]
+                    for n in missing:
+                        self._inflight.pop(n, None)
             log.info("%s: %d files downloaded in %.1fs", self.remote.url, len(missing), time.perf_counter() - t0)
         return time.perf_counter() - t0
 
-    def _download_all(self, missing: list, files: dict, left: list) -> None:
+    def _download_all(self, missing: list, files: dict) -> None:
         def one(name: str) -> None:
             try:
                 self._download(name, *files[name])
             finally:
-                if files[name][1] == "rec":  # in place (counted by _cache_bytes now), or failed
-                    with self._room:
-                        self._inflight -= files[name][0].bytes
-                        left[0] -= files[name][0].bytes
+                with self._room:  # in place (counted on disk from now on), or failed
+                    self._inflight.pop(name, None)
 
         if missing:
             with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(missing)), thread_name_prefix="shardgen-fetch") as pool:
@@ -181,6 +218,7 @@ class ObjectCache:
     def release(self, who: str) -> None:
         with self._lock:
             self.wanted.pop(who, None)
+            self.streamers.discard(who)
 
     def _cached(self, name: str, what: tuple) -> bool:
         """Whether ``name`` is in the cache as this shard needs it: for a ``.rec``, the size and
@@ -244,19 +282,19 @@ class ObjectCache:
                               f"cache at once, but cache_limit is {_mb(self.limit)}; raise cache_limit to at least "
                               f"{_mb(need)}")
 
-    def _make_room(self, missing: list, files: dict) -> int:
+    def _make_room(self, missing: list, files: dict) -> None:
         """Evict what no epoch of ours uses until the new files fit beside the downloads already
-        under way (``_inflight``, counted until their fetch ends); refuse to fill the disk. The
-        bytes counted in ``_inflight`` for these files."""
+        under way (``_inflight``: each counted until it is in place, then on disk, never both);
+        refuse to fill the disk."""
         incoming = sum(files[n][0].bytes for n in missing if files[n][1] == "rec")
         with self._room:
             self._make_room_now(incoming, missing, files)
-            self._inflight += incoming
-        return incoming
+            self._inflight.update((n, files[n][0].bytes) for n in missing if files[n][1] == "rec")
 
     def _make_room_now(self, incoming: int, missing: list, files: dict) -> None:
         if self.limit is not None:
-            left = self._evict(self._cache_bytes() + self._inflight + incoming - self.limit)
+            on_disk = sum(p.stat().st_size for p in self._entries() if p.name not in self._inflight)
+            left = self._evict(on_disk + sum(self._inflight.values()) + incoming - self.limit)
             if left > 0:
                 raise LoaderError(f"{self.folder}: cache_limit {_mb(self.limit)} is full of files other processes "
                                   f"are using; {_mb(left)} more is needed for this epoch")

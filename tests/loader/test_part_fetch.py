@@ -117,7 +117,7 @@ def test_a_shard_says_whether_its_records_are_told_apart(tmp_path, same_labels):
 
 def test_a_parts_units_are_its_records_and_their_bytes(tmp_path):
     """What a streamed part reads, by shard (loader.pipeline.segments.part_units): exactly its
-    records, and the bytes they take (the budget of a cache_limit counts them)."""
+    records, and the bytes their files take in the cache (what a cache_limit's budget counts)."""
     from loader.pipeline.segments import part_units
     from loader.pipeline.stream import plan_part
 
@@ -128,8 +128,9 @@ def test_a_parts_units_are_its_records_and_their_bytes(tmp_path):
             plan = it.reader.plan
             split = plan_part(plan, it.reader.params)
             units = part_units(plan, split.first, split.stop)
-            end = plan.offsets[split.stop] if split.stop < plan.records else sum(s.bytes for s in plan.shards)
             shards = range(plan.shard_of(split.first), plan.shard_of(split.stop - 1) + 1)
             assert [u.shard for u in units] == list(shards)
             assert sum(u.hi - u.lo for u in units) == split.stop - split.first
-            assert sum(u.nbytes for u in units) == end - plan.offsets[split.first]
+            assert [u.nbytes for u in units] == [plan.shards[k].bytes for k in shards]  # whole files in the cache
+            sf = plan.shard_first
+            assert [(u.lo, u.hi) for u in units][1:-1] == [(0, sf[k + 1] - sf[k]) for k in shards][1:-1]
