@@ -17,7 +17,7 @@ from mxnet.base import _LIB, check_call
 
 from loader.source.plan import ReaderSource
 
-__all__ = ["open_record_iter", "next_label", "copy_into"]
+__all__ = ["open_record_iter", "next_label", "copy_into", "free"]
 
 _CHATTER = re.compile(rb"ImageRecordIOParser2: .* threads for decoding")
 _STDERR_LOCK = threading.Lock()
@@ -45,15 +45,38 @@ def quiet_native_info() -> Iterator[None]:
                     os.write(2, b"".join(rest))
 
 
+class _Native(mx.io.MXDataIter):
+    """An ``MXDataIter`` the loader frees itself (``free``), in the thread and at the moment it
+    chooses: before the files it reads are let go. Left to ``__del__``, one held by a reference
+    cycle was freed by the garbage collector in whatever thread allocated next, while its segment's
+    files were gone or another thread used MXNet: a segfault or ``producer_sig_ != kDestroy``."""
+
+    def free(self) -> None:
+        handle, self.handle = getattr(self, "handle", None), None
+        if handle is not None:
+            check_call(_LIB.MXDataIterFree(handle))
+
+    def __del__(self) -> None:
+        self.free()
+
+
+def free(native) -> None:
+    """Free a native iterator now (see ``_Native``); None is ignored."""
+    if native is not None:
+        native.free()
+
+
 def open_record_iter(source: ReaderSource, *, record_floats: int, batch_size: int, shuffle: bool, seed: int,
                      preprocess_threads: int, prefetch_buffer: int) -> mx.io.DataIter:
     """MXNet's C++ record iterator over one reader's records; the whole sample rides in the header label."""
     with quiet_native_info():
-        return mx.io.ImageRecordIter(
+        native = mx.io.ImageRecordIter(
             path_imgrec=source.rec_paths, path_imgidx=str(source.index), data_shape=(1, 1, 1),
             label_width=record_floats, batch_size=batch_size, shuffle=shuffle, seed=seed,
             num_parts=source.num_parts, part_index=source.part_index, round_batch=False,
             preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer)
+    native.__class__ = _Native
+    return native
 
 
 def next_label(native: mx.io.DataIter) -> Optional[mx.nd.NDArray]:

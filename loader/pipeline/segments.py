@@ -30,6 +30,7 @@ from typing import Any, Optional
 import numpy as np
 
 from loader.errors import LoaderError
+from loader.pipeline.native import free
 from loader.sizes import say_size
 from loader.source.plan import EpochPlan, make_plan, reader_source
 
@@ -278,8 +279,8 @@ class SegmentFeed:
                     self._ready[k] = sub
                     self._cond.notify_all()
                     return
-            files, sub = sub[0].files, None  # closed meanwhile: the native freed here, then its files
-            files.close()
+            free(sub[1])  # closed meanwhile: the native freed here, then its files
+            sub[0].files.close()
             self.source.location.release(f"{self._who}-s{k}")
         except BaseException as exc:
             self._fail(exc)
@@ -295,7 +296,7 @@ class SegmentFeed:
             first = seg[0].lo
             stop = int(sub.shard_first[-2]) + seg[-1].hi
             native = self._open_native(reader_source(sub, first, stop), stop - first, k)
-        except BaseException:
+        except BaseException:  # (no native was made)
             sub.files.close()
             src.location.release(f"{self._who}-s{k}")
             raise
@@ -343,7 +344,9 @@ class SegmentFeed:
         with self._cond:
             ready, self._ready = self._ready, {}
             held = list(self._held)
-        ready.clear()  # natives never taken: freed (their threads stop)
+        for item in ready.values():  # natives never taken: freed now (their threads stop), before their files
+            free(item[1])
+        ready.clear()
         for k in held:
             self.done(k)
         self._done_fetching()

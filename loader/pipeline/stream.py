@@ -23,7 +23,7 @@ import numpy as np
 from loader.errors import LoaderError, mxnet_reason
 from loader.pipeline.batches import StreamParams, batch_views, buffer_capacity, fill_batch
 from loader.pipeline.memory import Arena
-from loader.pipeline.native import copy_into, next_label, open_record_iter
+from loader.pipeline.native import copy_into, free, next_label, open_record_iter
 from loader.pipeline.parts import PartSplit, SharedRecords, split_part
 from loader.pipeline.seeding import epoch_shuffle, segment_order
 from loader.pipeline.segments import SegmentFeed, check_room, cut_segments, part_units
@@ -84,7 +84,6 @@ class EpochStream:
         if plan.source is not None:
             self._units = part_units(plan, self.split.first, self.split.stop)
             self.readers = max(1, min(params.readers if params.shuffle else 1, len(self._units)))
-            self._start_feed()
         self.batches = epoch_batches(plan, params, self.part_samples)
         self.samples = self.split.samples
         # Batches ready for the caller. The producer refills only when the buffer falls to half
@@ -100,6 +99,8 @@ class EpochStream:
         self._x_size = int(np.prod(self._x_shape))
         self._buffer: Optional[ShuffleBuffer] = None
         self._views = batch_views(params)
+        if self._units:
+            self._start_feed()  # last: nothing after it may fail and leave the feed running
         self._thread = threading.Thread(target=self._run, name="shardgen-batches", daemon=True)
         self._thread.start()
 
@@ -214,8 +215,8 @@ class EpochStream:
                 out.append([*self._feed.take(lane), np.empty((p.native_batch, p.schema.record_floats), np.float32),
                             lane])
         except BaseException:
-            # Free the natives taken now, in this thread: the traceback keeps this frame alive, and a
-            # native freed later (by the GC, after its segment's files were let go) reads a removed path.
+            for lane in out:  # freed now, in this thread, before their segments' files go
+                free(lane[0])
             out.clear()
             raise
         return out
@@ -224,6 +225,8 @@ class EpochStream:
         """``reader``'s lane read its segment to its end: on to the lane's next one, if any."""
         while reader[0].iter_next():  # at its end it holds no batch: freeing it leaks none
             pass
+        free(reader[0])  # before its files go
+        reader[0] = None
         self._feed.done(reader[3])
         reader[3] += self.readers
         if reader[3] < self._segments:
@@ -252,7 +255,9 @@ class EpochStream:
             t.join()
         for item in opened:
             if isinstance(item, BaseException):
-                opened.clear()  # the others freed now, not whenever the traceback goes
+                for other in opened:
+                    if not isinstance(other, BaseException):
+                        free(other)  # now, not whenever the traceback goes
                 raise item
         floats = p.schema.record_floats  # each reader: [native, records left, its label buffer]
         return [[native, b - a, np.empty((min(p.native_batch, b - a), floats), np.float32)]
@@ -284,8 +289,10 @@ class EpochStream:
         finally:
             self._producing = False
             self.past_half = True  # ended (or failed) before it: nobody else will ask
-            for reader in natives:  # frees the native iterators (their threads stop) in this thread, also
-                reader.clear()  # those a traceback's frames still hold a lane of
+            for reader in natives:  # frees the native iterators (their threads stop) in this thread
+                if reader:
+                    free(reader[0])
+                reader.clear()
             natives.clear()
             if self._feed is not None:
                 self._feed.close()  # and the segments fetched ahead
