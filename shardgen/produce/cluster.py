@@ -45,7 +45,6 @@ def dask_client(scheduler: str, jobs: int):
             except OSError as exc:
                 raise ConfigError(f"run.scheduler {scheduler!r}: cannot connect ({exc})") from None
         _CLIENTS[key] = client
-        log.info("dask: %s with %d workers", scheduler, len(client.scheduler_info().get("workers", {})))
     return client
 
 
@@ -73,11 +72,12 @@ def run_on_cluster(tasks: Iterable[tuple[Callable, tuple, dict]], scheduler: str
     from dask.distributed import as_completed
 
     client = dask_client(scheduler, jobs)
-    ship_plugin(client, scheduler, plugin)
     try:
-        client.wait_for_workers(1, timeout=60)
+        client.wait_for_workers(1, timeout=60)  # before the plugin ships and the workers are counted
     except TimeoutError:
         raise ConfigError(f"run.scheduler {scheduler!r}: no Dask worker joined within 60 s") from None
+    log.info("dask: %s with %d workers", scheduler, len(client.scheduler_info().get("workers", {})))
+    ship_plugin(client, scheduler, plugin)
     tasks = iter(tasks)
     dates: dict = {}  # future -> its date (the task's second argument: produce(cfg, date, ...))
 
