@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from loader.checkpoint import check_state, state_of
 from loader.errors import LoaderError, StoreUnreachableError
 from loader.pipeline.batches import StreamParams, batch_floats
-from loader.pipeline.epochs import Epochs
+from loader.pipeline.epochs import Epochs, join_closing
 from loader.pipeline.memory import Arena, settle_allocator
 from loader.pipeline.segments import Budget, StreamSource
 from loader.pipeline.settings import check_memory
@@ -47,6 +47,8 @@ class Reader:
         self.cursor = self.batches = self.part_samples = 0
         self.ahead_at, self.ahead_asked = 0, False
         location.claim(f"iter-{id(self)}")  # a cache under cache_limit streams for one iterator
+        if location.cache_limit is not None:
+            join_closing(60)  # iterators dropped unclosed let go of their segments first (their close thread)
         self.epochs = Epochs(location.lease())  # the lease tells gc which generation we read
         self.budget = Budget(location.cache_limit)  # an object store's segments held in the cache
         self._finalizer = weakref.finalize(self, _let_go, location, f"iter-{id(self)}", self.epochs)

@@ -118,3 +118,16 @@ def test_the_default_two_readers_stream_a_part_under_a_limit_below_it(s3, tmp_pa
             seen.append(sum(len(batch_ids(b)) for b in it))
             it.reset()
     assert seen == [800] * 8
+
+
+def test_a_dropped_iterator_lets_go_of_its_claim_on_a_limited_cache(s3, tmp_path):
+    import gc
+
+    url, limit = _store(s3, tmp_path)
+    kw = dict(cache_dir=tmp_path / "cache", cache_limit=limit, shuffle_buffer=16, native_batch=4, readers=1)
+    it = ShardIter(url, 8, seed=1, **kw)
+    it.next()
+    del it  # never closed
+    gc.collect()
+    with ShardIter(url, 8, seed=2, **kw) as again:
+        assert sorted(i for b in again for i in batch_ids(b)) == list(range(sum(COUNTS.values())))
