@@ -13,7 +13,7 @@ Everything here is a pure function of the records' counts: every worker computes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -77,16 +77,18 @@ def shards_needed(samples: Sequence[int], stays: Sequence[bool], num_parts: int,
     total = int(cum[-1])
     bounds = [p * total // num_parts for p in range(num_parts + 1)]
     s0, s1 = bounds[part_index], bounds[part_index + 1]
+
+    def inside(b: int) -> Optional[int]:
+        """The shard sample ``b`` falls strictly inside, if any."""
+        k = int(np.searchsorted(cum, b, side="right")) - 1
+        return k if 0 <= k < len(samples) and cum[k] < b < cum[k + 1] else None
+
     need = (cum[:-1] < max(s1, s0 + 1)) & (cum[1:] > s0)
     if edges:  # only those its own bounds fall inside (the others are streamed: ``pipeline.segments``)
         need[:] = False
-        for b in (s0, s1):
-            k = int(np.searchsorted(cum, b, side="right")) - 1
-            if 0 <= k < len(samples) and cum[k] < b < cum[k + 1]:
-                need[k] = True
-    for b in bounds[1:-1]:
-        k = int(np.searchsorted(cum, b, side="right")) - 1
-        if cum[k] < b < cum[k + 1] and not stays[k]:
+        need[[k for k in map(inside, (s0, s1)) if k is not None]] = True
+    for k in map(inside, bounds[1:-1]):
+        if k is not None and not stays[k]:
             need[k] = True
     return need
 

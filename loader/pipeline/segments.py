@@ -59,11 +59,11 @@ class Budget:
         self.limit = limit
         self.reserved = 0  # the plan's own files (the shards its part's bounds fall inside), outside segments
         self.held = 0
-        self.fetching: collections.Counter = collections.Counter()  # epoch -> feeds still fetching
+        self.fetching: collections.Counter = collections.Counter()  # epoch -> feeds still fetching (never 0)
         self.cond = threading.Condition()
 
     def _blocked(self, nbytes: int, epoch: int) -> bool:
-        return any(e < epoch for e in self.fetching if self.fetching[e]) or (
+        return any(e < epoch for e in self.fetching) or (
             self.limit is not None and self.held and self.held + nbytes > self.for_segments)
 
     @property

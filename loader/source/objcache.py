@@ -59,7 +59,10 @@ _CLAIMS: dict = {}  # cache folder -> (fd, flock mode) this process holds on its
 _CLAIMS_LOCK = threading.Lock()
 
 
-_mb = say_size
+def _some_dates(shards: Iterable[ShardEntry]) -> str:
+    """The dates of ``shards`` for a message: the first three, then "..."."""
+    dates = sorted({s.date for s in shards})
+    return ", ".join(dates[:3]) + (", ..." if len(dates) > 3 else "")
 
 
 class ObjectCache:
@@ -79,7 +82,6 @@ class ObjectCache:
         self.streamers: set = set()  # iterators streaming into this cache (``claim``)
         self._ensure_folder()
         self._claim_folder()
-        self._ensure_folder()
         for path in clean_temp_files(self.folder):  # downloads of killed processes of this host
             log.info("removed %s left by a dead process", path.name)
         with store_errors_as(LoaderError):
@@ -101,9 +103,9 @@ class ObjectCache:
                     if held is None:
                         os.close(fd)
                     raise LoaderError(f"{self.folder}: another process reads this cache"
-                                      f"{' under cache_limit' if self.limit is None else ''}; a cache under cache_limit "
-                                      "is one reader's alone (its evictions would remove files another fetched "
-                                      "ahead): give each process its own cache_dir (e.g. --cache-dir "
+                                      f"{' under cache_limit' if self.limit is None else ''}; a cache under "
+                                      "cache_limit is one reader's alone (its evictions would remove files another "
+                                      "fetched ahead): give each process its own cache_dir (e.g. --cache-dir "
                                       "/nvme/cache-{rank})") from None
                 held = want
             _CLAIMS[self.folder] = (fd, held)
@@ -187,16 +189,15 @@ class ObjectCache:
                 with self._room:  # in place (counted on disk from now on), or failed
                     self._inflight.pop(name, None)
 
-        if missing:
-            with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(missing)), thread_name_prefix="shardgen-fetch") as pool:
-                downloads = [pool.submit(one, n) for n in missing]
-                try:
-                    for done in downloads:
-                        done.result()  # the first download's error, if any
-                except BaseException:
-                    for later in downloads:  # not started: never (each would retry a store that is gone)
-                        later.cancel()
-                    raise
+        with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(missing)), thread_name_prefix="shardgen-fetch") as pool:
+            downloads = [pool.submit(one, n) for n in missing]
+            try:
+                for done in downloads:
+                    done.result()  # the first download's error, if any
+            except BaseException:
+                for later in downloads:  # not started: never (each would retry a store that is gone)
+                    later.cancel()
+                raise
 
     def fetch_index(self, shard: ShardEntry) -> None:
         """The ``.idx`` of one shard (see ``fetch``)."""
@@ -277,10 +278,9 @@ class ObjectCache:
     def _check_limit(self, shards: list) -> None:
         need = sum(s.bytes for s in shards)
         if self.limit is not None and need > self.limit:
-            raise LoaderError(f"{self.remote.url}: {', '.join(s.date for s in shards[:3])}"
-                              f"{', ...' if len(shards) > 3 else ''}: {len(shards)} shard(s) need {_mb(need)} in the "
-                              f"cache at once, but cache_limit is {_mb(self.limit)}; raise cache_limit to at least "
-                              f"{_mb(need)}")
+            raise LoaderError(f"{self.remote.url}: {_some_dates(shards)}: {len(shards)} shard(s) need "
+                              f"{say_size(need)} in the cache at once, but cache_limit is {say_size(self.limit)}; "
+                              f"raise cache_limit to at least {say_size(need)}")
 
     def _make_room(self, missing: list, files: dict) -> None:
         """Evict what no epoch of ours uses until the new files fit beside the downloads already
@@ -293,21 +293,20 @@ class ObjectCache:
 
     def _make_room_now(self, incoming: int, missing: list, files: dict) -> None:
         if self.limit is not None:
-            on_disk = sum(p.stat().st_size for p in self._entries() if p.name not in self._inflight)
-            left = self._evict(on_disk + sum(self._inflight.values()) + incoming - self.limit)
+            left = self._evict(self._cache_bytes() + sum(self._inflight.values()) + incoming - self.limit)
             if left > 0:
-                raise LoaderError(f"{self.folder}: cache_limit {_mb(self.limit)} is full of files other processes "
-                                  f"are using; {_mb(left)} more is needed for this epoch")
+                raise LoaderError(f"{self.folder}: cache_limit {say_size(self.limit)} is full of files other "
+                                  f"processes are using; {say_size(left)} more is needed for this epoch")
         free = shutil.disk_usage(self.folder).free
         if incoming + _RESERVE > free:
-            dates = sorted({files[n][0].date for n in missing})
-            raise LoaderError(f"{self.folder}: downloading {', '.join(dates[:3])}{', ...' if len(dates) > 3 else ''} "
-                              f"needs {_mb(incoming)} more, but the "
-                              f"disk has {_mb(free)} free (keeping {_mb(_RESERVE)}); free space, set cache_limit, "
-                              "or pass another cache_dir")
+            raise LoaderError(f"{self.folder}: downloading {_some_dates(files[n][0] for n in missing)} "
+                              f"needs {say_size(incoming)} more, but the "
+                              f"disk has {say_size(free)} free (keeping {say_size(_RESERVE)}); free space, set "
+                              "cache_limit, or pass another cache_dir")
 
     def _cache_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self._entries())
+        """Bytes of the files in place (a download under way is counted in ``_inflight`` instead)."""
+        return sum(p.stat().st_size for p in self._entries() if p.name not in self._inflight)
 
     def _entries(self) -> list:
         out = []

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, batch_ids, make_store
 from test_s3_loader import upload_store
 
