@@ -3,8 +3,10 @@ generation choice, the epoch's plan and streams (``Epochs``), the cursor, ``rese
 state; the ``ShardIter`` around it is only MXNet's ``DataIter`` face.
 
 Epochs are exact: every sample of this part once, with ``pad`` counted here. The order is a
-function of seed, epoch and selection alone: reproducible, and resumable from ``state()``
-without re-reading what was consumed.
+value (:mod:`loader.pipeline.order`): a function of seed, epoch, the selected shards and the order's
+own settings alone. A state says where in it the iterator is (the phases read so far), so it
+resumes with any cache, readers or store, on any number of parts, without re-reading what was
+consumed.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from loader.errors import LoaderError, StoreUnreachableError
 from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
 from loader.pipeline.memory import Arena, settle_allocator
-from loader.pipeline.segments import Budget, StreamSource
-from loader.pipeline.settings import check_memory
+from loader.pipeline.order import EpochOrder, Phase, slice_of
+from loader.pipeline.stream import order_spec
 from loader.source.generations import Choice
+from loader.sizes import say_size
 from loader.source.location import Location
-from loader.source.plan import EpochPlan, make_plan, part_shards
+from loader.source.plan import EpochPlan, make_plan
 from loader.source.selection import DateRange, normalize_dates, select_shards
 from shardgen.store.manifest import Manifest, ShardEntry
 
@@ -45,12 +48,13 @@ class Reader:
         self.dates = normalize_dates(dates)
         self.epoch = 0
         self.cursor = self.batches = self.part_samples = 0
-        self.ahead_at, self.ahead_asked = 0, False
+        self.phases: tuple = ()  # the phases of this epoch read before the current one (a resumed state)
         location.claim(f"iter-{id(self)}")  # a cache under cache_limit streams for one iterator
         if location.cache_limit is not None:
             join_closing(60)  # iterators dropped unclosed let go of their segments first (their close thread)
-        self.epochs = Epochs(location.lease())  # the lease tells gc which generation we read
-        self.budget = Budget(location.cache_limit)  # an object store's segments held in the cache
+        self.epochs = Epochs(location.lease(), location.cache_limit)  # the lease tells gc which generation we read
+        me = weakref.ref(self)  # threads reach the epochs, never the reader (its finalizer must run)
+        self.epochs.on_ahead = lambda: (me() or _Gone)._ahead_opened()
         self._finalizer = weakref.finalize(self, _let_go, location, f"iter-{id(self)}", self.epochs)
         settle_allocator()
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
@@ -86,8 +90,6 @@ class Reader:
             raise LoaderError(f"{self.location.manifest_path}: no epoch to read: the last reset() failed; fix the "
                               "cause (e.g. the date selection) and call reset() again")
         arrays, valid = stream.get()
-        if not self.ahead_asked and self.cursor + 1 >= self.ahead_at:
-            self._open_ahead()
         self.cursor += 1
         return arrays, self.params.batch_size - valid if self.params.last_batch == "pad" else 0
 
@@ -133,44 +135,43 @@ class Reader:
         """Stop this epoch's stream (a ``reset()`` or ``load()`` starts the next one)."""
         self.epochs.end_current(wait=self.cursor < self.batches)  # read to its end: its thread is ending
 
-    @property
-    def part(self) -> Optional[tuple[int, int]]:
-        """``(num_parts, part_index)`` when only this part's shards are fetched (an object store)."""
-        return (self.params.num_parts, self.params.part_index) if self.location.downloads else None
-
     def _plan_for(self, manifest: Manifest, shards: tuple) -> EpochPlan:
-        source = StreamSource(self.location, manifest, self.verify, self.budget) if self.location.downloads else None
-        return make_plan(self.location, manifest, shards, verify=self.verify, fetcher=f"iter-{id(self)}",
-                         part=self.part, source=source)
+        self._check_room(shards)
+        return make_plan(self.location, manifest, shards, verify=self.verify, who=f"iter-{id(self)}")
+
+    def _check_room(self, shards: tuple) -> None:
+        """LoaderError unless a cache under ``cache_limit`` can hold 3 of the largest shard (a feed
+        group is a third of the limit: see ``Epochs``)."""
+        limit = self.location.cache_limit
+        largest = max((s.bytes for s in shards), default=0)
+        if limit is not None and 3 * largest > limit:
+            big = max(shards, key=lambda s: s.bytes)
+            raise LoaderError(f"{self.location.url}: cache_limit {say_size(limit)} is too small to stream these shards: "
+                              f"it must hold 3 of the largest ({big.date}, {say_size(largest)}) at once (one read, "
+                              f"one fetched ahead, one for the next epoch); raise cache_limit to at least "
+                              f"{say_size(3 * largest)}")
 
     def _part_of(self, manifest: Manifest) -> tuple:
-        """The shards of ``manifest`` this part reads (fetched ahead of a new generation)."""
+        """The shards of ``manifest`` this part reads in the next epoch (fetched ahead of a new generation)."""
         shards = select_shards(manifest, self.dates)
-        return tuple(s for s, r in zip(shards, part_shards(shards, self.part)) if r)
+        order = EpochOrder([s.samples for s in shards], order_spec(self.params), self.epoch + 1)
+        mine = slice_of([(0, order.total)], self.params.num_parts, self.params.part_index)
+        return tuple(shards[k] for k in sorted(order.shards_of(mine)))
 
-    def _start(self, plan: EpochPlan, *, skip: int = 0, epoch: Optional[int] = None) -> None:
-        """Make ``plan`` this reader's, reading ``epoch`` (default: the current one). Nothing
-        changes if the epoch cannot start (e.g. a part smaller than a batch): the error is raised
-        and the plan's files are let go."""
+    def _start(self, plan: EpochPlan, *, phases: tuple = (), skip: int = 0, epoch: Optional[int] = None) -> None:
+        """Make ``plan`` this reader's, reading ``epoch`` (default: the current one) after ``phases``
+        and ``skip`` batches of this phase. Nothing changes if the epoch cannot start (e.g. a part
+        smaller than a batch): the error is raised and the plan's files are let go."""
         epoch = self.epoch if epoch is None else epoch
-        stream = self.epochs.start(plan, epoch, self.params, skip)
-        self.epoch = epoch
+        stream = self.epochs.start(plan, epoch, self.params, phases, skip)
+        self.epoch, self.phases = epoch, tuple(phases)
         self.part_samples, self.batches = stream.samples, stream.batches
         self.cursor = skip
-        # The next epoch's stream starts half way through this one: its buffer fills (and its native
-        # iterators open) while this epoch's batches are consumed. The stream's producer thread starts
-        # it as it gets there (Epochs._half_way); take() asks again when the caller gets there.
-        self.ahead_at = max(skip, self.batches // 2)
-        self.ahead_asked = False
-        if self.cursor >= self.ahead_at:
-            self._open_ahead()
 
-    def _open_ahead(self) -> None:
-        """The next epoch's stream, on this plan, starts filling while this epoch ends (a new
-        generation at ``reset()`` discards it); an object store's newest shards are fetched."""
-        self.ahead_asked = True
-        self.epochs.open_ahead(self.epoch + 1, self.params)
-        if self.choice.pin is None and self.location.cache_limit is None:  # under a limit, segments stream
+    def _ahead_opened(self) -> None:
+        """The next epoch's stream opened (``Epochs``, half way through this one): an object store's
+        newest generation is fetched ahead too, unless pinned or under a ``cache_limit``."""
+        if self.choice.pin is None and self.location.cache_limit is None:
             self.location.fetch_ahead(self._part_of)
 
     # -- resumption -------------------------------------------------------------------------------
@@ -184,35 +185,28 @@ class Reader:
         check_state(self, state)
 
     def load(self, state: dict, before_end: Callable[[], None] = lambda: None) -> bool:
-        """Continue from ``state``: same shards, same epoch order, the same remaining batches. The
-        consumed batches are not assembled again: the stream passes over them. True if a new
-        epoch's stream started (``before_end()`` is called before this one's ends); False if the
-        stream this epoch already started skips ahead."""
+        """Continue from ``state``: same shards, same epoch order, every window not consumed yet
+        read once. When the last phase of ``state`` was read with this iterator's ``num_parts`` and
+        ``batch_size``, it goes on with that phase (the same remaining batches); else what is left
+        is split among this iterator's parts. Only the blocks from the resumption point on are read.
+        ``before_end()`` is called before this epoch's stream ends. True (a new stream started)."""
         check_state(self, state)
         self.dates = normalize_dates(state.get("dates"))  # the saved selection, from the next reset() on
         shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
         p = self.params
-        same = (shards == self.plan.shards and int(state["epoch"]) == self.epoch and self.cursor == 0
-                and state["generation"] == self.plan.generation and state.get("pinned") == self.choice.pin
-                and (state["readers"], state["native_batch"], state["shuffle_buffer"])
-                == (p.readers, p.native_batch, p.buffer_records))
-        if same and self.epochs.stream is not None:  # the stream this epoch already started: skip ahead in it
-            self.epochs.stream.skip_to(int(state["batches"]))
-            self.cursor = int(state["batches"])
-            self.ahead_at = max(self.cursor, self.ahead_at)
-            return False
-        params = dataclasses.replace(p, readers=int(state["readers"]), native_batch=int(state["native_batch"]),
-                                     buffer_records=int(state["shuffle_buffer"]))
-        self.memory = check_memory(params, int(state["shuffle_buffer"]))
+        phases = tuple(Phase(*map(int, ph)) for ph in state["phases"])
+        skip = 0
+        if phases and phases[-1][:2] == (p.num_parts, p.batch_size):
+            phases, skip = phases[:-1], phases[-1].batches
         before_end()
         self.end_epoch()
         if state.get("pinned") is not None:
             self.choice = Choice(pin=state["pinned"])
-        self.params = params
+        self.params = dataclasses.replace(p, canonical_parts=int(state["canonical_parts"]), block=int(state["block"]))
         manifest = self.location.manifest()
         plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
         plan = dataclasses.replace(plan, generation=state["generation"])
-        self._start(plan, skip=int(state["batches"]), epoch=int(state["epoch"]))
+        self._start(plan, phases=phases, skip=skip, epoch=int(state["epoch"]))
         self.manifest = manifest
         return True
 
@@ -223,6 +217,12 @@ class Reader:
         self.location.release(f"iter-{id(self)}")
         self._finalizer.detach()
         self.epochs.close()
+
+
+class _Gone:
+    @staticmethod
+    def _ahead_opened() -> None:
+        pass
 
 
 def _let_go(location: Location, who: str, epochs: Epochs) -> None:

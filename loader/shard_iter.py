@@ -21,6 +21,7 @@ from loader.errors import LoaderError
 from loader.lifecycle import report_rank, track
 from loader.pipeline.batches import StreamParams
 from loader.pipeline.settings import (
+    block_samples,
     buffer_records,
     check_arguments,
     check_memory,
@@ -31,7 +32,7 @@ from loader.reader import Reader
 from loader.source.generations import Choice, agreed_start
 from loader.source.location import Location, resolve
 from loader.source.plan import EpochPlan
-from loader.source.selection import DateRange, normalize_dates
+from loader.source.selection import DateRange, normalize_dates, select_shards
 
 __all__ = ["ShardIter"]
 
@@ -53,7 +54,8 @@ class ShardIter(mx.io.DataIter):
     ``shuffle_buffer``: what is held for mixing, as a number of *records* (an int) or a size
     in bytes (a string such as ``"256MB"`` or ``"1GiB"``; default 128 MB).
     ``native_batch``: records per native batch. ``prefetch_buffer``: caller batches assembled
-    ahead. What these hold in memory is computed at construction (:mod:`loader.pipeline.memory`);
+    ahead. ``canonical_parts``: the order's part count (default ``num_parts``; see
+    :mod:`loader.pipeline.order`): a state saved on any number of parts resumes on any other. What these hold in memory is computed at construction (:mod:`loader.pipeline.memory`);
     more than half the machine's memory is a LoaderError. ``producer``: ``"thread"``, the one
     transport (``"process"`` was removed).
     """
@@ -64,13 +66,15 @@ class ShardIter(mx.io.DataIter):
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
                  verify: str = "frame", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
-                 cache_limit: Optional[int | str] = None, producer: str = "thread"):
+                 cache_limit: Optional[int | str] = None, producer: str = "thread",
+                 canonical_parts: Optional[int] = None):
         if producer != "thread":
             raise LoaderError(f"producer={producer!r}: the producer process was removed; the producer thread is the "
                               "one transport (README, 'Where the code is')")
         check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
                         preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
-                        native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify)
+                        native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify,
+                        canonical_parts=canonical_parts)
         super().__init__(int(batch_size))
         self._closed = False
         self.history: list[dict] = []
@@ -86,13 +90,16 @@ class ShardIter(mx.io.DataIter):
         if unknown or not self.label_names:
             raise LoaderError(f"label_names {list(self.label_names)!r}: choose among {known}")
         nb = int(native_batch) if native_batch is not None else default_native_batch(schema.pack)
+        records = buffer_records(schema, shuffle_buffer, nb)
         params = StreamParams(
             schema=schema, batch_size=self.batch_size, shuffle=bool(shuffle), seed=int(seed),
             num_parts=int(num_parts), part_index=int(part_index), last_batch=last_batch,
             readers=default_readers() if readers is None else int(readers),
-            native_batch=nb, buffer_records=buffer_records(schema, shuffle_buffer, nb),
+            native_batch=nb, buffer_records=records,
             preprocess_threads=int(preprocess_threads), prefetch_buffer=int(prefetch_buffer),
-            label_names=tuple(lab.name for lab in schema.labels if lab.name in self.label_names))
+            label_names=tuple(lab.name for lab in schema.labels if lab.name in self.label_names),
+            canonical_parts=int(num_parts if canonical_parts is None else canonical_parts),
+            block=block_samples(records, select_shards(manifest_obj, normalize_dates(dates)), schema))
         memory = check_memory(params, shuffle_buffer)
         self.reader = Reader(location, manifest_obj, params, choice=choice, dates=dates, verify=verify,
                              memory=memory)

@@ -26,10 +26,12 @@ class StreamParams:
     last_batch: str
     readers: int
     native_batch: int
-    buffer_records: int
+    buffer_records: int  # records of a full block's shuffle buffer
     preprocess_threads: int
     prefetch_buffer: int
     label_names: tuple[str, ...]
+    canonical_parts: int = 1  # the order's (``loader.pipeline.order``): recorded in every state
+    block: int = 1  # samples of a full block of the order (the shuffle window)
 
 
 def batch_floats(p: StreamParams) -> int:
@@ -39,10 +41,8 @@ def batch_floats(p: StreamParams) -> int:
 
 
 def buffer_capacity(p: StreamParams) -> int:
-    """Records in the shuffle buffer: a batch may need one record per sample (a date's last pack
-    can hold a single window), so at least a batch and two native batches."""
-    floor = p.batch_size + 2 * p.native_batch
-    return max(p.buffer_records, floor) if p.shuffle else floor
+    """Records in a full block's shuffle buffer."""
+    return p.buffer_records
 
 
 def batch_views(p: StreamParams) -> list[tuple[int, int, tuple]]:

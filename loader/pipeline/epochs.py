@@ -38,8 +38,11 @@ def _closed_during_reset(plan: EpochPlan) -> LoaderError:
 
 
 class Epochs:
-    def __init__(self, lease: Lease):
+    def __init__(self, lease: Lease, cache_limit: Optional[int] = None):
         self.lease = lease
+        # Under a cache_limit a feed group holds at most a third of it: the group being read, the next
+        # one fetched, and the next epoch's first one (which waits until this epoch fetched its last).
+        self.cap = None if cache_limit is None else max(1, cache_limit // 3)
         self.stream: Optional[EpochStream] = None
         self.ahead: Optional[EpochStream] = None
         self.ending: set = set()  # streams end_current() took out and is stopping: close() waits for them too
@@ -47,9 +50,11 @@ class Epochs:
         self.arena: Optional[Arena] = None
         self.lock = threading.Lock()
         self.closed = False  # close() ran: no stream starts again (a reset() racing a close() in another thread)
+        self.on_ahead = lambda: None  # called once the next epoch's stream opened
         lenders(+1)
 
-    def start(self, plan: EpochPlan, epoch: int, params: StreamParams, skip: int = 0) -> EpochStream:
+    def start(self, plan: EpochPlan, epoch: int, params: StreamParams, phases: tuple = (), skip: int = 0
+              ) -> EpochStream:
         """Make ``plan`` current and return the stream reading ``epoch`` of it: the one already
         filling ahead if it reads the same plan and epoch from its start, else a new one. Nothing
         changes if the epoch cannot start (e.g. a part smaller than a batch): the error is raised
@@ -61,13 +66,14 @@ class Epochs:
                 raise _closed_during_reset(plan)
             previous = self.plan
             ahead, self.ahead = self.ahead, None
-            if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != epoch or skip):
+            if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != epoch or skip or phases
+                                      or ahead.params != params):
                 ahead.close()  # reads files of the old plan: gone before its files are let go
                 ahead = None
             stream = None
             try:
-                stream = ahead if ahead is not None else EpochStream(plan, epoch, params, self.arena, skip=skip,
-                                                                                  on_half=self._half_way)
+                stream = ahead if ahead is not None else EpochStream(
+                    plan, epoch, params, self.arena, phases=phases, skip=skip, cap=self.cap, on_half=self._half_way)
                 stream.started()  # streamed from an object store: its first segments are here
             except BaseException:
                 if stream is not None:
@@ -82,26 +88,22 @@ class Epochs:
                 drop(previous)
             self.lease.renew(plan.generation)
             self.stream = stream
+            if stream.past_half:  # a short epoch handed out half its batches before it was current
+                self._open_ahead(epoch + 1, params, behind=True)
             return stream
 
-    def open_ahead(self, epoch: int, params: StreamParams) -> None:
-        """The stream of ``epoch`` on the current plan starts filling while this epoch ends (a new
-        generation at ``reset()`` discards it). From the caller's ``next()``: the current stream's
-        producer thread has usually opened it already (``_half_way``)."""
-        current = self.stream
-        if current is not None and not current.past_half:
-            return  # its producer thread is not half way yet and starts it there: racing it for the lock
-            # made this next() start it 1 run in ~5 on a loaded machine (0.5-2.5 ms of the caller's)
-        with self.lock:
-            self._open_ahead(epoch, params, behind=True)
-
     def _open_ahead(self, epoch: int, params: StreamParams, behind: bool) -> None:
+        """The one place the next epoch's stream starts (under ``lock``)."""
         if self.ahead is None and self.plan is not None and not self.closed:
             try:
-                self.ahead = EpochStream(self.plan, epoch, params, self.arena, behind=behind, on_half=self._half_way,
-                                         yield_to=self._starving)
+                current = self.stream
+                gate = current.feed.done_fetching if self.cap is not None and current is not None else None
+                self.ahead = EpochStream(self.plan, epoch, params, self.arena, cap=self.cap, gate=gate, behind=behind,
+                                         on_half=self._half_way, yield_to=self._starving)
             except LoaderError:
                 self.ahead = None
+                return
+            self.on_ahead()
 
     def _starving(self, stream: EpochStream) -> bool:
         """Whether the next epoch's ``stream`` should let the current one work first: the current
@@ -118,11 +120,12 @@ class Epochs:
         its thread took the caller 0.5-2.5 ms). Never waits for the lock: a ``reset()`` or
         ``close()`` holding it may be joining this very thread."""
         if not self.lock.acquire(blocking=False):
+            stream.past_half = False  # asked again at its next batch
             return
         try:
             if self.stream is stream:
                 self._open_ahead(stream.epoch + 1, stream.params, behind=False)
-        except Exception:  # the caller's next() tries again half way, and says what is wrong
+        except Exception:  # reset() makes the stream itself, and says what is wrong
             pass
         finally:
             self.lock.release()

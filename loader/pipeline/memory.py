@@ -5,9 +5,12 @@ epoch instead of allocated anew.
 Two epoch streams are alive at once near an epoch's end (this one and the next one, which starts
 filling half way through), so the per-stream parts count twice:
 
-- the shuffle buffer: ``shuffle_buffer`` records, kept compact (a run's rows, not its windows);
-- MXNet's native iterators: ``readers`` of them, each queueing up to 16 record batches of
-  ``native_batch`` records in its own thread (fixed in MXNet 1.9.1, whatever ``prefetch_buffer``);
+- shuffle buffers: ``shuffle_buffer`` records each, kept compact (a run's rows, not its windows):
+  a stream holds the block it hands out and the next one it loads; the next epoch's stream holds
+  its first, small blocks and loads one full block at most while this epoch ends (3 in all);
+- MXNet's native iterators: ``readers`` being read and ``readers`` opened ahead per stream, each
+  queueing up to 16 record batches of ``native_batch`` records in its own thread (fixed in MXNet
+  1.9.1, whatever ``prefetch_buffer``);
 - caller batches: ``prefetch_buffer`` ready ones per stream, plus a few MXNet still holds.
 """
 
@@ -22,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from loader.errors import LoaderError
-from loader.pipeline.shuffle_buffer import ShuffleBuffer, buffer_bytes
+from loader.pipeline.shuffle_buffer import ShuffleBuffer, buffer_bytes, size_class
 from loader.pipeline.zerocopy import Loan, lend
 from shardgen.format.schema import Schema
 
@@ -30,6 +33,7 @@ __all__ = ["Arena", "settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physica
            "batch_buffers", "check_footprint", "format_bytes"]
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
+KEEP_BUFFERS = 6  # shuffle buffers an arena keeps for later blocks (full ones and the first, small ones)
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
 
 MMAP_THRESHOLD = 1 << 20  # blocks this large or larger get their own mapping, returned when freed
@@ -80,8 +84,8 @@ def footprint(schema: Schema, *, buffer_records: int, native_batch: int, readers
               batch_floats: int) -> dict:
     """Bytes each part of an iterator may hold at most, and their total."""
     parts = {
-        "shuffle buffers": 2 * buffer_bytes(schema, buffer_records),
-        "native queues": 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
+        "shuffle buffers": 3 * buffer_bytes(schema, size_class(buffer_records, buffer_records)),
+        "native queues": 2 * 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
         "batch buffers": batch_buffers(prefetch_buffer) * 4 * batch_floats,
     }
     parts["total"] = sum(parts.values())
@@ -114,17 +118,21 @@ class Arena:
         self._lock = threading.Lock()
 
     def shuffle_buffer(self, capacity: int) -> ShuffleBuffer:
+        """A kept buffer of ``capacity`` records (``size_class`` keeps the sizes few), or a new one."""
         with self._lock:
             for i, buffer in enumerate(self._shuffle):
                 if buffer.capacity == capacity:
-                    del self._shuffle[i]
-                    buffer.clear()
-                    return buffer
+                    return self._shuffle.pop(i)
         return ShuffleBuffer(self.schema, capacity)
 
     def give_back(self, buffer: ShuffleBuffer) -> None:
-        with self._lock:  # two streams are alive at most (this epoch's and the next's): keep two
-            self._shuffle = (self._shuffle + [buffer])[-2:]
+        with self._lock:  # a few blocks are alive at once (see the module docstring): keep that many
+            kept, room = [], 3 * max(b.capacity for b in self._shuffle + [buffer])
+            for b in reversed(self._shuffle + [buffer]):
+                if len(kept) < KEEP_BUFFERS and b.capacity <= room:
+                    kept.append(b)
+                    room -= b.capacity
+            self._shuffle = kept[::-1]
 
     def hand_out(self, flat: np.ndarray, views: list) -> list:
         """The caller's arrays: ``views`` ``(start, stop, shape)`` of the batch buffer ``flat``,

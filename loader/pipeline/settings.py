@@ -17,18 +17,20 @@ from loader.sizes import parse_size
 from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema
 
-__all__ = ["check_arguments", "default_readers", "default_native_batch", "buffer_records", "check_memory"]
+__all__ = ["check_arguments", "default_readers", "default_native_batch", "buffer_records", "block_samples",
+           "check_memory"]
 
 
 def check_arguments(*, batch_size: object, num_parts: object, part_index: object, preprocess_threads: object,
                     prefetch_buffer: object, readers: object, native_batch: object, last_batch: object,
-                    seed: object, verify: object) -> None:
+                    seed: object, verify: object, canonical_parts: object = None) -> None:
     """LoaderError naming the first argument that is out of range."""
     for name, value, low in (("batch_size", batch_size, 1), ("num_parts", num_parts, 1),
                              ("preprocess_threads", preprocess_threads, 1),
                              ("prefetch_buffer", prefetch_buffer, 1),
                              ("readers", 1 if readers is None else readers, 1),
-                             ("native_batch", 1 if native_batch is None else native_batch, 1)):
+                             ("native_batch", 1 if native_batch is None else native_batch, 1),
+                             ("canonical_parts", 1 if canonical_parts is None else canonical_parts, 1)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
             raise LoaderError(f"{name} must be an integer >= {low}, got {value!r}")
     if not isinstance(part_index, (int, np.integer)) or not 0 <= part_index < num_parts:
@@ -42,10 +44,8 @@ def check_arguments(*, batch_size: object, num_parts: object, part_index: object
 
 
 def default_readers() -> int:
-    """Native iterators per part: 2. ``make bench`` on 2 cores measures 1 reader within a few
-    percent of 2 (noise on a shared machine), and the reader count is part of the shuffle order
-    (each reader shuffles its records with its own seed), so the default stays one number on
-    every machine: the same seed reads the same batches everywhere."""
+    """Native reads open at once per stream: 2. ``make bench`` on 2 cores measures 1 reader within
+    a few percent of 2 (noise on a shared machine). The order never depends on it."""
     return 2
 
 
@@ -58,7 +58,7 @@ def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], native_b
     """The shuffle buffer's capacity in records: ``shuffle_buffer`` records (an int), a size in
     bytes (``"256MB"``), or the default (:func:`loader.pipeline.shuffle_buffer.default_capacity`)."""
     if shuffle_buffer is None:
-        return default_capacity(schema, native_batch)
+        return default_capacity(schema)
     if isinstance(shuffle_buffer, (int, np.integer)) and not isinstance(shuffle_buffer, (bool, np.bool_)):
         if shuffle_buffer < 1:
             raise LoaderError(f"shuffle_buffer must be >= 1 record, got {shuffle_buffer!r}")
@@ -66,6 +66,14 @@ def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], native_b
     size = parse_size(shuffle_buffer, "shuffle_buffer",
                       "a record count (int) or a size with a unit such as '256MB' or '1GiB'")
     return max(1, size // buffer_bytes(schema, 1))
+
+
+def block_samples(records: int, shards: tuple, schema: Schema) -> int:
+    """Samples of a full block of the order (:mod:`loader.pipeline.order`): what ``records`` records
+    of these shards hold on average. Fixed at construction and recorded in every state."""
+    n_rec = sum(s.records for s in shards)
+    per = sum(s.samples for s in shards) / n_rec if n_rec else schema.pack
+    return max(1, int(records * per))
 
 
 def check_memory(params: StreamParams, shuffle_buffer: object) -> dict:

@@ -94,8 +94,10 @@ class Location:
         """Where the store is, as the user named it."""
         return str(self.store)
 
-    def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema) -> None:
-        """Every file reading ``shards`` needs is in ``store``: LoaderError naming what is missing."""
+    def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema,
+              halt: Optional[threading.Event] = None) -> None:
+        """Every file reading ``shards`` needs is in ``store``: LoaderError naming what is missing.
+        ``halt``: wait for room in a cache under ``cache_limit`` until it is set (else no wait)."""
         for s in shards:
             if not (self.store / s.idx).is_file():
                 raise LoaderError(f"{self.store / s.idx}: index file is missing (shard {s.date})")
@@ -109,6 +111,12 @@ class Location:
 
     def claim(self, who: str) -> None:
         """``who`` (an iterator) reads from here (a cache under ``cache_limit`` takes one)."""
+
+    def pin(self, shard: ShardEntry) -> None:
+        """``shard``'s file is held open: not evicted (its bytes stay on disk) until ``unpin``."""
+
+    def unpin(self, shard: ShardEntry) -> None:
+        """The file of ``shard`` was closed once more."""
 
     def release(self, who: str) -> None:
         """``who`` (an iterator) no longer needs its files kept."""
@@ -151,8 +159,9 @@ class MirrorLocation(Location):
     def url(self) -> str:
         return self.cache.remote.url
 
-    def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema) -> None:
-        self.cache.fetch(shards, who=who, schema=schema)
+    def fetch(self, shards: Iterable[ShardEntry], *, who: str, schema: Schema,
+              halt: Optional[threading.Event] = None) -> None:
+        self.cache.fetch(shards, who=who, schema=schema, halt=halt)
 
     def fetch_index(self, shard: ShardEntry) -> bool:
         if (self.store / shard.idx).is_file():
@@ -165,6 +174,12 @@ class MirrorLocation(Location):
 
     def claim(self, who: str) -> None:
         self.cache.claim(who)
+
+    def pin(self, shard: ShardEntry) -> None:
+        self.cache.pin(shard.rec, +1)
+
+    def unpin(self, shard: ShardEntry) -> None:
+        self.cache.pin(shard.rec, -1)
 
     def release(self, who: str) -> None:
         self.cache.release(who)

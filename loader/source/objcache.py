@@ -26,6 +26,7 @@ between processes. The cache here is a folder of plain files, named as in the st
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 DOWNLOAD_THREADS = 8
 _LOCKS = ".locks"
 _RESERVE = 64 << 20  # never leave the disk with less than this free
+IDX_BYTES = 24  # an .idx line ("key<TAB>offset<NL>") is at most this long (counted before it is fetched)
+ROOM_WAIT_S = 600.0  # a download waiting this long for files in use to be let go says the cache is full
 _CLAIMS: dict = {}  # cache folder -> (fd, flock mode) this process holds on its .locks/limit
 _CLAIMS_LOCK = threading.Lock()
 
@@ -78,8 +81,10 @@ class ObjectCache:
         self._ahead: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._room = threading.Lock()  # one fetch at a time makes room (and counts its bytes in)
-        self._inflight: dict = {}  # name -> bytes of a .rec download under way (not counted on disk yet)
+        self._inflight: dict = {}  # name -> bytes of a download under way (not counted on disk yet)
         self.streamers: set = set()  # iterators streaming into this cache (``claim``)
+        self.pinned: collections.Counter = collections.Counter()  # name -> open descriptors (never evicted)
+        self._freed = threading.Condition(self._lock)  # something was released or unpinned
         self._ensure_folder()
         self._claim_folder()
         for path in clean_temp_files(self.folder):  # downloads of killed processes of this host
@@ -153,7 +158,17 @@ class ObjectCache:
 
     # -- shards ------------------------------------------------------------------------------------
 
-    def fetch(self, shards: Iterable[ShardEntry], *, who: str = "", schema: Optional[Schema] = None) -> float:
+    def pin(self, name: str, delta: int) -> None:
+        """A descriptor on ``name`` opened (+1) or closed (-1): an open file's bytes stay on disk
+        whatever its name, so it is never evicted (nor counted as evictable) while open."""
+        with self._lock:
+            self.pinned[name] += delta
+            if self.pinned[name] <= 0:
+                del self.pinned[name]
+                self._freed.notify_all()
+
+    def fetch(self, shards: Iterable[ShardEntry], *, who: str = "", schema: Optional[Schema] = None,
+              halt: Optional[threading.Event] = None) -> float:
         """Every file of ``shards`` in the cache, checked; seconds spent. ``who`` names the user
         whose files are kept from eviction from now on (an iterator). With the ``schema``, a shard
         comes without its ``.idx`` unless reading it needs one (``needs_index``; ``fetch_index``
@@ -171,7 +186,7 @@ class ObjectCache:
         missing = [n for n in files if not self._cached(n, files[n])]
         self._check_limit(shards)
         if missing:
-            self._make_room(missing, files)  # counted in _inflight until each file is in place
+            self._make_room(missing, files, halt)  # counted in _inflight until each file is in place
             try:
                 self._download_all(missing, files)
             finally:
@@ -220,6 +235,7 @@ class ObjectCache:
         with self._lock:
             self.wanted.pop(who, None)
             self.streamers.discard(who)
+            self._freed.notify_all()
 
     def _cached(self, name: str, what: tuple) -> bool:
         """Whether ``name`` is in the cache as this shard needs it: for a ``.rec``, the size and
@@ -282,18 +298,32 @@ class ObjectCache:
                               f"{say_size(need)} in the cache at once, but cache_limit is {say_size(self.limit)}; "
                               f"raise cache_limit to at least {say_size(need)}")
 
-    def _make_room(self, missing: list, files: dict) -> None:
+    def _make_room(self, missing: list, files: dict, halt: Optional[threading.Event]) -> None:
         """Evict what no epoch of ours uses until the new files fit beside the downloads already
         under way (``_inflight``: each counted until it is in place, then on disk, never both);
-        refuse to fill the disk."""
-        incoming = sum(files[n][0].bytes for n in missing if files[n][1] == "rec")
-        with self._room:
-            self._make_room_now(incoming, missing, files)
-            self._inflight.update((n, files[n][0].bytes) for n in missing if files[n][1] == "rec")
+        refuse to fill the disk. With ``halt``, a cache full of files in use waits for them to be
+        let go (the reads ahead of this one free them) until ``halt`` is set."""
+        sizes = {n: files[n][0].bytes if files[n][1] == "rec" else IDX_BYTES * files[n][0].records for n in missing}
+        incoming = sum(sizes.values())
+        waited = time.monotonic()
+        while True:
+            with self._room:
+                if self._make_room_now(incoming, missing, files, last=halt is None):
+                    self._inflight.update(sizes)
+                    return
+            with self._lock:
+                if halt.is_set():
+                    raise LoaderError("the iterator was closed (or reset) while a download waited for room")
+                if time.monotonic() - waited > ROOM_WAIT_S:
+                    halt = None  # the next try says what is full
+                    continue
+                self._freed.wait(0.05)
 
-    def _make_room_now(self, incoming: int, missing: list, files: dict) -> None:
+    def _make_room_now(self, incoming: int, missing: list, files: dict, last: bool) -> bool:
         if self.limit is not None:
             left = self._evict(self._cache_bytes() + sum(self._inflight.values()) + incoming - self.limit)
+            if left > 0 and not last:
+                return False
             if left > 0:
                 raise LoaderError(f"{self.folder}: cache_limit {say_size(self.limit)} is full of files other "
                                   f"processes are using; {say_size(left)} more is needed for this epoch")
@@ -303,6 +333,7 @@ class ObjectCache:
                               f"needs {say_size(incoming)} more, but the "
                               f"disk has {say_size(free)} free (keeping {say_size(_RESERVE)}); free space, set "
                               "cache_limit, or pass another cache_dir")
+        return True
 
     def _cache_bytes(self) -> int:
         """Bytes of the files in place (a download under way is counted in ``_inflight`` instead)."""
@@ -320,7 +351,7 @@ class ObjectCache:
         if excess <= 0:
             return 0
         with self._lock:
-            keep = set().union(*self.wanted.values()) if self.wanted else set()
+            keep = set().union(*self.wanted.values(), self.pinned)
         candidates = []
         for p in self._entries():
             with contextlib.suppress(OSError):

@@ -1,17 +1,22 @@
-"""What one epoch reads: the selected shards of a manifest generation, checked, and for each native
-reader an MXNet index over exactly its range of records (:func:`reader_source`).
+"""What one epoch reads: the selected shards of a manifest generation, each checked before MXNet
+reads it, and for each native read (:class:`Read`: record ranges of shards, in the order the
+epoch's order reads them) an MXNet index that makes dmlc read exactly those records.
 
 dmlc's ``IndexedRecordIOSplitter`` takes exactly one ``.idx`` whose offsets are global across the
-``;``-joined ``.rec`` files. A range of records ``[first, stop)`` is read exactly by joining only
-the files it touches, with the index ``shardgen.format.index.reader_index`` writes (which says
-how dmlc is made to stop at ``stop``).
+``;``-joined ``.rec`` files, in the order they are joined. A read joins its shards in its own order;
+it may start inside its first file and end inside its last (the index ``reader_index`` writes
+says how dmlc is made to stop there), and joins whole files in between (a record's size is the
+distance to the next offset, which must not cover another file's head or tail).
+
+Files are opened, checked and linked into the plan's folder once (``PlanFiles.ensure``): all of
+them when the plan is made for a store folder, shard by shard as reads need them for an object
+store, whose files a cache under ``cache_limit`` lets go of once read (``PlanFiles.let_go``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import datetime as dt
 import hashlib
 import itertools
 import json
@@ -20,32 +25,103 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from loader.errors import LoaderError
-from loader.pipeline.parts import shards_needed
 from loader.source.location import Location
 from shardgen.errors import ShardError
 from shardgen.format.check import VERIFY_MODES, check_shard
 from shardgen.format.index import reader_index
-from shardgen.format.schema import day_number
 from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.store.manifest import Manifest, ShardEntry
 
-__all__ = ["EpochPlan", "ReaderSource", "reader_source", "part_shards", "make_plan", "hold", "drop", "recheck"]
+__all__ = ["EpochPlan", "PlanFiles", "Read", "ReaderSource", "reader_source", "make_plan", "hold", "drop",
+           "recheck"]
+
 
 class PlanFiles:
     """The shard files a plan reads, held open: MXNet opens them through ``/proc/self/fd``, so a
     file deleted or replaced in the store mid-epoch is still the one checked and read."""
 
-    def __init__(self) -> None:
-        self.fds: list[int] = []
+    def __init__(self, location: Location, manifest: Manifest, shards: tuple, verify: str, who: str,
+                 keep: bool) -> None:
+        self.location, self.schema, self.shards, self.verify = location, manifest.schema, shards, verify
+        self.who, self.keep = who, keep  # keep: never let go of a file once open (no cache_limit)
+        self.fds: list[int] = [-1] * len(shards)
+        self.frames: list = [None] * len(shards)  # ShardFrames of each open file
+        self.users = collections.Counter()  # shard -> reads using it
         self.folder: Optional[Path] = None
-        self.sources: dict = {}  # (first, stop) -> ReaderSource written in the folder
         self.checked: dict = {}  # fd -> its file's identity (stat, verify) when recheck() last found it good
         self.lock = threading.Lock()
+        self.fetch_lock = threading.Lock()
+
+    def ensure(self, ks: Sequence[int], *, use: bool = True, halt: Optional[threading.Event] = None) -> None:
+        """Shards ``ks`` fetched (an object store; ``halt``: waiting for room in a cache under
+        ``cache_limit`` until set), opened, checked and linked; ``use``: counted as used until
+        ``let_go``."""
+        with self.fetch_lock:
+            with self.lock:
+                missing = [k for k in dict.fromkeys(ks) if self.fds[k] < 0]
+            if missing:
+                self.location.fetch([self.shards[k] for k in missing], who=f"{self.who}-{missing[0]}",
+                                    schema=self.schema, halt=halt)
+            try:
+                for k in missing:
+                    self._open(k)
+            finally:
+                if missing:
+                    self.location.release(f"{self.who}-{missing[0]}")
+        if use:
+            with self.lock:
+                self.users.update(ks)
+
+    def _open(self, k: int) -> None:
+        s, store = self.shards[k], self.location.store.resolve()
+        fd = _open_shard(store, s)
+        try:
+            seen = _identity(fd, self.verify)
+            frames = _check(self.location, store, fd, s, self.schema, self.verify)
+            target = Path("/proc/self/fd") / str(fd)
+            if not target.parent.is_dir():  # pragma: no cover - no procfs
+                target = store / s.rec
+            link = self.folder / f"{k:06d}"
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(link)
+            link.mkdir()  # one link per folder: dmlc lists a path's folder to find it
+            os.symlink(target, link / "s.rec")
+        except OSError as exc:
+            os.close(fd)
+            raise LoaderError(f"{self.folder}: cannot write the loader's index folder ({exc.strerror}); pass "
+                              "cache_dir= a writable folder (or set XDG_CACHE_HOME)") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        with self.lock:
+            self.fds[k], self.frames[k], self.checked[fd] = fd, frames, seen
+        if not self.keep:  # the open descriptor holds the file: the cache may evict its name
+            self.location.pin(s)
+
+    def let_go(self, ks: Sequence[int]) -> None:
+        """Reads of ``ks`` are done with them: without ``keep``, a file no read uses is closed."""
+        with self.lock:
+            self.users.subtract(ks)
+            free = [k for k in dict.fromkeys(ks) if self.users[k] <= 0 and self.fds[k] >= 0]
+            if self.keep:
+                return
+            closing = []
+            for k in free:
+                del self.users[k]
+                closing.append((k, self.fds[k]))
+                self.checked.pop(self.fds[k], None)
+                self.fds[k], self.frames[k] = -1, None
+        for k, fd in closing:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(self.folder / f"{k:06d}")
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            self.location.unpin(self.shards[k])
 
     def close(self) -> None:
         if self.folder is not None:
@@ -53,12 +129,15 @@ class PlanFiles:
             with contextlib.suppress(OSError):  # this process's folder, once it holds no plan (``_make_folder``)
                 self.folder.parent.rmdir()
             self.folder = None
-        fds, self.fds = self.fds, []
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                if fd < 0:
-                    continue
-                os.close(fd)
+        with self.lock:
+            fds, self.fds = self.fds, [-1] * len(self.fds)
+            self.frames = [None] * len(self.fds)
+        for k, fd in enumerate(fds):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                if not self.keep:
+                    self.location.unpin(self.shards[k])
 
     def __del__(self) -> None:
         self.close()
@@ -72,34 +151,37 @@ class EpochPlan:
     generation: int
     fingerprint: str
     shards: tuple[ShardEntry, ...]
-    folder: Path  # this process's private folder for the plan: the combined index, links to the .rec files
-    records: int
-    counts: np.ndarray = field(compare=False, repr=False, default=None)  # samples per record, global order
+    folder: Path  # this process's private folder for the plan: an index per read, links to the .rec files
     files: Optional[PlanFiles] = field(compare=False, repr=False, default=None)
-    offsets: np.ndarray = field(compare=False, repr=False, default=None)  # int64 byte offset of each record
-    keys: np.ndarray = field(compare=False, repr=False, default=None)  # float32 key words of each record
-    shard_first: np.ndarray = field(compare=False, repr=False, default=None)  # first record of each shard, + n
-    source: Any = field(compare=False, repr=False, default=None)  # streamed: ``pipeline.segments.StreamSource``
 
     @property
     def samples(self) -> int:
-        return int(self.counts.sum())
+        return int(sum(s.samples for s in self.shards))
 
-    def shard_of(self, record: int) -> int:
-        return int(np.searchsorted(self.shard_first, record, side="right")) - 1
+    @property
+    def records(self) -> int:
+        return int(sum(s.records for s in self.shards))
 
-    def can_split(self, record: int) -> bool:
-        """True when no other record of its shard has the same key and window count (see
-        ``Schema.key_words``), so a reader can tell it apart from the others of its date."""
-        s = self.shard_of(record)
-        if self.files is not None and self.files.fds[s] < 0:  # not read (``part_shards``): a bound there stays
-            return True
-        span = slice(self.shard_first[s], self.shard_first[s + 1])
-        same = (self.keys[span] == self.keys[record]).all(axis=1) & (self.counts[span] == self.counts[record])
-        return int(np.count_nonzero(same)) == 1
+    @property
+    def sample_counts(self) -> list[int]:
+        return [s.samples for s in self.shards]
 
-    def day_of(self, record: int) -> int:
-        return day_number(dt.date.fromisoformat(self.shards[self.shard_of(record)].date))
+
+@dataclass(frozen=True)
+class Read:
+    """One native read: records ``[lo, hi)`` of each shard in ``pieces`` ``(shard, lo, hi)``, in
+    this order; only the first may start inside its file, only the last may end inside it."""
+
+    pieces: tuple
+    slot: int  # the block slot of its first record
+
+    @property
+    def records(self) -> int:
+        return int(sum(hi - lo for _, lo, hi in self.pieces))
+
+    @property
+    def shards(self) -> list[int]:
+        return [k for k, _, _ in self.pieces]
 
 
 @dataclass(frozen=True)
@@ -112,30 +194,32 @@ class ReaderSource:
     part_index: int
 
 
-def reader_source(plan: EpochPlan, first: int, stop: int) -> ReaderSource:
-    """The files and index that make MXNet read exactly records ``[first, stop)`` of the plan
-    (see the module docstring); written once per plan and range."""
-    key = (first, stop)
+_SEQ = itertools.count()
+
+
+def reader_source(plan: EpochPlan, read: Read) -> ReaderSource:
+    """The files and index that make MXNet read exactly ``read`` (see the module docstring); the
+    index is a file of its own, which the caller removes once the native iterator has read it."""
     files = plan.files
+    offsets, base, end = [], 0, None
     with files.lock:
-        hit = files.sources.get(key)
-        if hit is not None:
-            return hit
-        f0, f1 = plan.shard_of(first), plan.shard_of(stop - 1)
-        base = plan.offsets[plan.shard_first[f0]]
-        end = plan.offsets[stop] - base if stop < plan.shard_first[f1 + 1] else None  # ends inside a file
-        text, parts = reader_index(plan.offsets[first:stop] - base, end)
-        index = plan.folder / f"r{first}-{stop}.idx"
-        tmp = index.with_suffix(".tmp")
-        try:
-            tmp.write_bytes(text)
-            os.replace(tmp, index)
-        except OSError as exc:
-            raise LoaderError(f"{index}: cannot write a reader's index ({exc.strerror}); pass cache_dir= a "
-                              "writable folder with room (or set XDG_CACHE_HOME)") from None
-        rec_paths = ";".join(str(plan.folder / f"{i:06d}" / "s.rec") for i in range(f0, f1 + 1))
-        files.sources[key] = source = ReaderSource(rec_paths, index, parts, 0)
-        return source
+        for i, (k, lo, hi) in enumerate(read.pieces):
+            frames = files.frames[k]
+            offsets.append(frames.offsets[lo:hi] + base)
+            if i == len(read.pieces) - 1 and hi < len(frames.offsets):
+                end = int(frames.offsets[hi]) + base  # ends inside its file
+            base += plan.shards[k].bytes
+    text, parts = reader_index(np.concatenate(offsets), end)
+    index = plan.folder / f"r{next(_SEQ)}.idx"
+    tmp = index.with_suffix(".tmp")
+    try:
+        tmp.write_bytes(text)
+        os.replace(tmp, index)
+    except OSError as exc:
+        raise LoaderError(f"{index}: cannot write a reader's index ({exc.strerror}); pass cache_dir= a "
+                          "writable folder with room (or set XDG_CACHE_HOME)") from None
+    rec_paths = ";".join(str(plan.folder / f"{k:06d}" / "s.rec") for k in read.shards)
+    return ReaderSource(rec_paths, index, parts, 0)
 
 
 def recheck(plan: EpochPlan, schema: Any, verify: str) -> None:
@@ -146,8 +230,8 @@ def recheck(plan: EpochPlan, schema: Any, verify: str) -> None:
     if files is None:
         return
     store = os.path.join(str(plan.store), "")
-    for s, fd in zip(plan.shards, files.fds):
-        if fd < 0:  # not read by this part
+    for s, fd in zip(plan.shards, list(files.fds)):
+        if fd < 0:  # not open (an object store's shard no read needs now)
             continue
         seen = _identity(fd, verify)
         if files.checked.get(fd) == seen:
@@ -199,9 +283,6 @@ def _open_shard(store: Path, s: ShardEntry) -> int:
         raise LoaderError(f"{rec}: cannot open the shard of {s.date} ({exc.strerror})") from None
 
 
-_SEQ = itertools.count()
-
-
 def _make_folder(folder: Path) -> None:
     """``folder`` and its parent (this process's folder), which a plan closing in another thread
     removes when it is empty: made again then."""
@@ -215,91 +296,49 @@ def _make_folder(folder: Path) -> None:
                 raise
 
 
-def part_shards(shards: tuple[ShardEntry, ...], part: Optional[tuple[int, int]], *, edges: bool = False
-                ) -> np.ndarray:
-    """Which of ``shards`` part ``part = (num_parts, part_index)`` reads (all of them for None):
-    from the manifest alone (``loader.pipeline.parts.shards_needed``); ``edges``: only those the
-    part's bounds fall inside (its other shards are streamed)."""
-    if part is None or (part[0] == 1 and not edges):
-        return np.ones(len(shards), bool)
-    stays = [s.windows in (0, s.records) or bool(s.distinct) for s in shards]
-    return shards_needed([s.samples for s in shards], stays, *part, edges=edges)
-
-
 def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, ...], *, verify: str = "frame",
-              fetcher: str = "", part: Optional[tuple[int, int]] = None, source: Any = None) -> EpochPlan:
-    """Fetch, open and check the shards' files and return a plan with its own folder for MXNet.
-
-    ``part = (num_parts, part_index)``: only the shards that part reads are fetched and opened
-    (``part_shards``); each of the others stands in the plan as one record of all its samples,
-    which no reader's range includes (an object store's worker downloads its part, not the store).
-    With a ``source`` (``loader.pipeline.segments.StreamSource``), only the shards the part's
-    bounds fall inside are fetched now: the stream fetches the rest segment by segment.
+              who: str = "", eager: Optional[bool] = None) -> EpochPlan:
+    """A plan over ``shards`` with its own folder for MXNet. ``eager`` (default: a store folder):
+    every file is opened and checked now, so what is wrong with one is said by ``ShardIter()`` or
+    ``reset()``; else (an object store) files are fetched and checked as reads need them.
 
     dmlc resolves each ``.rec`` path (and the index) by listing its folder and ``stat``-ing every
     entry there, which fails if a file is renamed meanwhile -- as the watcher's temp files are in
     the store -- and costs O(shards^2) stats when all links share a folder (0.7 s at 400 shards).
-    So MXNet only ever sees the plan's own folder: written once, then left unchanged, holding the
-    combined index and, one per subfolder, a link to each shard file this process holds open.
+    So MXNet only ever sees the plan's own folder, holding an index per read and, one per
+    subfolder, a link to each shard file this process holds open.
     """
     if verify not in VERIFY_MODES:
         raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
     store = location.store.resolve()
     if not shards:
         raise LoaderError(f"{location.manifest_path}: no shards selected (generation {manifest.generation})")
-    reads = part_shards(shards, part or (1, 0), edges=True) if source is not None else part_shards(shards, part)
-    location.fetch([s for s, r in zip(shards, reads) if r], who=fetcher, schema=manifest.schema)  # into a mirror
+    eager = not location.downloads if eager is None else eager
     plans = location.plans.resolve()
     mine = plans / f"{HOST_TOKEN}-{os.getpid()}"
     if ";" in str(mine):
         raise LoaderError(f"{mine}: a path given to MXNet may not contain ';' (it joins .rec paths with it)")
-    _ensure_fd_room(len(shards))
-    files = PlanFiles()
+    _ensure_fd_room(len(shards) if eager or location.cache_limit is None else 64)
+    files = PlanFiles(location, manifest, shards, verify, who or f"plan-{id(shards)}",
+                      keep=location.cache_limit is None)
     try:
-        parts, counts, keys, base = [], [], [], 0
-        no_key = np.zeros((1, len(manifest.schema.key_words)), np.float32)
-        for s, read in zip(shards, reads):
-            if not read:
-                files.fds.append(-1)
-                parts.append(np.array([base], np.int64))
-                counts.append(np.array([s.samples], np.int64))
-                keys.append(no_key)
-                base += s.bytes
-                continue
-            fd = _open_shard(store, s)
-            files.fds.append(fd)
-            seen = _identity(fd, verify)
-            frames = _check(location, store, fd, s, manifest.schema, verify)
-            files.checked[fd] = seen  # the first reset() costs one fstat per file, as later ones do
-            parts.append(frames.offsets + base)
-            counts.append(frames.counts)
-            keys.append(frames.keys)
-            base += s.bytes
-        shard_first = np.concatenate(([0], np.cumsum([len(c) for c in counts]))).astype(np.int64)
-        offsets, counts, keys = np.concatenate(parts), np.concatenate(counts), np.concatenate(keys)
-        proc_fd = Path("/proc/self/fd")
-        key = hashlib.sha256(json.dumps([str(store), part] + [s.to_json() for s in shards]).encode()).hexdigest()[:12]
+        key = hashlib.sha256(json.dumps([str(store)] + [s.to_json() for s in shards]).encode()).hexdigest()[:12]
         folder = mine / f"{next(_SEQ):05d}-{key}"
         try:
             _clean_dead_processes(plans)
             _clean_dead_processes(location.root)  # where versions before 2026-12-05 put them
             shutil.rmtree(folder, ignore_errors=True)
             _make_folder(folder)
-            files.folder = folder
-            for i, (s, fd) in enumerate(zip(shards, files.fds)):
-                if fd < 0:
-                    continue
-                target = proc_fd / str(fd) if proc_fd.is_dir() else store / s.rec
-                (folder / f"{i:06d}").mkdir()  # one link per folder: dmlc lists a path's folder to find it
-                os.symlink(target, folder / f"{i:06d}" / "s.rec")
         except OSError as exc:
             raise LoaderError(f"{mine}: cannot write the loader's index folder ({exc.strerror}); pass "
                               "cache_dir= a writable folder (or set XDG_CACHE_HOME)") from None
+        files.folder = folder
+        if eager:
+            files.ensure(range(len(shards)), use=False)
     except BaseException:
         files.close()
         raise
-    return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, folder, len(offsets),
-                     counts, files, offsets, keys, shard_first, source)
+    return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, folder, files)
 
 
 def _check(location: Location, store: Path, fd: int, s: ShardEntry, schema: Any, verify: str):

@@ -35,7 +35,7 @@ def test_a_flip_with_the_mtime_set_back_is_still_caught(tmp_path):
 def test_close_from_another_thread_wakes_a_blocked_next(tmp_path, monkeypatch):
     """The producer is stalled inside MXNet's reader; close() must still wake the caller's next()
     with a LoaderError (not a normal end of epoch), before the producer comes back."""
-    import loader.pipeline.stream as module
+    import loader.pipeline.loading as module
 
     make_store(tmp_path / "s", {"2024-01-02": 300})
     entered, release = threading.Event(), threading.Event()

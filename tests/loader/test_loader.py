@@ -180,7 +180,7 @@ def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache,
     per native batch keeps the consumer waiting most of the time."""
     import time
 
-    import loader.pipeline.stream as module
+    import loader.pipeline.loading as module
 
     with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
         _wait_until_parked(it)  # the native iterator started and the producer filled its queue
@@ -413,10 +413,10 @@ def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, mo
     and next() raises it once the batches before it are taken."""
     import time
 
-    import loader.pipeline.stream as module
+    import loader.pipeline.loading as module
 
-    # One record per native batch, in order: every batch of 1 is one next_label() call.
-    it = ShardIter(store, 1, shuffle=False, native_batch=1, prefetch_buffer=2, cache_dir=cache)
+    # One record per native batch and per block, in order: every batch of 1 is one next_label() call.
+    it = ShardIter(store, 1, shuffle=False, native_batch=1, prefetch_buffer=2, shuffle_buffer=1, cache_dir=cache)
     it.next()
     _wait_until_parked(it)
     _within(10, it.reset, "reset() with the producer parked on a full queue")

@@ -1,0 +1,225 @@
+"""The feed: ahead of a stream's producer, a thread makes the blocks of its visits readable, in
+order. For each block (:mod:`loader.pipeline.order`) it
+
+1. takes the block's shard pieces in groups of at most ``cap`` bytes of files (``cache_limit / 3``
+   under a limit, else the whole block), and for each group has the plan fetch (an object store;
+   nothing for a folder), open and check its files (:meth:`PlanFiles.ensure`);
+2. maps the group's samples to records: each record gets the next slot of the block's buffer and
+   the items of it the block holds (a record at a block's or canonical part's edge is read by
+   both sides, each keeping its own items);
+3. cuts the group's records into reads (native iterators, see :class:`loader.source.plan.Read`)
+   and opens them, at most ``ahead`` not yet taken by the producer;
+4. once the block's last read is queued, hands over the block's emission order: its items'
+   codes in the order of the block's permutation.
+
+Which record lands in which slot, and so every batch, is fixed by the order alone: ``readers``,
+``native_batch``, ``cache_limit`` and the store's kind only change how the records get there.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import threading
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+
+from loader.errors import LoaderError
+from loader.pipeline.native import free
+from loader.pipeline.order import EpochOrder, Visit
+from loader.source.plan import EpochPlan, Read, reader_source
+from shardgen.format.schema import day_number
+
+__all__ = ["ReadItem", "BlockItem", "Feed", "MIN_READ_RECORDS"]
+
+MIN_READ_RECORDS = 1024  # a read is not cut smaller to spread a block over the readers (opening costs 15-70 ms)
+
+
+class ReadItem(NamedTuple):
+    visit: int
+    read: Read
+    native: object
+    days: np.ndarray  # the day of each record it returns (checked as they come)
+    estimate: int  # records its block is expected to hold (the buffer's size)
+
+
+class BlockItem(NamedTuple):
+    visit: int
+    records: int
+    emit: np.ndarray  # item codes, in the block's order
+
+
+def _group(pieces: tuple, sizes: list, cap: Optional[int]) -> list:
+    """``pieces`` in consecutive groups of at most ``cap`` bytes of files (one piece at least)."""
+    if cap is None:
+        return [list(pieces)]
+    groups, size = [[]], 0
+    for piece in pieces:
+        if groups[-1] and size + sizes[piece[0]] > cap:
+            groups.append([])
+            size = 0
+        groups[-1].append(piece)
+        size += sizes[piece[0]]
+    return groups
+
+
+def _cut_reads(recs: list, slot: int, target: int) -> list[Read]:
+    """Records ``(shard, lo, hi, records in its file)`` in slot order, cut into reads of about
+    ``target`` records; a read joins whole files only between its first and last piece."""
+    reads, cur, n, first = [], [], 0, slot
+    for k, lo, hi, nrec in recs:
+        if cur and lo != 0:
+            reads.append(Read(tuple(cur), first))
+            first, cur, n = first + n, [], 0
+        while lo < hi:
+            take = min(hi - lo, max(1, target - n))
+            cur.append((k, lo, lo + take))
+            n += take
+            lo += take
+            if lo != nrec or n >= target:
+                reads.append(Read(tuple(cur), first))
+                first, cur, n = first + n, [], 0
+    if cur:
+        reads.append(Read(tuple(cur), first))
+    return reads
+
+
+class Feed:
+    """Reads (``ReadItem``) and blocks (``BlockItem``) of ``visits``, in order, then None."""
+
+    def __init__(self, plan: EpochPlan, order: EpochOrder, visits: list[Visit], *, pack: int, readers: int,
+                 cap: Optional[int], open_native: Callable, ahead: int, start: Optional[threading.Event] = None):
+        self.plan, self.order, self.visits, self.pack = plan, order, visits, pack
+        self.readers, self.cap, self.ahead, self._open_native = readers, cap, ahead, open_native
+        self._start = start  # set when this feed may begin fetching (the epoch before it has fetched all)
+        self.done_fetching = threading.Event()
+        self._items: list = []
+        self._natives = 0  # reads queued, not taken yet
+        self._queued = 0  # items queued so far
+        self._cond = threading.Condition()
+        self._halt = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._days = [day_number(dt.date.fromisoformat(s.date)) for s in plan.shards]
+        self._thread = threading.Thread(target=self._run, name="shardgen-feed", daemon=True)
+        self._thread.start()
+
+    # -- the producer's side ----------------------------------------------------------------------
+
+    def take(self, wait: bool) -> object:
+        """The next item (None: the last was taken); ``wait=False``: False if none is ready."""
+        with self._cond:
+            while not self._items and self._error is None and not self._halt.is_set():
+                if not wait:
+                    return False
+                self._cond.wait(0.1)
+            if self._items:
+                item = self._items.pop(0)
+                if isinstance(item, ReadItem):
+                    self._natives -= 1
+                    self._cond.notify_all()
+                return item
+            if self._error is not None:
+                raise self._error
+            raise LoaderError("the iterator was closed (or reset) while a block was read")
+
+    def wait_first(self) -> None:
+        """Until the first read is open (what stops an epoch from starting is raised here)."""
+        with self._cond:
+            while not self._queued and self._error is None and not self._halt.is_set():
+                self._cond.wait(0.1)
+            if not self._queued and self._error is not None:
+                raise self._error
+
+    def close(self) -> None:
+        """Stop; free the natives never taken (before their files go)."""
+        self._halt.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._cond:
+            items, self._items = self._items, []
+        for item in items:
+            if isinstance(item, ReadItem):
+                free(item.native)
+                self.plan.files.let_go(item.read.shards)
+
+    # -- the feed thread --------------------------------------------------------------------------
+
+    def _put(self, item: object) -> bool:
+        with self._cond:
+            while isinstance(item, ReadItem) and self._natives >= self.ahead and not self._halt.is_set():
+                self._cond.wait(0.1)
+            if self._halt.is_set():
+                return False
+            self._items.append(item)
+            self._queued += 1
+            self._natives += isinstance(item, ReadItem)
+            self._cond.notify_all()
+            return True
+
+    def _run(self) -> None:
+        try:
+            if self._start is not None:
+                while not self._start.wait(0.1):
+                    if self._halt.is_set():
+                        return
+            for v, visit in enumerate(self.visits):
+                if not self._block(v, visit):
+                    return
+            self.done_fetching.set()
+            self._put(None)
+        except BaseException as exc:  # raised to the producer by take()
+            with self._cond:  # no traceback kept: its frames would keep a native alive
+                self._error = exc.with_traceback(None)
+                self._cond.notify_all()
+        finally:
+            self.done_fetching.set()
+
+    def _block(self, v: int, visit: Visit) -> bool:
+        block = self.order.block(visit.c, visit.b)
+        plan, files = self.plan, self.plan.files
+        sizes = [s.bytes for s in plan.shards]
+        estimate = sum(math.ceil((hi - lo) * plan.shards[k].records / max(1, plan.shards[k].samples)) + 2
+                       for k, lo, hi in block.pieces)
+        codes, slot = [], 0
+        target = max(MIN_READ_RECORDS, math.ceil(estimate / self.readers))
+        for group in _group(block.pieces, sizes, self.cap):
+            shards = [k for k, _, _ in group]
+            files.ensure(shards, halt=self._halt)
+            try:
+                recs = []
+                for k, lo, hi in group:
+                    counts = files.frames[k].counts
+                    cum = np.concatenate(([0], np.cumsum(counts)))
+                    r0 = int(np.searchsorted(cum, lo, side="right")) - 1
+                    r1 = int(np.searchsorted(cum, hi, side="left"))
+                    first = cum[r0:r1]
+                    a = np.maximum(lo - first, 0)
+                    z = np.minimum(hi - first, counts[r0:r1])
+                    slots = np.arange(slot, slot + r1 - r0, dtype=np.int64)
+                    n = z - a
+                    at = np.repeat(np.cumsum(n) - n, n)
+                    codes.append(np.repeat(slots * self.pack + a, n) + np.arange(int(n.sum())) - at)
+                    recs.append((k, r0, r1, len(counts)))
+                    slot += r1 - r0
+                for read in _cut_reads(recs, slot - sum(r1 - r0 for _, r0, r1, _ in recs), target):
+                    files.ensure(read.shards, halt=self._halt)  # counted as used until the read is done
+                    try:
+                        days = np.repeat(np.array([self._days[k] for k in read.shards], np.float32),
+                                         [hi - lo for _, lo, hi in read.pieces])
+                        native = self._open_native(reader_source(plan, read), read.records)
+                    except BaseException:
+                        files.let_go(read.shards)
+                        raise
+                    if not self._put(ReadItem(v, read, native, days, estimate)):
+                        free(native)
+                        files.let_go(read.shards)
+                        return False
+            finally:
+                files.let_go(shards)
+        emit = np.concatenate(codes) if codes else np.zeros(0, np.int64)
+        if block.perm is not None:
+            emit = emit[block.perm]
+        return self._put(BlockItem(v, slot, emit))

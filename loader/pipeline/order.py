@@ -1,0 +1,209 @@
+"""An epoch's reading order, as a value: which sample every position of the epoch holds, and
+which of those positions each part reads (MosaicML Streaming's idea, ``streaming/base/shuffle``,
+made exact across packed records and the same for every store).
+
+The order is a pure function of ``(seed, epoch, the selected shards' sample counts in store
+order, canonical_parts, block)`` and of nothing else: not ``cache_limit``, ``readers``,
+``native_batch``, ``prefetch_buffer``, ``preprocess_threads``, the store's kind, nor the number
+of workers reading it.
+
+1. **Canonical parts.** The epoch's ``N`` samples, in store order, are split into
+   ``K = canonical_parts`` ranges ``[c*N//K, (c+1)*N//K)``; a bound may fall inside a shard or a
+   packed record (both sides read that record and each keeps its own samples).
+2. **Shards.** Each canonical part's shard pieces are permuted by ``(seed, epoch, c)`` and their
+   samples laid end to end.
+3. **Blocks.** That sequence is cut into blocks: the first of ``block // RAMP`` samples, each
+   next one ``GROWTH`` times larger, up to ``block`` samples (the first batch waits for a few
+   shards, not for a whole block). Each block's samples are permuted by ``(seed, epoch, c, b)``.
+   A block's records are held in memory while it is read, so ``block`` is the shuffle buffer.
+4. **The epoch** (``E``) is the canonical parts' orders end to end.
+
+Without ``shuffle`` nothing is permuted: ``E`` is the store order.
+
+**Parts and phases.** A phase of ``P`` parts splits what is left of ``E`` into ``P`` contiguous
+slices balanced by samples (``len // P`` or one more); part ``p`` reads slice ``p`` in order,
+``batch_size`` samples a batch. A saved state lists its phases (``num_parts``, ``batch_size``,
+batches read); every worker of a ``dist_sync`` job is at the same batch, so the phases say exactly
+which samples were consumed, and a job on any other number of parts splits the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["RAMP", "GROWTH", "OrderSpec", "Phase", "Block", "Visit", "EpochOrder", "remainder", "slice_of", "cut",
+           "count"]
+
+RAMP = 64  # the first block of a canonical part holds block // RAMP samples
+GROWTH = 4  # and each next one GROWTH times more, up to ``block``
+
+
+@dataclass(frozen=True)
+class OrderSpec:
+    """What shapes an epoch's order besides the shards: recorded in every saved state."""
+
+    seed: int
+    shuffle: bool
+    canonical_parts: int
+    block: int  # samples per full block (the shuffle window)
+
+    def __post_init__(self) -> None:
+        if self.canonical_parts < 1 or self.block < 1:
+            raise ValueError(f"canonical_parts and block must be >= 1, got {self.canonical_parts}, {self.block}")
+
+
+class Phase(NamedTuple):
+    """A stretch of an epoch read by ``num_parts`` parts, ``batches`` batches of ``batch_size`` each."""
+
+    num_parts: int
+    batch_size: int
+    batches: int
+
+
+class Block(NamedTuple):
+    """Block ``b`` of canonical part ``c``: its shard pieces ``(shard, lo, hi)`` (samples of the
+    shard, in reading order) and the permutation of its samples (None: in order)."""
+
+    c: int
+    b: int
+    pieces: tuple
+    perm: Optional[np.ndarray]
+
+    @property
+    def samples(self) -> int:
+        return int(sum(hi - lo for _, lo, hi in self.pieces))
+
+
+class Visit(NamedTuple):
+    """Positions ``[u0, u1)`` of block ``(c, b)``, read in one go."""
+
+    c: int
+    b: int
+    u0: int
+    u1: int
+
+
+Intervals = list  # [(a, b), ...]: positions of E, in reading order
+
+
+def count(intervals: Sequence[tuple[int, int]]) -> int:
+    return int(sum(b - a for a, b in intervals))
+
+
+def cut(intervals: Sequence[tuple[int, int]], start: int, stop: int) -> Intervals:
+    """Positions ``[start, stop)`` of the sequence ``intervals`` describes."""
+    out, at = [], 0
+    for a, b in intervals:
+        lo, hi = max(start - at, 0), min(stop - at, b - a)
+        if lo < hi:
+            out.append((a + lo, a + hi))
+        at += b - a
+        if at >= stop:
+            break
+    return out
+
+
+def slice_of(rest: Intervals, num_parts: int, part_index: int) -> Intervals:
+    """Part ``part_index``'s slice of ``rest`` in a phase of ``num_parts`` parts."""
+    m = count(rest)
+    return cut(rest, part_index * m // num_parts, (part_index + 1) * m // num_parts)
+
+
+def remainder(total: int, phases: Sequence[Phase]) -> Intervals:
+    """What is left of an epoch of ``total`` samples after ``phases``."""
+    rest: Intervals = [(0, total)] if total else []
+    for phase in phases:
+        tails = []
+        for p in range(phase.num_parts):
+            mine = slice_of(rest, phase.num_parts, p)
+            tails += cut(mine, phase.batches * phase.batch_size, count(mine))
+        rest = tails
+    return rest
+
+
+class EpochOrder:
+    """The order of one epoch of shards with ``samples`` (per shard, store order)."""
+
+    def __init__(self, samples: Sequence[int], spec: OrderSpec, epoch: int):
+        self.samples = np.asarray(samples, np.int64)
+        self.spec, self.epoch = spec, int(epoch)
+        self.total = int(self.samples.sum())
+        k = spec.canonical_parts
+        self.canon = np.array([c * self.total // k for c in range(k + 1)], np.int64)  # E bounds of each
+        self._canonical: dict = {}
+
+    def _rng(self, *words: int) -> np.random.Generator:
+        return np.random.default_rng([self.spec.seed, self.epoch, *words])
+
+    def canonical(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Canonical part ``c``: its pieces ``(shard, lo, hi)`` in reading order, where each piece
+        starts in its sequence, and where each block starts (and the last ends)."""
+        hit = self._canonical.get(c)
+        if hit is None:
+            hit = self._canonical[c] = self._make_canonical(c)
+        return hit
+
+    def _make_canonical(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        cum = np.concatenate(([0], np.cumsum(self.samples)))
+        s0, s1 = int(self.canon[c]), int(self.canon[c + 1])
+        first = int(np.searchsorted(cum, s0, side="right")) - 1
+        rows = []
+        for k in range(max(first, 0), len(self.samples)):
+            lo, hi = max(s0, cum[k]), min(s1, cum[k + 1])
+            if cum[k] >= s1:
+                break
+            if lo < hi:
+                rows.append((k, lo - cum[k], hi - cum[k]))
+        pieces = np.array(rows, np.int64).reshape(-1, 3)
+        if self.spec.shuffle and len(pieces) > 1:
+            pieces = pieces[self._rng(c, 0).permutation(len(pieces))]
+        starts = np.concatenate(([0], np.cumsum(pieces[:, 2] - pieces[:, 1])))
+        return pieces, starts, _block_bounds(s1 - s0, self.spec.block)
+
+    def block(self, c: int, b: int) -> Block:
+        pieces, starts, bounds = self.canonical(c)
+        q0, q1 = int(bounds[b]), int(bounds[b + 1])
+        out = []
+        i = int(np.searchsorted(starts, q0, side="right")) - 1
+        while i < len(pieces) and starts[i] < q1:
+            k, lo, hi = (int(v) for v in pieces[i])
+            a, z = max(q0 - starts[i], 0), min(q1 - starts[i], hi - lo)
+            if a < z:
+                out.append((k, lo + a, lo + z))
+            i += 1
+        perm = self._rng(c, 1, b).permutation(q1 - q0) if self.spec.shuffle else None
+        return Block(c, b, tuple(out), perm)
+
+    def visits(self, intervals: Intervals) -> Iterator[Visit]:
+        """The blocks ``intervals`` (positions of E) pass through, in reading order."""
+        for a, z in intervals:
+            while a < z:
+                c = int(np.searchsorted(self.canon, a, side="right")) - 1
+                bounds = self.canonical(c)[2]
+                q = a - int(self.canon[c])
+                b = int(np.searchsorted(bounds, q, side="right")) - 1
+                u1 = min(int(bounds[b + 1]), q + (z - a))
+                yield Visit(c, b, q - int(bounds[b]), u1 - int(bounds[b]))
+                a += u1 - q
+
+    def shards_of(self, intervals: Intervals) -> set:
+        """The shards ``intervals`` read samples of (whole blocks: a block is read whole)."""
+        seen, out = set(), set()
+        for v in self.visits(intervals):
+            if (v.c, v.b) not in seen:
+                seen.add((v.c, v.b))
+                out.update(k for k, _, _ in self.block(v.c, v.b).pieces)
+        return out
+
+
+def _block_bounds(n: int, block: int) -> np.ndarray:
+    """Where the blocks of a sequence of ``n`` samples start (and the last ends)."""
+    bounds, at, size = [0], 0, max(1, block // RAMP)
+    while at < n:
+        at = min(n, at + size)
+        bounds.append(at)
+        size = min(block, size * GROWTH)
+    return np.array(bounds, np.int64)
