@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import weakref
 from typing import Callable, Optional
 
@@ -22,6 +23,7 @@ from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
 from loader.pipeline.memory import Arena, settle_allocator
 from loader.pipeline.order import EpochOrder, Phase, slice_of
+from loader.pipeline.settings import check_memory
 from loader.pipeline.stream import order_spec
 from loader.source.generations import Choice
 from loader.sizes import say_size
@@ -198,11 +200,16 @@ class Reader:
         skip = 0
         if phases and phases[-1][:2] == (p.num_parts, p.batch_size):
             phases, skip = phases[:-1], phases[-1].batches
+        params = dataclasses.replace(p, canonical_parts=int(state["canonical_parts"]), block=int(state["block"]))
+        if params.block != p.block:  # buffers for the state's blocks: checked before this epoch is let go
+            per = p.block / max(1, p.buffer_records)
+            params = dataclasses.replace(params, buffer_records=max(1, math.ceil(params.block / per)))
+            self.memory = check_memory(params, f"a state's block of {params.block:,} samples")
         before_end()
         self.end_epoch()
         if state.get("pinned") is not None:
             self.choice = Choice(pin=state["pinned"])
-        self.params = dataclasses.replace(p, canonical_parts=int(state["canonical_parts"]), block=int(state["block"]))
+        self.params = params
         manifest = self.location.manifest()
         plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
         plan = dataclasses.replace(plan, generation=state["generation"])

@@ -23,9 +23,10 @@ import math
 import threading
 from typing import Callable, NamedTuple, Optional
 
+import mxnet as mx
 import numpy as np
 
-from loader.errors import LoaderError
+from loader.errors import LoaderError, mxnet_reason
 from loader.pipeline.native import free
 from loader.pipeline.order import EpochOrder, Visit
 from loader.source.plan import EpochPlan, Read, reader_source
@@ -171,6 +172,9 @@ class Feed:
             self.done_fetching.set()
             self._put(None)
         except BaseException as exc:  # raised to the producer by take()
+            if isinstance(exc, mx.base.MXNetError):
+                exc = LoaderError(f"MXNet's reader failed on generation {self.plan.generation} ({len(self.plan.shards)} "
+                                  f"shards in {self.plan.store}): {mxnet_reason(exc)}")
             with self._cond:  # no traceback kept: its frames would keep a native alive
                 self._error = exc.with_traceback(None)
                 self._cond.notify_all()

@@ -82,11 +82,13 @@ def test_other_sizes_are_checked_at_construction(store, tmp_path, kw):
 def test_shuffle_buffer_in_bytes_or_records(store, tmp_path):
     with ShardIter(store, 64, shuffle_buffer="64MB", cache_dir=tmp_path) as it:
         per = buffer_bytes(it.schema, 1)
-        assert it.state_dict()["shuffle_buffer"] == 64 * 10**6 // per
-        assert it.memory["shuffle buffers"] <= 2 * 64 * 10**6
+        assert it.reader.params.buffer_records == 64 * 10**6 // per
+        per_record = it.plan.samples / it.plan.records
+        assert it.state_dict()["block"] == int(64 * 10**6 // per * per_record)  # samples of as many records
+        assert it.memory["shuffle buffers"] <= 3 * 64 * 10**6 * 9 / 8  # see loader.pipeline.memory
         assert it.memory["total"] < physical_memory() / 2
     with ShardIter(store, 64, shuffle_buffer=300, cache_dir=tmp_path) as it:
-        assert it.state_dict()["shuffle_buffer"] == 300
+        assert it.state_dict()["block"] == int(300 * it.plan.samples / it.plan.records)
 
 
 @pytest.mark.parametrize("bad", ["16", "lots", "-1MB", 0, -5, True, 1.5])
@@ -98,7 +100,7 @@ def test_bad_shuffle_buffer_values_say_what_is_expected(store, tmp_path, bad):
 def test_load_state_dict_checks_sizes_before_it_lets_go_of_the_epoch(store, tmp_path):
     with ShardIter(store, 64, cache_dir=tmp_path) as it:
         state = it.state_dict()
-        state["shuffle_buffer"] = 200_000_000
-        with pytest.raises(LoaderError, match="200,000,000 records.*would hold"):
+        state["block"] = 200_000_000  # the state's shuffle window: buffers of as many records
+        with pytest.raises(LoaderError, match="block of 200,000,000 samples.*would hold"):
             it.load_state_dict(state)
         assert it.next().data[0].shape[0] == 64, "the epoch in progress is untouched"
