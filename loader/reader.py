@@ -54,7 +54,7 @@ class Reader:
         location.claim(f"iter-{id(self)}")  # a cache under cache_limit streams for one iterator
         if location.cache_limit is not None:
             join_closing(60)  # iterators dropped unclosed let go of their segments first (their close thread)
-        self.epochs = Epochs(location.lease(), location.cache_limit)  # the lease tells gc which generation we read
+        self.epochs = Epochs(location.lease(), location.cache_limit, location.downloads)  # the lease tells gc which generation we read
         me = weakref.ref(self)  # threads reach the epochs, never the reader (its finalizer must run)
         self.epochs.on_ahead = lambda: (me() or _Gone)._ahead_opened()
         self._finalizer = weakref.finalize(self, _let_go, location, f"iter-{id(self)}", self.epochs)
@@ -128,6 +128,14 @@ class Reader:
     def _next_plan(self, manifest: Manifest, current: EpochPlan) -> EpochPlan:
         shards = select_shards(manifest, self.dates)
         if shards != current.shards:
+            if self.location.downloads and self.location.cache_limit is None:
+                # A cache that holds the part: its new shards come now, so a store lost since the
+                # manifest came is met here, and the held generation is read again (``reset``).
+                who = f"iter-{id(self)}-next"
+                try:
+                    self.location.fetch(self._part_of(manifest), who=who, schema=manifest.schema)
+                finally:
+                    self.location.release(who)
             return self._plan_for(manifest, shards)
         if manifest.generation != current.generation:  # same files: only the generation moves on
             return dataclasses.replace(current, generation=manifest.generation)
@@ -148,9 +156,9 @@ class Reader:
         largest = max((s.bytes for s in shards), default=0)
         if limit is not None and 3 * largest > limit:
             big = max(shards, key=lambda s: s.bytes)
-            raise LoaderError(f"{self.location.url}: cache_limit {say_size(limit)} is too small to stream these shards: "
-                              f"it must hold 3 of the largest ({big.date}, {say_size(largest)}) at once (one read, "
-                              f"one fetched ahead, one for the next epoch); raise cache_limit to at least "
+            raise LoaderError(f"{self.location.url}: cache_limit {say_size(limit)} is too small to stream this part: "
+                              f"it must hold 3 of its largest shard ({big.date}, {say_size(largest)}) at once (one "
+                              f"being read, one fetched ahead, one for the next epoch); raise cache_limit to at least "
                               f"{say_size(3 * largest)}")
 
     def _part_of(self, manifest: Manifest) -> tuple:
@@ -172,9 +180,11 @@ class Reader:
 
     def _ahead_opened(self) -> None:
         """The next epoch's stream opened (``Epochs``, half way through this one): an object store's
-        newest generation is fetched ahead too, unless pinned or under a ``cache_limit``."""
-        if self.choice.pin is None and self.location.cache_limit is None:
-            self.location.fetch_ahead(self._part_of)
+        newest generation is fetched ahead too, once this epoch has fetched its own shards, unless
+        pinned or under a ``cache_limit``."""
+        stream = self.epochs.stream
+        if self.choice.pin is None and self.location.cache_limit is None and stream is not None:
+            self.location.fetch_ahead(self._part_of, after=stream.feed.done_fetching)
 
     # -- resumption -------------------------------------------------------------------------------
 

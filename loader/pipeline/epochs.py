@@ -38,8 +38,8 @@ def _closed_during_reset(plan: EpochPlan) -> LoaderError:
 
 
 class Epochs:
-    def __init__(self, lease: Lease, cache_limit: Optional[int] = None):
-        self.lease = lease
+    def __init__(self, lease: Lease, cache_limit: Optional[int] = None, downloads: bool = False):
+        self.lease, self.downloads = lease, downloads
         # Under a cache_limit a feed group holds at most a third of it: the group being read, the next
         # one fetched, and the next epoch's first one (which waits until this epoch fetched its last).
         self.cap = None if cache_limit is None else max(1, cache_limit // 3)
@@ -97,7 +97,9 @@ class Epochs:
         if self.ahead is None and self.plan is not None and not self.closed:
             try:
                 current = self.stream
-                gate = current.feed.done_fetching if self.cap is not None and current is not None else None
+                # From an object store the next epoch fetches once this one has fetched its last (never
+                # the same file twice at once, nor more than the limit holds).
+                gate = current.feed.done_fetching if self.downloads and current is not None else None
                 self.ahead = EpochStream(self.plan, epoch, params, self.arena, cap=self.cap, gate=gate, behind=behind,
                                          on_half=self._half_way, yield_to=self._starving)
             except LoaderError:

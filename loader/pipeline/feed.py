@@ -139,6 +139,7 @@ class Feed:
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
+        self.done_fetching.set()
         with self._cond:
             items, self._items = self._items, []
         for item in items:
@@ -169,7 +170,7 @@ class Feed:
             for v, visit in enumerate(self.visits):
                 if not self._block(v, visit):
                     return
-            self.done_fetching.set()
+            self.done_fetching.set()  # the next epoch's feed may fetch (not after a failure: until close)
             self._put(None)
         except BaseException as exc:  # raised to the producer by take()
             if isinstance(exc, mx.base.MXNetError):
@@ -178,8 +179,6 @@ class Feed:
             with self._cond:  # no traceback kept: its frames would keep a native alive
                 self._error = exc.with_traceback(None)
                 self._cond.notify_all()
-        finally:
-            self.done_fetching.set()
 
     def _block(self, v: int, visit: Visit) -> bool:
         block = self.order.block(visit.c, visit.b)

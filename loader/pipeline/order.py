@@ -37,7 +37,7 @@ import numpy as np
 __all__ = ["RAMP", "GROWTH", "OrderSpec", "Phase", "Block", "Visit", "EpochOrder", "remainder", "slice_of", "cut",
            "count"]
 
-RAMP = 64  # the first block of a canonical part holds block // RAMP samples
+RAMP = 256  # the first block of a canonical part holds block // RAMP samples
 GROWTH = 4  # and each next one GROWTH times more, up to ``block``
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import math
+import shutil
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -171,7 +172,7 @@ class EpochStream:
                                     batch_size=min(p.native_batch, records), shuffle=False, seed=0,
                                     preprocess_threads=p.preprocess_threads, prefetch_buffer=1)
         finally:
-            source.index.unlink(missing_ok=True)  # read at open
+            shutil.rmtree(source.index.parent, ignore_errors=True)  # read at open
 
     def _run(self) -> None:
         if self._behind:

@@ -106,8 +106,9 @@ class Location:
         """Fetch ``shard``'s ``.idx`` if it was left out; True if it was (a check may then be retried)."""
         return False
 
-    def fetch_ahead(self, select: Callable[[Manifest], tuple]) -> None:
-        """Start fetching the newest generation's files in the background (``select`` picks the shards)."""
+    def fetch_ahead(self, select: Callable[[Manifest], tuple], after: Optional[threading.Event] = None) -> None:
+        """Start fetching the newest generation's files in the background (``select`` picks the
+        shards), once ``after`` is set (this epoch's own downloads first)."""
 
     def claim(self, who: str) -> None:
         """``who`` (an iterator) reads from here (a cache under ``cache_limit`` takes one)."""
@@ -169,8 +170,8 @@ class MirrorLocation(Location):
         self.cache.fetch_index(shard)
         return True
 
-    def fetch_ahead(self, select: Callable[[Manifest], tuple]) -> None:
-        self.cache.fetch_ahead(select)
+    def fetch_ahead(self, select: Callable[[Manifest], tuple], after: Optional[threading.Event] = None) -> None:
+        self.cache.fetch_ahead(select, after)
 
     def claim(self, who: str) -> None:
         self.cache.claim(who)

@@ -336,13 +336,21 @@ class ObjectCache:
         return True
 
     def _cache_bytes(self) -> int:
-        """Bytes of the files in place (a download under way is counted in ``_inflight`` instead)."""
-        return sum(p.stat().st_size for p in self._entries() if p.name not in self._inflight)
+        """Bytes of the files in place (a download under way is counted in ``_inflight`` instead),
+        and room for the manifest twice (the next one is written beside it before it replaces it)
+        and the snapshots: what the cache writes is all under ``cache_limit``."""
+        files = sum(p.stat().st_size for p in self._entries() if p.name not in self._inflight)
+        meta = 0
+        with contextlib.suppress(OSError):
+            meta += 2 * self.manifest_path.stat().st_size + self.manifest_path.stat().st_size // 8
+        with contextlib.suppress(OSError):
+            meta += sum(p.stat().st_size for p in (self.folder / SNAPSHOT_DIR).iterdir())
+        return files + meta
 
     def _entries(self) -> list:
         out = []
         for p in self.folder.iterdir():
-            if p.is_file() and not p.name.startswith(".") and p.name != MANIFEST_NAME:
+            if p.is_file() and not p.name.startswith(".") and p.name != MANIFEST_NAME:  # (counted in _cache_bytes)
                 out.append(p)
         return out
 
@@ -372,14 +380,16 @@ class ObjectCache:
 
     # -- ahead of the next epoch ------------------------------------------------------------------
 
-    def fetch_ahead(self, select) -> None:
-        """In the background: the newest generation's shards (``select(manifest)`` picks them),
-        if they fit; nothing is said if it fails (``reset()`` will fetch and say why)."""
+    def fetch_ahead(self, select, after: Optional[threading.Event] = None) -> None:
+        """In the background, once ``after`` is set: the newest generation's shards (``select(manifest)``
+        picks them), if they fit; nothing is said if it fails (``reset()`` will fetch and say why)."""
         if self._ahead is not None and self._ahead.is_alive():
             return
 
         def run():
             try:
+                if after is not None:
+                    after.wait()
                 data = self.remote.get(MANIFEST_NAME)
                 if data is None:
                     return

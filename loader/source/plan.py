@@ -63,19 +63,22 @@ class PlanFiles:
         ``let_go``."""
         with self.fetch_lock:
             with self.lock:
+                if use:  # counted first: a read let go meanwhile cannot close what this one needs
+                    self.users.update(ks)
                 missing = [k for k in dict.fromkeys(ks) if self.fds[k] < 0]
-            if missing:
-                self.location.fetch([self.shards[k] for k in missing], who=f"{self.who}-{missing[0]}",
-                                    schema=self.schema, halt=halt)
             try:
+                if missing:
+                    self.location.fetch([self.shards[k] for k in missing], who=f"{self.who}-{missing[0]}",
+                                        schema=self.schema, halt=halt)
                 for k in missing:
                     self._open(k)
+            except BaseException:
+                if use:
+                    self.let_go(ks)
+                raise
             finally:
                 if missing:
                     self.location.release(f"{self.who}-{missing[0]}")
-        if use:
-            with self.lock:
-                self.users.update(ks)
 
     def _open(self, k: int) -> None:
         s, store = self.shards[k], self.location.store.resolve()
@@ -86,11 +89,13 @@ class PlanFiles:
             target = Path("/proc/self/fd") / str(fd)
             if not target.parent.is_dir():  # pragma: no cover - no procfs
                 target = store / s.rec
-            link = self.folder / f"{k:06d}"
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(link)
-            link.mkdir()  # one link per folder: dmlc lists a path's folder to find it
-            os.symlink(target, link / "s.rec")
+            with self.lock:  # a link let go of in another thread is removed under this lock too
+                link = self.folder / f"{k:06d}"
+                with contextlib.suppress(FileNotFoundError):
+                    shutil.rmtree(link)
+                link.mkdir()  # one link per folder: dmlc lists a path's folder to find it
+                os.symlink(target, link / "s.rec")
+                self.fds[k], self.frames[k], self.checked[fd] = fd, frames, seen
         except OSError as exc:
             os.close(fd)
             raise LoaderError(f"{self.folder}: cannot write the loader's index folder ({exc.strerror}); pass "
@@ -98,8 +103,6 @@ class PlanFiles:
         except BaseException:
             os.close(fd)
             raise
-        with self.lock:
-            self.fds[k], self.frames[k], self.checked[fd] = fd, frames, seen
         if not self.keep:  # the open descriptor holds the file: the cache may evict its name
             self.location.pin(s)
 
@@ -110,17 +113,16 @@ class PlanFiles:
             free = [k for k in dict.fromkeys(ks) if self.users[k] <= 0 and self.fds[k] >= 0]
             if self.keep:
                 return
-            closing = []
             for k in free:
                 del self.users[k]
-                closing.append((k, self.fds[k]))
-                self.checked.pop(self.fds[k], None)
+                fd = self.fds[k]
+                self.checked.pop(fd, None)
                 self.fds[k], self.frames[k] = -1, None
-        for k, fd in closing:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(self.folder / f"{k:06d}")
-            with contextlib.suppress(OSError):
-                os.close(fd)
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(self.folder / f"{k:06d}")
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        for k in free:
             self.location.unpin(self.shards[k])
 
     def close(self) -> None:
@@ -199,7 +201,7 @@ _SEQ = itertools.count()
 
 def reader_source(plan: EpochPlan, read: Read) -> ReaderSource:
     """The files and index that make MXNet read exactly ``read`` (see the module docstring); the
-    index is a file of its own, which the caller removes once the native iterator has read it."""
+    index is in a folder of its own, which the caller removes once the native iterator has read it."""
     files = plan.files
     offsets, base, end = [], 0, None
     with files.lock:
@@ -210,11 +212,12 @@ def reader_source(plan: EpochPlan, read: Read) -> ReaderSource:
                 end = int(frames.offsets[hi]) + base  # ends inside its file
             base += plan.shards[k].bytes
     text, parts = reader_index(np.concatenate(offsets), end)
-    index = plan.folder / f"r{next(_SEQ)}.idx"
-    tmp = index.with_suffix(".tmp")
+    # In a folder of its own: dmlc lists the folder of every path it is given and stats each entry,
+    # so a folder where other files come and go (links let go of, indexes removed) fails it.
+    index = plan.folder / f"i{next(_SEQ)}" / "r.idx"
     try:
-        tmp.write_bytes(text)
-        os.replace(tmp, index)
+        index.parent.mkdir()
+        index.write_bytes(text)
     except OSError as exc:
         raise LoaderError(f"{index}: cannot write a reader's index ({exc.strerror}); pass cache_dir= a "
                           "writable folder with room (or set XDG_CACHE_HOME)") from None

@@ -112,7 +112,7 @@ def test_the_default_two_readers_stream_a_part_under_a_limit_below_it(s3, tmp_pa
     seen = []
     with ShardIter(url, 8, cache_dir=tmp_path / "cache", seed=1, native_batch=4, shuffle_buffer=16,
                    cache_limit=40_000) as it:
-        assert it.reader.budget.limit == 40_000
+        assert it.reader.location.cache_limit == 40_000
         for _ in range(8):
             seen.append(sum(len(batch_ids(b)) for b in it))
             it.reset()
