@@ -26,7 +26,6 @@ from loader.pipeline.order import EpochOrder, Phase, slice_of
 from loader.pipeline.settings import check_memory
 from loader.pipeline.stream import order_spec
 from loader.source.generations import Choice
-from loader.sizes import say_size
 from loader.source.location import Location
 from loader.source.plan import EpochPlan, make_plan
 from loader.source.selection import DateRange, normalize_dates, select_shards
@@ -54,7 +53,7 @@ class Reader:
         location.claim(f"iter-{id(self)}")  # a cache under cache_limit streams for one iterator
         if location.cache_limit is not None:
             join_closing(60)  # iterators dropped unclosed let go of their segments first (their close thread)
-        self.epochs = Epochs(location.lease(), location.cache_limit, location.downloads)  # the lease tells gc which generation we read
+        self.epochs = Epochs(location.lease(), location.group_bytes(), location.downloads)  # the lease tells gc which generation we read
         me = weakref.ref(self)  # threads reach the epochs, never the reader (its finalizer must run)
         self.epochs.on_ahead = lambda: (me() or _Gone)._ahead_opened()
         self._finalizer = weakref.finalize(self, _let_go, location, f"iter-{id(self)}", self.epochs)
@@ -146,20 +145,8 @@ class Reader:
         self.epochs.end_current(wait=self.cursor < self.batches)  # read to its end: its thread is ending
 
     def _plan_for(self, manifest: Manifest, shards: tuple) -> EpochPlan:
-        self._check_room(shards)
+        self.location.check_room(list(shards))
         return make_plan(self.location, manifest, shards, verify=self.verify, who=f"iter-{id(self)}")
-
-    def _check_room(self, shards: tuple) -> None:
-        """LoaderError unless a cache under ``cache_limit`` can hold 3 of the largest shard (a feed
-        group is a third of the limit: see ``Epochs``)."""
-        limit = self.location.cache_limit
-        largest = max((s.bytes for s in shards), default=0)
-        if limit is not None and 3 * largest > limit:
-            big = max(shards, key=lambda s: s.bytes)
-            raise LoaderError(f"{self.location.url}: cache_limit {say_size(limit)} is too small to stream this part: "
-                              f"it must hold 3 of its largest shard ({big.date}, {say_size(largest)}) at once (one "
-                              f"being read, one fetched ahead, one for the next epoch); raise cache_limit to at least "
-                              f"{say_size(3 * largest)}")
 
     def _part_of(self, manifest: Manifest) -> tuple:
         """The shards of ``manifest`` this part reads in the next epoch (fetched ahead of a new generation)."""

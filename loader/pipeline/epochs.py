@@ -38,11 +38,11 @@ def _closed_during_reset(plan: EpochPlan) -> LoaderError:
 
 
 class Epochs:
-    def __init__(self, lease: Lease, cache_limit: Optional[int] = None, downloads: bool = False):
-        self.lease, self.downloads = lease, downloads
-        # Under a cache_limit a feed group holds at most a third of it: the group being read, the next
-        # one fetched, and the next epoch's first one (which waits until this epoch fetched its last).
-        self.cap = None if cache_limit is None else max(1, cache_limit // 3)
+    def __init__(self, lease: Lease, cap: Optional[int] = None, downloads: bool = False):
+        """``cap``: bytes of shard files a feed group may hold (under a cache_limit, a third of it:
+        the group being read, the next one fetched, and the next epoch's first one, which waits
+        until this epoch fetched its last)."""
+        self.lease, self.downloads, self.cap = lease, downloads, cap
         self.stream: Optional[EpochStream] = None
         self.ahead: Optional[EpochStream] = None
         self.ending: set = set()  # streams end_current() took out and is stopping: close() waits for them too

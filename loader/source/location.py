@@ -113,6 +113,13 @@ class Location:
     def claim(self, who: str) -> None:
         """``who`` (an iterator) reads from here (a cache under ``cache_limit`` takes one)."""
 
+    def check_room(self, shards: list) -> None:
+        """LoaderError unless a cache under ``cache_limit`` can stream ``shards``."""
+
+    def group_bytes(self) -> Optional[int]:
+        """Bytes of shard files a feed group may hold at once (None: no bound)."""
+        return None
+
     def pin(self, shard: ShardEntry) -> None:
         """``shard``'s file is held open: not evicted (its bytes stay on disk) until ``unpin``."""
 
@@ -175,6 +182,12 @@ class MirrorLocation(Location):
 
     def claim(self, who: str) -> None:
         self.cache.claim(who)
+
+    def check_room(self, shards: list) -> None:
+        self.cache.check_room(shards)
+
+    def group_bytes(self) -> Optional[int]:
+        return self.cache.group_bytes()
 
     def pin(self, shard: ShardEntry) -> None:
         self.cache.pin(shard.rec, +1)

@@ -314,8 +314,9 @@ class ObjectCache:
             with self._lock:
                 if halt.is_set():
                     raise LoaderError("the iterator was closed (or reset) while a download waited for room")
-                if time.monotonic() - waited > ROOM_WAIT_S:
-                    halt = None  # the next try says what is full
+                held = set().union(*self.wanted.values(), self.pinned) - set(files)
+                if not held or time.monotonic() - waited > ROOM_WAIT_S:
+                    halt = None  # nothing in use will be let go (or not for long): the next try says what is full
                     continue
                 self._freed.wait(0.05)
 
@@ -336,16 +337,37 @@ class ObjectCache:
         return True
 
     def _cache_bytes(self) -> int:
-        """Bytes of the files in place (a download under way is counted in ``_inflight`` instead),
-        and room for the manifest twice (the next one is written beside it before it replaces it)
-        and the snapshots: what the cache writes is all under ``cache_limit``."""
-        files = sum(p.stat().st_size for p in self._entries() if p.name not in self._inflight)
+        """Bytes of the files in place (a download under way is counted in ``_inflight`` instead)
+        and ``meta_bytes``: what the cache writes is all under ``cache_limit``."""
+        return sum(p.stat().st_size for p in self._entries() if p.name not in self._inflight) + self.meta_bytes()
+
+    def meta_bytes(self) -> int:
+        """Room for the manifest twice and then some (the next one is written beside it before it
+        replaces it, and may list a shard more) and the snapshots."""
         meta = 0
         with contextlib.suppress(OSError):
             meta += 2 * self.manifest_path.stat().st_size + self.manifest_path.stat().st_size // 8
         with contextlib.suppress(OSError):
             meta += sum(p.stat().st_size for p in (self.folder / SNAPSHOT_DIR).iterdir())
-        return files + meta
+        return meta
+
+    def check_room(self, shards: list) -> None:
+        """LoaderError unless ``cache_limit`` holds 3 of the largest of ``shards`` beside ``meta_bytes``
+        (a feed group is a third of the room: one being read, one fetched ahead, one for the next epoch)."""
+        if self.limit is None or not shards:
+            return
+        big = max(shards, key=lambda s: s.bytes)
+        meta = self.meta_bytes()
+        if 3 * big.bytes + meta > self.limit:
+            need = 3 * big.bytes + meta
+            raise LoaderError(f"{self.remote.url}: cache_limit {say_size(self.limit)} is too small to stream this part: "
+                              f"it must hold 3 of its largest shard ({big.date}, {say_size(big.bytes)}) at once (one "
+                              f"being read, one fetched ahead, one for the next epoch) beside the manifest and "
+                              f"snapshots ({say_size(meta)}); raise cache_limit to at least {say_size(need)}")
+
+    def group_bytes(self) -> Optional[int]:
+        """Bytes of shard files a feed group may hold: a third of what the limit leaves."""
+        return None if self.limit is None else max(1, (self.limit - self.meta_bytes()) // 3)
 
     def _entries(self) -> list:
         out = []

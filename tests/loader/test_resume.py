@@ -1,0 +1,227 @@
+"""A saved state continues its epoch exactly in a new process, whatever changed that does not shape
+the order (issue 42): readers, native_batch, prefetch_buffer, cache_limit, the store's kind, and
+the number of parts. Every window is read exactly once over the old and the new processes (pads
+and the repeated batch of a part that ran out early excluded); with the same parts and batch size
+the new process reads exactly the batches the old one would have."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, make_store
+
+from loader import LoaderError, ShardIter
+from loader.pipeline.order import EpochOrder, OrderSpec, Phase, count, remainder, slice_of
+
+COUNTS = {f"2024-04-{d:02d}": 17 + 5 * (d % 4) for d in range(1, 15)}  # 14 dates, 392 windows
+TOTAL = sum(COUNTS.values())
+KW = dict(seed=11, shuffle_buffer=16)  # blocks of 64 windows (packed by 4): several blocks an epoch
+B = 8
+
+CHILD = """
+import json, sys
+from loader import ShardIter
+jobs, out = json.loads(sys.stdin.read()), []
+for job in jobs:
+    got = []
+    for part in range(job["parts"]):
+        with ShardIter(job["store"], job["batch"], num_parts=job["parts"], part_index=part,
+                       cache_dir=f"{job['cache']}/p{part}", **job["kw"]) as it:
+            it.load_state_dict(job["state"])
+            got.append([[b.label[0].asnumpy().astype(int).tolist(), b.pad] for b in it])
+    out.append(got)
+print(json.dumps(out))
+"""
+
+
+def _real(batches: list, bs: int) -> list:
+    """Ids of the real windows of a part's batches, in order: pads dropped, and a batch that only
+    repeats the last real one (a part that ran out a batch early) left out."""
+    ids, last = [], None
+    for rows, pad in batches:
+        if pad == bs - 1 and last is not None and rows[0] == last:
+            continue
+        ids += rows[:bs - pad]
+        last = rows[0]
+    return ids
+
+
+def _old_job(store, cache, parts, frac=None, k=None, **kw):
+    """Each of ``parts`` iterators reads ``k`` batches (or ``frac`` of its epoch): the ids read and
+    the state part 0 saved (every worker of a dist_sync job is at the same batch)."""
+    iters = [ShardIter(store, B, num_parts=parts, part_index=p, cache_dir=f"{cache}/p{p}", **KW, **kw)
+             for p in range(parts)]  # a cache of its own each, as dist_sync workers under a cache_limit
+    try:
+        n = iters[0].batches_per_epoch
+        k = min(n, max(1, round(frac * n))) if k is None else k
+        ids = []
+        for it in iters:
+            ids += _real([[b.label[0].asnumpy().astype(int).tolist(), b.pad] for b in (it.next() for _ in range(k))],
+                         B)
+        return ids, iters[0].state_dict(), k, n
+    finally:
+        for it in iters:
+            it.close()
+
+
+def _new_jobs(jobs: list) -> list:
+    """Run ``jobs`` in ONE new process (each: every part of a new job loads the state)."""
+    done = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(jobs), capture_output=True, text=True,
+                          cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("resume") / "s"
+    make_store(path, COUNTS, pack=4)
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_every_window_once_over_old_and_new_processes_whatever_changed(store, tmp_path):
+    cases = []  # (old parts, new parts, frac or k, old settings, new settings)
+    for frac in (0.1, 0.6, 0.99, "last"):
+        cases += [(1, 1, frac, dict(readers=1), dict(readers=3, native_batch=3, prefetch_buffer=2)),
+                  (1, 2, frac, dict(readers=2), dict(readers=1)),
+                  (2, 1, frac, dict(readers=3, native_batch=5), dict(readers=2)),
+                  (2, 4, frac, dict(), dict(readers=1, native_batch=7))]
+    olds, jobs = [], []
+    for parts, new_parts, frac, old_kw, new_kw in cases:
+        k = None
+        if frac == "last":
+            with ShardIter(store, B, num_parts=parts, cache_dir=tmp_path / "c", **KW) as it:
+                k = it.batches_per_epoch - 1
+        ids, state, k, n = _old_job(store, tmp_path / "c", parts, None if k else frac, k, **old_kw)
+        assert state["phases"] == [[parts, B, k]] and state["samples"] == len(ids)
+        json.dumps(state)  # a state is plain JSON
+        olds.append(ids)
+        jobs.append(dict(store=str(store), cache=str(tmp_path / "c2"), parts=new_parts, batch=B, state=state,
+                         kw={**KW, **new_kw}))
+    for (parts, new_parts, frac, _, _), old, new in zip(cases, olds, _new_jobs(jobs)):
+        rest = [i for got in new for i in _real(got, B)]
+        assert sorted(old + rest) == list(range(TOTAL)), (parts, new_parts, frac)
+        assert len({len(got) for got in new}) == 1, "every new part yields as many batches"
+
+
+def test_the_same_parts_and_batch_size_read_exactly_the_batches_left(store, tmp_path):
+    """Resumed with the same num_parts and batch_size (other settings changed), each part goes on
+    with exactly the batches an uninterrupted run reads."""
+    for parts in (1, 2):
+        for p in range(parts):
+            with ShardIter(store, B, num_parts=parts, part_index=p, cache_dir=tmp_path / "c", **KW) as it:
+                want = [[b.label[0].asnumpy().astype(int).tolist(), b.pad] for b in it]
+                it.reset()
+                [it.next() for _ in range(3)]
+                state = it.state_dict()
+            with ShardIter(store, B, num_parts=parts, part_index=p, cache_dir=tmp_path / "c", readers=3,
+                           native_batch=2, prefetch_buffer=1, **KW) as again:
+                again.load_state_dict(state)
+                assert again.epoch == 1
+                got = [[b.label[0].asnumpy().astype(int).tolist(), b.pad] for b in again]
+            with ShardIter(store, B, num_parts=parts, part_index=p, cache_dir=tmp_path / "c", **KW) as it:
+                it.reset()
+                assert got == [[b.label[0].asnumpy().astype(int).tolist(), b.pad] for b in it][3:]
+        assert want  # epoch 0 was read too
+
+
+def test_a_resume_reads_only_from_the_block_it_resumes_in(store, tmp_path, monkeypatch):
+    """Reaching batch k reads the block holding it and the ones after, never a consumed block."""
+    import loader.pipeline.feed as feed
+
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        n = it.batches_per_epoch
+        [it.next() for _ in range(int(n * 0.9))]
+        state = it.state_dict()
+    blocks = []
+    real = feed.Feed._block
+
+    def recording(self, v, visit):
+        if self.order.epoch == 0:  # (the next epoch's stream opens half way)
+            blocks.append((visit.c, visit.b))
+        return real(self, v, visit)
+
+    monkeypatch.setattr(feed.Feed, "_block", recording)
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        blocks.clear()
+        it.load_state_dict(state)
+        list(it)
+    order = EpochOrder(list(COUNTS.values()), OrderSpec(KW["seed"], True, 1, state["block"]), 0)
+    first = next(order.visits(remainder(TOTAL, [Phase(1, B, int(n * 0.9))])))
+    assert blocks and blocks[0] == (first.c, first.b)
+    bounds = order.canonical(0)[2]
+    assert blocks == [(0, b) for b in range(first.b, len(bounds) - 1)]  # the rest of the epoch's blocks, no more
+
+
+def test_a_state_of_the_old_format_or_another_seed_is_refused_saying_what_to_do(store, tmp_path):
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        state = it.state_dict()
+        old = {**state, "version": 3, "batches": 5, "epoch": 2}
+        with pytest.raises(LoaderError, match=r"version 3 .*cannot find its place.*Start epoch 2 again"):
+            it.load_state_dict(old)
+        with pytest.raises(LoaderError, match="seed=11, this iterator has 12"):
+            ShardIter(store, B, cache_dir=tmp_path / "c", **{**KW, "seed": 12}).load_state_dict(state)
+        with pytest.raises(LoaderError, match="phases"):
+            it.load_state_dict({**state, "phases": [[0, 8, 1]]})
+        assert it.next().data[0].shape[0] == B, "the epoch in progress is untouched"
+
+
+def test_the_phases_say_which_windows_were_consumed():
+    """``remainder`` and ``slice_of``: the pure arithmetic a resume rests on, on many shapes."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        total = int(rng.integers(0, 200))
+        phases, consumed = [], []
+        rest = remainder(total, [])
+        for _ in range(int(rng.integers(0, 4))):
+            parts, bs = int(rng.integers(1, 9)), int(rng.integers(1, 9))
+            slices = [slice_of(rest, parts, p) for p in range(parts)]
+            sizes = [count(s) for s in slices]
+            assert max(sizes) - min(sizes) <= 1 and sum(sizes) == count(rest)
+            k = int(rng.integers(0, math.ceil(max(sizes) / bs) + 1)) if max(sizes) else 0
+            for s in slices:
+                taken = 0
+                for a, z in s:
+                    take = min(z - a, k * bs - taken)
+                    consumed += list(range(a, a + max(0, take)))
+                    taken += max(0, take)
+            phases.append(Phase(parts, bs, k))
+            rest = remainder(total, phases)
+        left = [i for a, z in rest for i in range(a, z)]
+        assert sorted(consumed + left) == list(range(total))
+
+
+@pytest.mark.timeout(300)
+def test_a_state_moves_between_a_folder_and_s3_and_any_cache_limit(s3, tmp_path):
+    """The same generation on a folder and on S3 is one order: a state saved on either, with any
+    cache_limit, continues on the other (in a new process) with every window once."""
+    from test_s3_loader import upload_store
+
+    from shardgen.store.manifest import Manifest
+
+    counts = {f"2024-05-{d:02d}": 8 + d % 5 for d in range(1, 31)}  # 30 shards of 5-7 kB: a limit of a quarter holds 3
+    store = tmp_path / "big"
+    make_store(store, counts, pack=4, t=20, c=8)
+    url = upload_store(s3, store)
+    part = sum(s.bytes for s in Manifest.load(store / "manifest.json").shards)
+    cases = [  # (old store, old settings, new store, new settings, old parts, new parts, fraction)
+        (str(store), {}, url, dict(cache_limit=part * 25 // 100), 1, 1, 0.6),
+        (url, dict(cache_limit=part * 40 // 100), str(store), {}, 1, 2, 0.6),
+        (url, {}, url, dict(cache_limit=part * 25 // 100, readers=1), 2, 1, 0.1),
+        (url, dict(cache_limit=part * 25 // 100), url, {}, 2, 4, 0.99),
+    ]
+    olds, jobs = [], []
+    for n, (old_store, old_kw, new_store, new_kw, parts, new_parts, frac) in enumerate(cases):
+        ids, state, _, _ = _old_job(old_store, tmp_path / f"old{n}", parts, frac, **old_kw)
+        olds.append(ids)
+        jobs.append(dict(store=new_store, cache=str(tmp_path / f"new{n}"), parts=new_parts, batch=B, state=state,
+                         kw={**KW, **new_kw}))
+    for case, old, new in zip(cases, olds, _new_jobs(jobs)):
+        assert sorted(old + [i for got in new for i in _real(got, B)]) == list(range(sum(counts.values()))), case
