@@ -60,12 +60,14 @@ def _cold_pair(server, store: Path, prefix: str, workdir: Path, batch_size: int,
     size, upload_s = _upload(server, store, prefix)
     evict(store)
     local = _epoch(store, batch_size, cache_dir=cache)
+    local_warm = _epoch(store, batch_size, cache_dir=cache)
     objects = workdir / f"object-cache-{prefix}"
     shutil.rmtree(objects, ignore_errors=True)
     s3 = _epoch(server.url(prefix) + "/manifest.json", batch_size, cache_dir=objects)
     warm = _epoch(server.url(prefix), batch_size, cache_dir=objects)  # everything cached: no download
     shutil.rmtree(objects, ignore_errors=True)
     return {"bytes": size, "upload_s": upload_s, "local_cold": local, "s3_cold": s3, "s3_cached": warm,
+            "local_warm": local_warm, "warm_ratio": warm["samples_per_s"] / local_warm["samples_per_s"],
             "ratio": s3["samples_per_s"] / local["samples_per_s"],
             "first_batch_ratio": s3["first_batch_s"] / local["first_batch_s"]}
 
@@ -93,10 +95,47 @@ def _parts(server, store: Path, prefix: str, workdir: Path, batch_size: int, par
             "per_worker_of_store": max(o["bytes"] for o in out) / total}
 
 
+def _resume(server, store: Path, prefix: str, workdir: Path, batch_size: int, at: float = 0.6) -> dict:
+    """Bytes a resume at ``at`` of an epoch downloads (a new cache, ``cache_limit`` half the store)
+    up to the epoch's end, against the shards the rest of the epoch reads plus one feed group (the
+    next epoch's feed fetches once this one's has fetched its last)."""
+    from loader.pipeline.order import EpochOrder, Phase, remainder
+    from loader.pipeline.stream import order_spec
+
+    shards = Manifest.load(store / MANIFEST_NAME).shards
+    total = sum(s.bytes for s in shards)
+    kw = dict(cache_limit=total // 2, shuffle=True)
+    with ShardIter(server.url(prefix), batch_size, cache_dir=workdir / "resume-a", **kw) as it:
+        k = int(it.batches_per_epoch * at)
+        for _ in range(k):
+            it.next()
+        state = it.state_dict()
+        order = EpochOrder([s.samples for s in shards], order_spec(it.reader.params), 0)
+        group = it.reader.epochs.cap
+    rest = sum(shards[i].bytes for i in order.shards_of(remainder(order.total, [Phase(1, batch_size, k)])))
+    t0 = time.perf_counter()
+    with ShardIter(server.url(prefix), batch_size, cache_dir=workdir / "resume-b", **kw) as it:
+        it.load_state_dict(state)
+        first = time.perf_counter() - t0
+        for _ in it:
+            pass
+        got = it.stats["downloaded_bytes"]
+    for d in ("resume-a", "resume-b"):
+        shutil.rmtree(workdir / d, ignore_errors=True)
+    return {"store_bytes": total, "rest_bytes": rest, "group_bytes": group, "downloaded": got, "first_batch_s": first,
+            "ratio": got / (rest + group)}
+
+
 def _quality(server, store: Path, prefix: str, workdir: Path, per_date: int, batch_size: int) -> dict:
-    """Distinct dates per batch (one part, one epoch) with ``cache_limit`` a fraction of the part."""
-    total = sum(s.bytes for s in Manifest.load(store / MANIFEST_NAME).shards)
+    """Distinct dates per batch (one part, one epoch) with ``cache_limit`` a fraction of the part; and
+    at 25% with a shuffle buffer holding half the part."""
+    shards = Manifest.load(store / MANIFEST_NAME).shards
+    total = sum(s.bytes for s in shards)
     out = {}
+    objects = workdir / "object-cache-quality"
+    r = randomness(store, objects, per_date, batch_size, url=server.url(prefix), cache_limit=int(0.25 * total),
+                   shuffle_buffer=sum(s.records for s in shards) // 2)
+    out["half_buffer_0.25"] = r["dates_per_batch"] / r["exact_dates_per_batch"]
     for frac in (0.1, 0.25, 0.5, 1.0):
         objects = workdir / "object-cache-quality"
         shutil.rmtree(objects, ignore_errors=True)
@@ -131,6 +170,8 @@ def object_store_suite(store: Path, workdir: Path, batch_size: int, cache: Path,
         out["first_batch_10x_ratio"] = out["x10"]["s3_cold"]["first_batch_s"] / out["s3_cold"]["first_batch_s"]
         log("bench: S3, bytes per worker of 4")
         out["parts"] = _parts(server, store, "bench", workdir, batch_size)
+        log("bench: S3, a resume at 60% of an epoch")
+        out["resume"] = _resume(server, store, "bench", workdir, batch_size)
         n_q, per_q = (40, 100) if quick else (400, 400)
         log(f"bench: S3, dates per batch with a cache of 10-100% of the part ({n_q} dates)")
         qstore = workdir / "store_quality"

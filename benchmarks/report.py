@@ -55,15 +55,23 @@ def _object_targets(ob: dict) -> list:
                      "<=", 1.5))
         rows.append(("first batch from S3, a store 10x larger / this store (at least)", ob["first_batch_10x_ratio"],
                      ">=", 0.5))
+    if "warm_ratio" in ob:
+        rows.append(("warm epoch (all cached), S3 / local disk", ob["warm_ratio"], ">=", 0.95))
     if "parts" in ob:
         rows.append(("bytes a worker of 4 downloads / (store / 4 + its straddling shards)", ob["parts"]["worst"],
+                     "<=", 1.0))
+    if "resume" in ob:
+        rows.append(("S3 resume at 60%: bytes downloaded / (the rest's shards + one feed group)", ob["resume"]["ratio"],
                      "<=", 1.0))
     q = ob.get("quality")
     if q:
         for frac in ("0.1", "0.5", "1"):
             rows.append((f"S3, cache_limit {float(frac):.0%} of the part: dates per batch / exact shuffle "
                          "(reported)", q[frac], ">=", 0.0))
-        rows.append(("S3, cache_limit 25% of the part: dates per batch / exact shuffle", q["0.25"], ">=", 0.8))
+        rows.append(("S3, cache_limit 25% of the part: dates per batch / exact shuffle", q["0.25"], ">=", 0.95))
+        if "half_buffer_0.25" in q:
+            rows.append(("S3, cache_limit 25%, shuffle buffer half the part: dates per batch / exact shuffle",
+                         q["half_buffer_0.25"], ">=", 0.6))
     return rows
 
 
@@ -119,10 +127,11 @@ def targets(res: dict) -> list[dict]:
              sh["400"] / sc["stock_one_file"]["samples_per_s"], ">=", 2.0),
             ("ShardIter 400 shards / 4 shards", sh["400"] / sh["4"], ">=", 0.8),
             ("distinct dates per batch / exact shuffle",
-             rnd["dates_per_batch"] / rnd["exact_dates_per_batch"], ">=", 0.9),
+             rnd["dates_per_batch"] / rnd["exact_dates_per_batch"], ">=", 0.95),
             ("windows per run per batch / exact shuffle",
              rnd["windows_per_run_per_batch"] / rnd["exact_windows_per_run_per_batch"], "<=", 1.5),
-            ("resume at 90% / reading to there", sc["resume"]["ratio"], "<=", 0.5),
+            ("resume at 90%, 2M windows over 500 shards / (opening + reading to there)", sc["resume"]["ratio"], "<=",
+             0.25),
             ("open at 2M records / stock open", sc["open_reset"]["open_ratio"], "<=", 2.0),
             ("reset at 2M records / stock open", sc["open_reset"]["reset_ratio"], "<=", 2.0),
             ("bytes per window: runs / one-sample records", lay["runs"]["bytes_per_window"]

@@ -1,6 +1,6 @@
 """What a ``ShardIter`` holds between epochs, and how one epoch's stream hands over to the next.
 
-Held: the current plan (open files, ``hold``/``drop`` counted), the stream reading this epoch, the
+Held: the current plan (its open files), the stream reading this epoch, the
 stream already filling for the next one, the buffers they share (``Arena``) and the reader
 lease. All of it must be let go even if the iterator is dropped without ``close()``, so threads
 reference this object, never the iterator, and garbage collection can release it.
@@ -17,7 +17,7 @@ from loader.pipeline.batches import StreamParams
 from loader.pipeline.memory import Arena
 from loader.pipeline.stream import EpochStream
 from loader.pipeline.zerocopy import lenders, sweep
-from loader.source.plan import EpochPlan, drop, hold, recheck
+from loader.source.plan import EpochPlan, recheck
 from shardgen.format.schema import Schema
 from shardgen.store.lease import Lease
 
@@ -81,11 +81,9 @@ class Epochs:
                 if plan.files is not None and (previous is None or previous.folder != plan.folder):
                     plan.files.close()
                 raise
-            if previous is None or previous.folder != plan.folder:
-                hold(plan)
             self.plan = plan
             if previous is not None and previous.folder != plan.folder:
-                drop(previous)
+                previous.files.close()
             self.lease.renew(plan.generation)
             self.stream = stream
             if stream.past_half:  # a short epoch handed out half its batches before it was current
@@ -185,6 +183,9 @@ class Epochs:
             _CLOSING.discard(threading.current_thread())
 
     def close(self) -> None:
+        """An iterator's end (``close()``, its finalizer, the exit hook): every stream stops and is
+        joined (``EpochStream._shutdown`` says in which order), arrays the caller dropped are freed,
+        then the plan's files are closed and its folder removed, and the lease is dropped last."""
         with self.lock:
             if not self.closed:
                 lenders(-1)
@@ -192,6 +193,6 @@ class Epochs:
             self.close_streams()
             sweep()  # arrays the caller dropped since the producer's last lend: freed, loans given back let go
             if self.plan is not None:
-                drop(self.plan)
+                self.plan.files.close()
                 self.plan = None
             self.lease.release()

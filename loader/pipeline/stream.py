@@ -187,13 +187,27 @@ class EpochStream:
                                   f"({len(self.plan.shards)} shards in {self.plan.store}): {mxnet_reason(exc)}")
             self._offer(exc.with_traceback(None))
         finally:
-            self._producing = False
-            self.past_half = True  # ended (or failed) before it: nobody else will ask
-            self._blocks.close()  # natives freed here, in this thread, before their files go
-            self.feed.close()
-            with self._cond:
-                self._ended = True
-                self._cond.notify_all()  # a get() waiting for a batch that will never come
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """THE order a stream stops in, whatever stopped it (its end, an error, ``close()`` from
+        ``reset()``, ``ShardIter.close()``, a dropped iterator's finalizer or the exit hook, all of
+        which only set ``_halt`` and may join this thread):
+
+        1. the producer stops taking reads (``_halt``, or it ran out of batches);
+        2. the natives it was reading are freed, in this thread (their I/O threads end), and the
+           reads let go of their files (``Blocks.close``);
+        3. the feed thread is stopped and joined; the natives it opened that nobody took are freed
+           and let go of their files; the next epoch's feed may start fetching (``Feed.close``);
+        4. the block buffers go back to the arena (2.), and a ``get()`` still waiting is woken.
+        The plan's files themselves are closed by ``Epochs`` once no stream reads them."""
+        self._producing = False
+        self.past_half = True  # ended (or failed) before it: nobody else will ask
+        self._blocks.close()
+        self.feed.close()
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
 
     def _produce(self) -> None:
         p, blocks = self.params, self._blocks

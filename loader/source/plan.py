@@ -37,8 +37,7 @@ from shardgen.format.index import reader_index
 from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.store.manifest import Manifest, ShardEntry
 
-__all__ = ["EpochPlan", "PlanFiles", "Read", "ReaderSource", "reader_source", "make_plan", "hold", "drop",
-           "recheck"]
+__all__ = ["EpochPlan", "PlanFiles", "Read", "ReaderSource", "reader_source", "make_plan", "recheck"]
 
 
 class PlanFiles:
@@ -365,23 +364,3 @@ def _clean_dead_processes(plans: Path) -> None:
         pid = entry.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-_HELD: collections.Counter = collections.Counter()  # plan folder -> iterators of this process using it
-_HELD_LOCK = threading.Lock()
-
-
-def hold(plan: EpochPlan) -> None:
-    with _HELD_LOCK:
-        _HELD[plan.folder] += 1
-
-
-def drop(plan: EpochPlan) -> None:
-    """One user less; the last one closes the plan's files and removes its folder."""
-    with _HELD_LOCK:
-        _HELD[plan.folder] -= 1
-        last = _HELD[plan.folder] <= 0
-        if last:
-            del _HELD[plan.folder]
-    if last and plan.files is not None:
-        plan.files.close()

@@ -1,0 +1,95 @@
+"""The order as a value (loader.pipeline.order) and how the feed cuts it into reads
+(loader.pipeline.feed): pure functions, checked on many shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loader import LoaderError
+from loader.pipeline.feed import _cut_reads, _group
+from loader.pipeline.order import GROWTH, RAMP, EpochOrder, OrderSpec
+
+
+def _samples(order: EpochOrder, intervals) -> list:
+    """(shard, sample) of every position of ``intervals``, in reading order."""
+    out = []
+    for v in order.visits(intervals):
+        block = order.block(v.c, v.b)
+        seq = [(k, s) for k, lo, hi in block.pieces for s in range(lo, hi)]
+        perm = block.perm if block.perm is not None else np.arange(len(seq))
+        out += [seq[int(perm[u])] for u in range(v.u0, v.u1)]
+    return out
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_an_epoch_is_every_sample_once_the_same_every_time_and_new_every_epoch(shuffle):
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        counts = rng.integers(1, 40, size=int(rng.integers(1, 12))).tolist()
+        spec = OrderSpec(int(rng.integers(0, 99)), shuffle, int(rng.integers(1, 5)), int(rng.integers(1, 70)))
+        order = EpochOrder(counts, spec, 3)
+        got = _samples(order, [(0, order.total)])
+        want = [(k, s) for k, n in enumerate(counts) for s in range(n)]
+        assert sorted(got) == want
+        assert got == _samples(EpochOrder(counts, spec, 3), [(0, order.total)])  # a value
+        if not shuffle:
+            assert got == want  # in order: the store's order
+    counts, spec = [30] * 8, OrderSpec(5, True, 1, 64)
+    assert _samples(EpochOrder(counts, spec, 0), [(0, 240)]) != _samples(EpochOrder(counts, spec, 1), [(0, 240)])
+
+
+def test_a_canonical_part_reads_only_its_own_shards_and_blocks_ramp_up():
+    counts = [25] * 16
+    order = EpochOrder(counts, OrderSpec(0, True, 4, 4096), 0)
+    for c in range(4):
+        lo, hi = int(order.canon[c]), int(order.canon[c + 1])
+        assert order.shards_of([(lo, hi)]) == set(range(4 * c, 4 * c + 4))
+    bounds = EpochOrder([10_000], OrderSpec(0, True, 1, 4096), 0).canonical(0)[2]
+    sizes = np.diff(bounds).tolist()
+    assert sizes[:4] == [4096 // RAMP * GROWTH ** i for i in range(4)] and max(sizes) == 4096
+
+
+def test_reads_join_whole_files_and_are_cut_where_a_file_is_entered_or_left_inside():
+    recs = [(3, 5, 9, 9), (1, 0, 4, 4), (7, 0, 6, 10), (2, 0, 3, 3)]  # (shard, lo, hi, records in its file)
+    reads = _cut_reads(recs, 100, 1000)
+    assert [r.pieces for r in reads] == [((3, 5, 9), (1, 0, 4), (7, 0, 6)), ((2, 0, 3),)]
+    assert [r.slot for r in reads] == [100, 114]
+    small = _cut_reads(recs, 0, 3)
+    assert sum(r.records for r in small) == 17 and max(r.records for r in small) <= 3
+    for r in small:
+        for i, (k, lo, hi) in enumerate(r.pieces):
+            nrec = {k0: n for k0, _, _, n in recs}[k]
+            assert lo == 0 or i == 0, "only a read's first piece starts inside its file"
+            assert hi == nrec or i == len(r.pieces) - 1, "only its last ends inside it"
+    slots = [s for r in small for s in range(r.slot, r.slot + r.records)]
+    assert slots == list(range(17))
+
+
+def test_groups_hold_at_most_the_cap_of_files():
+    pieces = tuple((k, 0, 1) for k in range(10))
+    sizes = [5, 3, 9, 1, 1, 7, 2, 2, 2, 8]
+    groups = _group(pieces, sizes, 10)
+    assert [p for g in groups for p in g] == list(pieces)
+    assert all(sum(sizes[k] for k, _, _ in g) <= 10 for g in groups)
+    assert _group(pieces, sizes, None) == [list(pieces)]
+
+
+def test_a_record_of_another_date_than_the_order_expects_is_refused():
+    from conftest import make_store
+
+    import tempfile
+    from pathlib import Path
+
+    from loader.pipeline.shuffle_buffer import ShuffleBuffer
+    from shardgen.store.manifest import Manifest
+
+    store = Path(tempfile.mkdtemp()) / "s"
+    make_store(store, {"2024-01-02": 3})
+    schema = Manifest.load(store / "manifest.json").schema
+    buffer = ShuffleBuffer(schema, 8)
+    payload = np.zeros((2, schema.record_floats), np.float32)
+    payload[:, -1] = 19724
+    buffer.put(0, payload, np.full(2, 19724, np.float32))
+    with pytest.raises(LoaderError, match="changed under the reader"):
+        buffer.put(2, payload, np.full(2, 19725, np.float32))
