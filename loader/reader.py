@@ -53,7 +53,8 @@ class Reader:
         location.claim(f"iter-{id(self)}")  # a cache under cache_limit streams for one iterator
         if location.cache_limit is not None:
             join_closing(60)  # iterators dropped unclosed let go of their segments first (their close thread)
-        self.epochs = Epochs(location.lease(), location.group_bytes(), location.downloads)  # the lease tells gc which generation we read
+        # The lease tells gc which generation we read.
+        self.epochs = Epochs(location.lease(), location.group_bytes(), location.downloads)
         me = weakref.ref(self)  # threads reach the epochs, never the reader (its finalizer must run)
         self.epochs.on_ahead = lambda: (me() or _Gone)._ahead_opened()
         self._finalizer = weakref.finalize(self, _let_go, location, f"iter-{id(self)}", self.epochs)

@@ -55,7 +55,8 @@ class ShardIter(mx.io.DataIter):
     in bytes (a string such as ``"256MB"`` or ``"1GiB"``; default 128 MB).
     ``native_batch``: records per native batch. ``prefetch_buffer``: caller batches assembled
     ahead. ``canonical_parts``: the order's part count (default ``num_parts``; see
-    :mod:`loader.pipeline.order`): a state saved on any number of parts resumes on any other. What these hold in memory is computed at construction (:mod:`loader.pipeline.memory`);
+    :mod:`loader.pipeline.order`): a state saved on any number of parts resumes on any other.
+    What these hold in memory is computed at construction (:mod:`loader.pipeline.memory`);
     more than half the machine's memory is a LoaderError. ``producer``: ``"thread"``, the one
     transport (``"process"`` was removed).
     """

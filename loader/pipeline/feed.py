@@ -174,8 +174,8 @@ class Feed:
             self._put(None)
         except BaseException as exc:  # raised to the producer by take()
             if isinstance(exc, mx.base.MXNetError):
-                exc = LoaderError(f"MXNet's reader failed on generation {self.plan.generation} ({len(self.plan.shards)} "
-                                  f"shards in {self.plan.store}): {mxnet_reason(exc)}")
+                exc = LoaderError(f"MXNet's reader failed on generation {self.plan.generation} "
+                                  f"({len(self.plan.shards)} shards in {self.plan.store}): {mxnet_reason(exc)}")
             with self._cond:  # no traceback kept: its frames would keep a native alive
                 self._error = exc.with_traceback(None)
                 self._cond.notify_all()

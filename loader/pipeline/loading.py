@@ -53,11 +53,12 @@ class Blocks:
         return v in self.emit and not any(a.item.visit == v for a in self.active)
 
     def load(self, v: int) -> None:
-        """Until visit ``v``'s block is ready (blocking on the feed when nothing else can move)."""
+        """Until visit ``v``'s block is ready (blocking on the feed when nothing else can move),
+        reading only reads of ``v`` and the blocks before it."""
         while not self.ready(v):
             if self.halt.is_set():
                 raise LoaderError("the iterator was closed (or reset) while a block was read")
-            if not self.pump(wait=True) and self.ended and not self.ready(v):
+            if not self.pump(wait=True, upto=v) and self.ended and not self.ready(v):
                 raise LoaderError(f"the feed ended before block {v} of this stream was read")
 
     def pace(self, v: int, fraction: float) -> None:
@@ -72,11 +73,15 @@ class Blocks:
             if not self.pump(wait=False):
                 return
 
-    def pump(self, wait: bool) -> bool:
-        """One native batch into its buffer (taking reads from the feed as slots free up); False if
-        nothing could move without waiting (``wait=False``) or the feed has ended."""
+    def pump(self, wait: bool, upto: Optional[int] = None) -> bool:
+        """One native batch into its buffer, of a read of visit ``upto`` or before (any, for None),
+        taking reads from the feed as slots free up; True if something moved: a batch read, or
+        ``upto``'s block found ready. ``wait``: block on the feed when nothing else can move."""
+        def mine() -> list:
+            return [a for a in self.active if upto is None or a.item.visit <= upto]
+
         while len(self.active) < self.readers and not self.ended:
-            item = self.feed.take(wait=wait and not self.active)
+            item = self.feed.take(wait=wait and not mine())
             if item is False:
                 break
             if item is None:
@@ -85,9 +90,12 @@ class Blocks:
                 self.emit[item.visit] = item.emit
             else:
                 self._activate(item)
-        if not self.active:
-            return False
-        a = self.active[self._turn % len(self.active)]
+            if upto is not None and self.ready(upto):
+                return True
+        reads = mine()
+        if not reads:
+            return upto is not None and self.ready(upto)
+        a = reads[self._turn % len(reads)]
         self._turn += 1
         if self.yield_to is not None:  # the next epoch's loading waits while this epoch runs short
             while self.yield_to() and not self.halt.is_set():

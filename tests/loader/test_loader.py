@@ -420,6 +420,7 @@ def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, mo
     it.next()
     _wait_until_parked(it)
     _within(10, it.reset, "reset() with the producer parked on a full queue")
+    _wait_until_parked(it)  # the new epoch's producer too: it calls next_label() no more before the patch
     calls = {"n": 0}
     real = module.next_label
 

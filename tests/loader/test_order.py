@@ -76,10 +76,10 @@ def test_groups_hold_at_most_the_cap_of_files():
 
 
 def test_a_record_of_another_date_than_the_order_expects_is_refused():
-    from conftest import make_store
-
     import tempfile
     from pathlib import Path
+
+    from conftest import make_store
 
     from loader.pipeline.shuffle_buffer import ShuffleBuffer
     from shardgen.store.manifest import Manifest

@@ -338,7 +338,8 @@ def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_r
     def watch():
         while not stop.is_set():
             with contextlib.suppress(OSError):
-                files = [(p.name, p.stat().st_size) for p in mirror.iterdir() if p.is_file() and p.name != "manifest.json"]
+                files = [(p.name, p.stat().st_size) for p in mirror.iterdir()
+                         if p.is_file() and p.name != "manifest.json"]
                 if sum(n for _, n in files) > peak[0]:
                     peak[0] = sum(n for _, n in files)
                     snap[:] = files
@@ -508,7 +509,7 @@ def test_an_endpoint_url_without_a_scheme_is_one_clear_error(s3, tmp_path, monke
 
 
 def test_a_download_that_would_nearly_fill_the_disk_is_refused(s3, tmp_path, monkeypatch):
-    from loader.source import objcache
+    from loader.source import room as objcache
 
     _, url = store_with(s3, tmp_path)
     free = shutil.disk_usage(tmp_path).free
