@@ -96,7 +96,8 @@ def _parts(server, store: Path, prefix: str, workdir: Path, batch_size: int, par
 
 
 def _resume(server, store: Path, prefix: str, workdir: Path, batch_size: int, at: float = 0.6) -> dict:
-    """Bytes a resume at ``at`` of an epoch downloads (a new cache, ``cache_limit`` half the store)
+    """Bytes a resume at ``at`` of an epoch downloads (a new cache, ``cache_limit`` half the store or
+    the least it may be)
     up to the epoch's end, against the shards the rest of the epoch reads plus one feed group (the
     next epoch's feed fetches once this one's has fetched its last)."""
     from loader.pipeline.order import EpochOrder, Phase, remainder
@@ -104,7 +105,7 @@ def _resume(server, store: Path, prefix: str, workdir: Path, batch_size: int, at
 
     shards = Manifest.load(store / MANIFEST_NAME).shards
     total = sum(s.bytes for s in shards)
-    kw = dict(cache_limit=total // 2, shuffle=True)
+    kw = dict(cache_limit=max(total // 2, 4 * max(s.bytes for s in shards) + (1 << 20)), shuffle=True)
     with ShardIter(server.url(prefix), batch_size, cache_dir=workdir / "resume-a", **kw) as it:
         k = int(it.batches_per_epoch * at)
         for _ in range(k):
@@ -133,14 +134,15 @@ def _quality(server, store: Path, prefix: str, workdir: Path, per_date: int, bat
     total = sum(s.bytes for s in shards)
     out = {}
     objects = workdir / "object-cache-quality"
-    r = randomness(store, objects, per_date, batch_size, url=server.url(prefix), cache_limit=int(0.25 * total),
-                   shuffle_buffer=sum(s.records for s in shards) // 2)
+    least = 3 * max(s.bytes for s in shards) + (1 << 20)  # what a limit must hold (a quick store's shards are large)
+    r = randomness(store, objects, per_date, batch_size, url=server.url(prefix),
+                   cache_limit=max(int(0.25 * total), least), shuffle_buffer=sum(s.records for s in shards) // 2)
     out["half_buffer_0.25"] = r["dates_per_batch"] / r["exact_dates_per_batch"]
     for frac in (0.1, 0.25, 0.5, 1.0):
         objects = workdir / "object-cache-quality"
         shutil.rmtree(objects, ignore_errors=True)
         r = randomness(store, objects, per_date, batch_size, url=server.url(prefix),
-                       cache_limit=int(frac * total) + (1 << 20))
+                       cache_limit=max(int(frac * total) + (1 << 20), least))
         out[f"{frac:g}"] = r["dates_per_batch"] / r["exact_dates_per_batch"]
         out["exact_dates_per_batch"] = r["exact_dates_per_batch"]
         out[f"dates_per_batch_{frac:g}"] = r["dates_per_batch"]

@@ -1,8 +1,8 @@
 """The same seed reads the same batches, release after release: every layout, 1, 2 and 3 parts,
-two epochs, shuffled (two seeds) and in order, against digests recorded with the code before the
-restructuring of 2026-12-05 (tests/format/golden_batches.json). A change that moves a single
-sample, pad or label fails here; one that changes the order on purpose records new digests and
-says so."""
+two epochs, shuffled (two seeds) and in order, against digests recorded when the order became a
+value (2026-12-06, loader.pipeline.order; the in-order digests are unchanged since the restructuring
+of 2026-12-05) in tests/format/golden_batches.json. A change that moves a single sample, pad or
+label fails here; one that changes the order on purpose records new digests and says so."""
 
 import hashlib
 import json

@@ -6,7 +6,7 @@ import os
 import pytest
 from conftest import make_store
 
-import loader.source.plan as plan_mod
+import loader.source.files as plan_mod
 from loader import ShardIter
 from shardgen.store.manifest import MANIFEST_NAME, Manifest
 
