@@ -55,6 +55,9 @@ def test_reads_join_whole_files_and_are_cut_where_a_file_is_entered_or_left_insi
     reads = _cut_reads(recs, 100, 1000)
     assert [r.pieces for r in reads] == [((3, 5, 9), (1, 0, 4), (7, 0, 6)), ((2, 0, 3),)]
     assert [r.slot for r in reads] == [100, 114]
+    # A canonical part's first shard is entered inside it, wherever the permutation put it.
+    reads = _cut_reads([(1, 0, 4, 4), (3, 5, 9, 9), (2, 0, 3, 3)], 0, 1000)
+    assert [r.pieces for r in reads] == [((1, 0, 4),), ((3, 5, 9), (2, 0, 3))]
     small = _cut_reads(recs, 0, 3)
     assert sum(r.records for r in small) == 17 and max(r.records for r in small) <= 3
     for r in small:

@@ -130,6 +130,15 @@ def test_the_same_parts_and_batch_size_read_exactly_the_batches_left(store, tmp_
         assert want  # epoch 0 was read too
 
 
+def test_a_resume_with_another_batch_size_splits_what_is_left(store, tmp_path):
+    """The same parts, another batch size: the saved phase is not gone on with (its batches are
+    another size), what is left is split again: every window once."""
+    ids, state, k, _ = _old_job(store, tmp_path / "c", 2, 0.5)
+    (new,) = _new_jobs([dict(store=str(store), cache=str(tmp_path / "c2"), parts=2, batch=5, state=state,
+                             kw={**KW, "native_batch": 2})])
+    assert sorted(ids + [i for got in new for i in _real(got, 5)]) == list(range(TOTAL))
+
+
 def test_a_resume_reads_only_from_the_block_it_resumes_in(store, tmp_path, monkeypatch):
     """Reaching batch k reads the block holding it and the ones after, never a consumed block."""
     import loader.pipeline.feed as feed

@@ -130,3 +130,47 @@ def test_a_dropped_iterator_lets_go_of_its_claim_on_a_limited_cache(s3, tmp_path
     gc.collect()
     with ShardIter(url, 8, seed=2, **kw) as again:
         assert sorted(i for b in again for i in batch_ids(b)) == list(range(sum(COUNTS.values())))
+
+
+@pytest.mark.timeout(120)
+def test_epochs_at_the_least_limit_never_wait_for_room_the_next_epoch_holds(s3, tmp_path, monkeypatch):
+    """At the smallest cache_limit allowed (3 of the largest shard beside the manifest), with two
+    readers, epoch after epoch: the next epoch's feed fetches only once this epoch's has fetched its
+    last. Were it to fetch earlier, its opened reads (waiting for the epoch to end) would hold the
+    room this epoch's next group waits for: a wait that ends only at the cache's patience (600 s)."""
+    import threading
+    import time
+
+    from loader.source import room
+
+    monkeypatch.setattr(room, "ROOM_WAIT_S", 5.0)  # a wait that cannot end fails in seconds, not 10 minutes
+    url, _ = _store(s3, tmp_path)
+    probe = ShardIter(url, 8, cache_dir=tmp_path / "probe", cache_limit=10**9)
+    least = 3 * max(s.bytes for s in probe.plan.shards) + probe.reader.location.cache.meta_bytes()
+    probe.close()
+    # Blocks of about 5 shards: more than the limit holds, so they come in groups it caps; while a slow
+    # consumer reads one block, the next one's reads stay open and the feed waits for room.
+    it = ShardIter(url, 8, cache_dir=tmp_path / "cache", cache_limit=least + 512, seed=3, native_batch=4,
+                   shuffle_buffer=160)
+    seen, done = [], threading.Event()
+
+    def read() -> None:
+        for epoch in range(3):
+            ids = []
+            for b in it:
+                ids += batch_ids(b)
+                if epoch == 0:
+                    time.sleep(0.01)  # a slow consumer: the feed runs ahead until the limit makes it wait
+            seen.append(sorted(ids))
+            it.reset()
+        done.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 40
+    while not done.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    it.close()  # also ends a reader stuck waiting for room
+    reader.join(30)
+    assert done.is_set(), f"3 epochs at the least cache_limit did not end within 40 s ({len(seen)} done)"
+    assert seen == [list(range(sum(COUNTS.values())))] * 3
