@@ -12,9 +12,9 @@ of workers reading it.
    packed record (both sides read that record and each keeps its own samples).
 2. **Shards.** Each canonical part's shard pieces are permuted by ``(seed, epoch, c)`` and their
    samples laid end to end.
-3. **Blocks.** That sequence is cut into blocks: the first of ``block // RAMP`` samples, each
-   next one ``GROWTH`` times larger, up to ``block`` samples (the first batch waits for a few
-   shards, not for a whole block). Each block's samples are permuted by ``(seed, epoch, c, b)``.
+3. **Blocks.** That sequence is cut into blocks: the first of ``block // RAMP`` samples, the
+   next one ``GROWTH`` times larger, then blocks of ``block`` samples (the first batch waits for a
+   few shards, not for a whole block; the ramp is 2% of a block, so it costs little mixing). Each block's samples are permuted by ``(seed, epoch, c, b)``.
    A block's records are held in memory while it is read, so ``block`` is the shuffle buffer.
 4. **The epoch** (``E``) is the canonical parts' orders end to end.
 
@@ -38,7 +38,8 @@ __all__ = ["RAMP", "GROWTH", "OrderSpec", "Phase", "Block", "Visit", "EpochOrder
            "count"]
 
 RAMP = 256  # the first block of a canonical part holds block // RAMP samples
-GROWTH = 4  # and each next one GROWTH times more, up to ``block``
+GROWTH = 4  # and the next one GROWTH times more; the ones after hold ``block`` (the ramp is 2% of a block)
+RAMP_BLOCKS = 2
 
 
 @dataclass(frozen=True)
@@ -205,5 +206,5 @@ def _block_bounds(n: int, block: int) -> np.ndarray:
     while at < n:
         at = min(n, at + size)
         bounds.append(at)
-        size = min(block, size * GROWTH)
+        size = min(block, size * GROWTH) if len(bounds) <= RAMP_BLOCKS else block
     return np.array(bounds, np.int64)
