@@ -189,7 +189,7 @@ class Feed:
         codes, slot = [], 0
         target = max(MIN_READ_RECORDS, math.ceil(estimate / self.readers))
         for group in _group(block.pieces, sizes, self.cap):
-            shards = [k for k, _, _ in group]
+            shards, group_first = [k for k, _, _ in group], slot
             files.ensure(shards, halt=self._halt)
             try:
                 recs = []
@@ -207,7 +207,7 @@ class Feed:
                     codes.append(np.repeat(slots * self.pack + a, n) + np.arange(int(n.sum())) - at)
                     recs.append((k, r0, r1, len(counts)))
                     slot += r1 - r0
-                for read in _cut_reads(recs, slot - sum(r1 - r0 for _, r0, r1, _ in recs), target):
+                for read in _cut_reads(recs, group_first, target):
                     files.ensure(read.shards, halt=self._halt)  # counted as used until the read is done
                     try:
                         days = np.repeat(np.array([self._days[k] for k in read.shards], np.float32),

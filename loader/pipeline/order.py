@@ -14,7 +14,8 @@ of workers reading it.
    samples laid end to end.
 3. **Blocks.** That sequence is cut into blocks: the first of ``block // RAMP`` samples, the
    next one ``GROWTH`` times larger, then blocks of ``block`` samples (the first batch waits for a
-   few shards, not for a whole block; the ramp is 2% of a block, so it costs little mixing). Each block's samples are permuted by ``(seed, epoch, c, b)``.
+   few shards, not for a whole block; the ramp is 2% of a block, so it costs little mixing).
+   Each block's samples are permuted by ``(seed, epoch, c, b)``.
    A block's records are held in memory while it is read, so ``block`` is the shuffle buffer.
 4. **The epoch** (``E``) is the canonical parts' orders end to end.
 
