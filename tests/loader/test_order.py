@@ -50,6 +50,23 @@ def test_a_canonical_part_reads_only_its_own_shards_and_blocks_ramp_up():
     assert sizes[:3] == [4096 // RAMP, 4096 // RAMP * GROWTH, 4096] and max(sizes) == 4096
 
 
+def _dates_per_batch(order: EpochOrder, batch: int = 512) -> float:
+    days = np.array([k for k, _ in _samples(order, [(0, order.total)])])
+    return float(np.mean([len(np.unique(days[i:i + batch])) for i in range(0, len(days) - batch + 1, batch)]))
+
+
+@pytest.mark.parametrize("shards, per", [(200, 500), (400, 400)])
+def test_a_part_shorter_than_a_block_mixes_like_an_exact_shuffle(shards, per):
+    """A block larger than the canonical part (the default buffer holds 524k samples of the bench's
+    100k-sample store): the ramp is cut from the part's length, so the epoch is one well-mixed block
+    (a ramp cut from the nominal block covered 39% of the epoch: 0.82 of an exact shuffle)."""
+    order = EpochOrder([per] * shards, OrderSpec(0, True, 1, 524_288), 0)
+    assert np.diff(order.canonical(0)[2])[0] == shards * per // RAMP
+    days = np.repeat(np.arange(shards), per)[np.random.default_rng(0).permutation(shards * per)]
+    exact = np.mean([len(np.unique(days[i:i + 512])) for i in range(0, len(days) - 511, 512)])
+    assert _dates_per_batch(order) >= 0.95 * exact
+
+
 def test_reads_join_whole_files_and_are_cut_where_a_file_is_entered_or_left_inside():
     recs = [(3, 5, 9, 9), (1, 0, 4, 4), (7, 0, 6, 10), (2, 0, 3, 3)]  # (shard, lo, hi, records in its file)
     reads = _cut_reads(recs, 100, 1000)
