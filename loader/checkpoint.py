@@ -9,10 +9,14 @@ settings or the store's kind: those may all change between saving and loading.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from loader.errors import LoaderError
-from loader.pipeline.order import Phase, count, remainder
+from loader.pipeline.order import MAX_CANONICAL_PARTS, Phase, count, remainder
+from loader.source.selection import normalize_dates
+from shardgen.store.manifest import ShardEntry
 
 __all__ = ["STATE_VERSION", "state_of", "check_state"]
 
@@ -32,6 +36,7 @@ def state_of(reader: Any, manifest: str) -> dict:
         "generation": plan.generation,
         "fingerprint": plan.fingerprint,
         "shards": [s.to_json() for s in plan.shards],
+        "shards_sha256": _digest([s.to_json() for s in plan.shards]),
         "dates": list(reader.dates) if reader.dates else None,
         "epoch": reader.epoch,
         "seed": p.seed,
@@ -66,7 +71,48 @@ def check_state(reader: Any, state: dict) -> None:
                               f"{getattr(reader.params, key)!r}")
     if state["fingerprint"] != reader.schema.fingerprint:
         raise LoaderError("state_dict was saved for another schema")
+    _check_fields(state)
+
+
+def _digest(shards: list) -> str:
+    return hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
+
+
+def _check_fields(state: dict) -> None:
+    """LoaderError naming the first field of ``state`` that could not have been saved by
+    ``state_of`` (a hand-edited or damaged state), before the epoch being read is let go."""
+    def want(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise LoaderError(f"state_dict {key!r} must be {what}, got {state.get(key)!r}: the state was altered "
+                              "or damaged after state_dict() saved it")
+
+    def integer(key: str, low: int, high: float = float("inf")) -> None:
+        v = state.get(key)
+        want(isinstance(v, int) and not isinstance(v, bool) and low <= v <= high, key,
+             f"an integer in [{low}, {high}]" if high != float("inf") else f"an integer >= {low}")
+
+    for key, low in (("epoch", 0), ("generation", 0), ("block", 1)):
+        integer(key, low)
+    integer("canonical_parts", 1, MAX_CANONICAL_PARTS)
+    pinned = state.get("pinned")
+    want(pinned is None or (isinstance(pinned, int) and not isinstance(pinned, bool) and pinned >= 0), "pinned",
+         "null or a generation number")
+    shards = state.get("shards")
+    want(isinstance(shards, list) and len(shards) > 0, "shards", "the non-empty list of the epoch's shards")
+    try:
+        entries = [ShardEntry.from_json(s) for s in shards]
+        normalize_dates(state.get("dates"))
+    except (KeyError, TypeError, ValueError, LoaderError) as exc:
+        raise LoaderError(f"state_dict 'shards' or 'dates' cannot be read ({exc}): the state was altered or "
+                          "damaged after state_dict() saved it") from None
+    if "shards_sha256" in state and state["shards_sha256"] != _digest(shards):
+        raise LoaderError("state_dict 'shards' differ from what state_dict() saved (their sha256 does not match "
+                          "'shards_sha256'): the state was altered or damaged")
     phases = state.get("phases")
-    if not isinstance(phases, list) or not all(isinstance(ph, list) and len(ph) == 3 and all(
-            isinstance(v, int) and v >= 0 for v in ph) and ph[0] >= 1 and ph[1] >= 1 for ph in phases):
-        raise LoaderError(f"state_dict 'phases' must be a list of [num_parts, batch_size, batches], got {phases!r}")
+    want(isinstance(phases, list) and all(isinstance(ph, list) and len(ph) == 3 and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ph) and ph[0] >= 1 and ph[1] >= 1
+        for ph in phases), "phases", "a list of [num_parts, batch_size, batches]")
+    try:
+        remainder(sum(e.samples for e in entries), [Phase(*ph) for ph in phases])
+    except ValueError as exc:
+        raise LoaderError(f"state_dict 'phases' {phases!r}: {exc}") from None

@@ -1,6 +1,6 @@
 """Errors the loader raises before MXNet's C++ code could crash or hang on bad input."""
 
-__all__ = ["LoaderError", "StoreUnreachableError", "mxnet_reason"]
+__all__ = ["LoaderError", "StoreUnreachableError", "mxnet_reason", "as_loader_error"]
 
 
 class LoaderError(Exception):
@@ -18,3 +18,15 @@ def mxnet_reason(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     last = lines[-1] if lines else type(exc).__name__
     return last.removeprefix("MXNetError:").strip() or last
+
+
+def as_loader_error(exc: BaseException, plan: object) -> BaseException:
+    """``exc`` as raised to the caller by a loader thread reading ``plan``: an ``MXNetError`` is
+    a LoaderError naming the generation and store; no traceback kept (its frames would keep a
+    native reader alive)."""
+    import mxnet as mx  # loaded by then: only the loader's threads call this
+
+    if isinstance(exc, mx.base.MXNetError):
+        exc = LoaderError(f"MXNet's reader failed on generation {plan.generation} "  # type: ignore[attr-defined]
+                          f"({len(plan.shards)} shards in {plan.store}): {mxnet_reason(exc)}")  # type: ignore
+    return exc.with_traceback(None)

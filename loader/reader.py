@@ -143,9 +143,7 @@ class Reader:
 
     def end_epoch(self) -> None:
         """Stop this epoch's stream (a ``reset()`` or ``load()`` starts the next one)."""
-        # Always joined: a stream read to its end may still free natives mid-read (``last_batch="discard"``
-        # leaves records unread), and its plan's files may be closed right after (review: SIGABRT).
-        self.epochs.end_current(wait=True)
+        self.epochs.end_current()
 
     def _plan_for(self, manifest: Manifest, shards: tuple) -> EpochPlan:
         self.location.check_room(list(shards))

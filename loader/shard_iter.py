@@ -31,7 +31,6 @@ from loader.pipeline.settings import (
 from loader.reader import Reader
 from loader.source.generations import Choice, agreed_start
 from loader.source.location import Location, resolve
-from loader.source.plan import EpochPlan
 from loader.source.selection import DateRange, normalize_dates, select_shards
 
 __all__ = ["ShardIter"]
@@ -40,6 +39,11 @@ __all__ = ["ShardIter"]
 def _setting(name: str) -> property:
     """A read-only attribute of the iterator: the reader's setting ``name``."""
     return property(lambda self: getattr(self.reader.params, name), doc=f"``{name}``, as constructed")
+
+
+def _of_reader(name: str, doc: str) -> property:
+    """A read-only attribute of the iterator: the reader's ``name``."""
+    return property(lambda self: getattr(self.reader, name), doc=doc)
 
 
 class ShardIter(mx.io.DataIter):
@@ -186,10 +190,7 @@ class ShardIter(mx.io.DataIter):
 
     # -- what it reads ----------------------------------------------------------------------------
 
-    @property
-    def schema(self) -> Any:
-        return self.reader.schema
-
+    schema = _of_reader("schema", "The store's :class:`shardgen.format.schema.Schema`.")
     # The reading settings, as constructed (read-only): the reader's StreamParams.
     shuffle = _setting("shuffle")
     seed = _setting("seed")
@@ -199,14 +200,12 @@ class ShardIter(mx.io.DataIter):
     preprocess_threads = _setting("preprocess_threads")
     prefetch_buffer = _setting("prefetch_buffer")
 
-    @property
-    def verify(self) -> str:
-        return self.reader.verify
-
-    @property
-    def memory(self) -> dict:
-        """Bytes each part of this iterator may hold at most (:mod:`loader.pipeline.memory`)."""
-        return self.reader.memory
+    verify = _of_reader("verify", "``verify``, as constructed")
+    memory = _of_reader("memory", "Bytes each part of this iterator may hold at most (:mod:`loader.pipeline.memory`).")
+    epoch = _of_reader("epoch", "The epoch being read (0 first).")
+    plan = _of_reader("plan", "The epoch's :class:`loader.source.plan.EpochPlan` (None once closed).")
+    batches_per_epoch = _of_reader("batches", "Batches this part yields this epoch.")
+    readers = _of_reader("readers", "Native iterators reading this part (fewer than asked when the plan is small).")
 
     @property
     def dates(self) -> Optional[tuple]:
@@ -218,31 +217,14 @@ class ShardIter(mx.io.DataIter):
         self.reader.dates = normalize_dates(value)
 
     @property
-    def epoch(self) -> int:
-        return self.reader.epoch
-
-    @property
-    def plan(self) -> EpochPlan:
-        return self.reader.plan
-
-    @property
     def generation(self) -> int:
         return self.plan.generation
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.reader.batches
 
     @property
     def records_per_epoch(self) -> int:
         """Real (not padding) samples this part yields per epoch."""
         r = self.reader
         return r.part_samples if self.last_batch == "pad" else r.batches * self.batch_size
-
-    @property
-    def readers(self) -> int:
-        """Native iterators reading this part (fewer than asked when the plan is small)."""
-        return self.reader.readers
 
     # -- statistics -----------------------------------------------------------------------------
 
@@ -282,6 +264,7 @@ class ShardIter(mx.io.DataIter):
 
     def state_dict(self) -> dict:
         """Where this iterator is: enough to continue the same epoch in a new process."""
+        self._check_open()
         return self.reader.state(str(self.manifest_path))
 
     def load_state_dict(self, state: dict) -> None:

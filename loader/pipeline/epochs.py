@@ -138,18 +138,20 @@ class Epochs:
                 raise _closed_during_reset(plan)
             recheck(plan, schema, verify)
 
-    def end_current(self, wait: bool) -> None:
-        """Stop the current stream (``reset()``, ``load_state_dict()``); ``wait=False``: it was read
-        to its end and its thread is ending. Until it has stopped, a ``close()`` from another thread
-        waits for it too: its native readers may still be opening on the plan's files, which close()
-        lets go of (that race crashed MXNet 1 run in 8)."""
+    def end_current(self) -> None:
+        """Stop the current stream (``reset()``, ``load_state_dict()``) and join its thread, also
+        when it was read to its end: it may still free natives mid-read (``last_batch="discard"``
+        leaves records unread), and its plan's files may be closed right after (review: SIGABRT).
+        Until it has stopped, a ``close()`` from another thread waits for it too: its native readers
+        may still be opening on the plan's files, which close() lets go of (that race crashed MXNet
+        1 run in 8)."""
         with self.lock:
             stream, self.stream = self.stream, None
             if stream is None:
                 return
             self.ending.add(stream)
         try:
-            stream.close(wait=wait)
+            stream.close()
         finally:
             self.ending.discard(stream)
 

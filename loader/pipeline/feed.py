@@ -23,10 +23,9 @@ import math
 import threading
 from typing import Callable, NamedTuple, Optional
 
-import mxnet as mx
 import numpy as np
 
-from loader.errors import LoaderError, mxnet_reason
+from loader.errors import LoaderError, as_loader_error
 from loader.pipeline.native import free
 from loader.pipeline.order import EpochOrder, Visit
 from loader.source.plan import EpochPlan, Read, reader_source
@@ -173,11 +172,8 @@ class Feed:
             self.done_fetching.set()  # the next epoch's feed may fetch (not after a failure: until close)
             self._put(None)
         except BaseException as exc:  # raised to the producer by take()
-            if isinstance(exc, mx.base.MXNetError):
-                exc = LoaderError(f"MXNet's reader failed on generation {self.plan.generation} "
-                                  f"({len(self.plan.shards)} shards in {self.plan.store}): {mxnet_reason(exc)}")
-            with self._cond:  # no traceback kept: its frames would keep a native alive
-                self._error = exc.with_traceback(None)
+            with self._cond:
+                self._error = as_loader_error(exc, self.plan)
                 self._cond.notify_all()
 
     def _block(self, v: int, visit: Visit) -> bool:

@@ -15,9 +15,10 @@ of workers reading it.
 3. **Blocks.** That sequence is cut into blocks: the first of ``block // RAMP`` samples, the
    next one ``GROWTH`` times larger, then blocks of ``block`` samples (the first batch waits for a
    few shards, not for a whole block; the ramp is 2% of a block, so it costs little mixing). A
-   canonical part shorter than ``block`` is cut as if ``block`` were its length (a
-   ramp of the nominal block covered 39% of a 100k-sample epoch: 0.82 of an exact shuffle's
-   dates per batch, 0.97 now).
+   canonical part shorter than ``block`` is cut as if ``block`` were its length (a ramp of the
+   nominal block covered 39% of a 100k-sample epoch: 0.82 of an exact shuffle's dates per
+   batch, 0.97 now), but its first block holds at least ``FIRST`` samples when the nominal
+   ramp does (a tiny epoch's first batch does not wait for all of it: its whole download).
    Each block's samples are permuted by ``(seed, epoch, c, b)``.
    A block's records are held in memory while it is read, so ``block`` is the shuffle buffer.
 4. **The epoch** (``E``) is the canonical parts' orders end to end.
@@ -38,12 +39,14 @@ from typing import Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["RAMP", "GROWTH", "OrderSpec", "Phase", "Block", "Visit", "EpochOrder", "remainder", "slice_of", "cut",
-           "count"]
+__all__ = ["RAMP", "GROWTH", "MAX_CANONICAL_PARTS", "OrderSpec", "Phase", "Block", "Visit", "EpochOrder",
+           "remainder", "slice_of", "cut", "count"]
 
 RAMP = 256  # the first block of a canonical part holds block // RAMP samples
 GROWTH = 4  # and the next one GROWTH times more; the ones after hold ``block`` (the ramp is 2% of a block)
 RAMP_BLOCKS = 2
+FIRST = 32  # samples the first block holds at least (unless the block itself is smaller): a few batches
+MAX_CANONICAL_PARTS = 1 << 16  # more ranges than workers anyone runs; the order's tables grow with it
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,9 @@ class OrderSpec:
     block: int  # samples per full block (the shuffle window)
 
     def __post_init__(self) -> None:
-        if self.canonical_parts < 1 or self.block < 1:
-            raise ValueError(f"canonical_parts and block must be >= 1, got {self.canonical_parts}, {self.block}")
+        if not 1 <= self.canonical_parts <= MAX_CANONICAL_PARTS or self.block < 1:
+            raise ValueError(f"canonical_parts must be in [1, {MAX_CANONICAL_PARTS}] and block >= 1, got "
+                             f"{self.canonical_parts}, {self.block}")
 
 
 class Phase(NamedTuple):
@@ -118,12 +122,17 @@ def slice_of(rest: Intervals, num_parts: int, part_index: int) -> Intervals:
 
 
 def remainder(total: int, phases: Sequence[Phase]) -> Intervals:
-    """What is left of an epoch of ``total`` samples after ``phases``."""
+    """What is left of an epoch of ``total`` samples after ``phases``; ValueError if a phase
+    read more batches than its largest slice holds (a padded last batch counts; a part that ran
+    out a batch early repeats one, so every part reads as many)."""
     rest: Intervals = [(0, total)] if total else []
     for phase in phases:
-        tails = []
-        for p in range(phase.num_parts):
-            mine = slice_of(rest, phase.num_parts, p)
+        tails, slices = [], [slice_of(rest, phase.num_parts, p) for p in range(phase.num_parts)]
+        most = max(count(s) for s in slices)
+        if phase.batches > -(-most // phase.batch_size):
+            raise ValueError(f"{phase.num_parts} parts read {phase.batches} batches of {phase.batch_size}, their "
+                             f"slices hold at most {most:,} samples")
+        for mine in slices:
             tails += cut(mine, phase.batches * phase.batch_size, count(mine))
         rest = tails
     return rest
@@ -166,7 +175,7 @@ class EpochOrder:
         if self.spec.shuffle and len(pieces) > 1:
             pieces = pieces[self._rng(c, 0).permutation(len(pieces))]
         starts = np.concatenate(([0], np.cumsum(pieces[:, 2] - pieces[:, 1])))
-        return pieces, starts, _block_bounds(s1 - s0, min(self.spec.block, s1 - s0))
+        return pieces, starts, _block_bounds(s1 - s0, self.spec.block)
 
     def block(self, c: int, b: int) -> Block:
         pieces, starts, bounds = self.canonical(c)
@@ -206,9 +215,10 @@ class EpochOrder:
 
 def _block_bounds(n: int, block: int) -> np.ndarray:
     """Where the blocks of a sequence of ``n`` samples start (and the last ends)."""
-    bounds, at, size = [0], 0, max(1, block // RAMP)
+    full = min(block, n)  # a part shorter than a block: its ramp is cut from its length (mixing),
+    bounds, at, size = [0], 0, max(1, full // RAMP, min(block // RAMP, FIRST))  # its first block not too small
     while at < n:
         at = min(n, at + size)
         bounds.append(at)
-        size = min(block, size * GROWTH) if len(bounds) <= RAMP_BLOCKS else block
+        size = min(full, size * GROWTH) if len(bounds) <= RAMP_BLOCKS else full
     return np.array(bounds, np.int64)

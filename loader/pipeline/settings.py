@@ -12,6 +12,7 @@ import numpy as np
 from loader.errors import LoaderError
 from loader.pipeline.batches import StreamParams, batch_floats, buffer_capacity
 from loader.pipeline.memory import check_footprint, footprint
+from loader.pipeline.order import MAX_CANONICAL_PARTS
 from loader.pipeline.shuffle_buffer import buffer_bytes, default_capacity
 from loader.sizes import parse_size
 from shardgen.format.check import VERIFY_MODES
@@ -33,6 +34,9 @@ def check_arguments(*, batch_size: object, num_parts: object, part_index: object
                              ("canonical_parts", 1 if canonical_parts is None else canonical_parts, 1)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
             raise LoaderError(f"{name} must be an integer >= {low}, got {value!r}")
+    if (num_parts if canonical_parts is None else canonical_parts) > MAX_CANONICAL_PARTS:
+        raise LoaderError(f"canonical_parts (default num_parts) must be <= {MAX_CANONICAL_PARTS:,}, got "
+                          f"{num_parts if canonical_parts is None else canonical_parts:,}")
     if not isinstance(part_index, (int, np.integer)) or not 0 <= part_index < num_parts:
         raise LoaderError(f"part_index must be in [0, {num_parts}), got {part_index!r}")
     if last_batch not in ("pad", "discard"):

@@ -18,10 +18,9 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-import mxnet as mx
 import numpy as np
 
-from loader.errors import LoaderError, mxnet_reason
+from loader.errors import LoaderError, as_loader_error
 from loader.pipeline.batches import StreamParams, batch_views, fill_batch
 from loader.pipeline.feed import Feed
 from loader.pipeline.loading import Blocks
@@ -138,14 +137,13 @@ class EpochStream:
         """Its producer is still assembling and the caller's queue is at its low mark or below."""
         return self._producing and len(self._ready) <= self._low
 
-    def close(self, wait: bool = True) -> None:
-        """Stop the producer thread (and the feed); ``wait=False`` (an epoch read to its end): the
-        thread ends by itself."""
+    def close(self) -> None:
+        """Stop the producer thread (and the feed) and join it."""
         self._halt.set()
         with self._cond:
             self._cond.notify_all()
             self._ready.clear()
-        if self._thread is not threading.current_thread() and wait:
+        if self._thread is not threading.current_thread():
             self._thread.join()
 
     # -- producer side ----------------------------------------------------------------------------
@@ -182,10 +180,7 @@ class EpochStream:
         try:
             self._produce()
         except BaseException as exc:  # handed to the caller's next()
-            if isinstance(exc, mx.base.MXNetError):
-                exc = LoaderError(f"MXNet's reader failed on generation {self.plan.generation} "
-                                  f"({len(self.plan.shards)} shards in {self.plan.store}): {mxnet_reason(exc)}")
-            self._offer(exc.with_traceback(None))
+            self._offer(as_loader_error(exc, self.plan))
         finally:
             self._shutdown()
 

@@ -150,7 +150,8 @@ class Room:
             raise LoaderError(f"{self.remote.url}: cache_limit {say_size(self.limit)} is too small to stream this "
                               f"part: it must hold 3 of its largest shard ({big.date}, {say_size(big.bytes)}) at once "
                               f"(one being read, one fetched ahead, one for the next epoch) beside the manifest and "
-                              f"snapshots ({say_size(meta)}); raise cache_limit to at least {say_size(need)}")
+                              f"snapshots ({say_size(meta)}); raise cache_limit to at least {need:,} bytes "
+                              f"({say_size(need)})")
 
     def group_bytes(self) -> Optional[int]:
         """Bytes of shard files a feed group may hold: a third of what the limit leaves."""

@@ -8,7 +8,7 @@ import pytest
 
 from loader import LoaderError
 from loader.pipeline.feed import _cut_reads, _group
-from loader.pipeline.order import GROWTH, RAMP, EpochOrder, OrderSpec
+from loader.pipeline.order import FIRST, GROWTH, RAMP, EpochOrder, OrderSpec
 
 
 def _samples(order: EpochOrder, intervals) -> list:
@@ -62,6 +62,8 @@ def test_a_part_shorter_than_a_block_mixes_like_an_exact_shuffle(shards, per):
     (a ramp cut from the nominal block covered 39% of the epoch: 0.82 of an exact shuffle)."""
     order = EpochOrder([per] * shards, OrderSpec(0, True, 1, 524_288), 0)
     assert np.diff(order.canonical(0)[2])[0] == shards * per // RAMP
+    tiny = EpochOrder([35] * 12, OrderSpec(0, True, 1, 524_288), 0).canonical(0)[2]
+    assert np.diff(tiny)[:2].tolist() == [FIRST, FIRST * GROWTH], "a tiny part's first batches wait for a shard"
     days = np.repeat(np.arange(shards), per)[np.random.default_rng(0).permutation(shards * per)]
     exact = np.mean([len(np.unique(days[i:i + 512])) for i in range(0, len(days) - 511, 512)])
     assert _dates_per_batch(order) >= 0.95 * exact

@@ -17,7 +17,7 @@ from conftest import ROOT, make_store
 from loader import LoaderError, ShardIter
 from loader.pipeline.order import EpochOrder, OrderSpec, Phase, count, remainder, slice_of
 
-COUNTS = {f"2024-04-{d:02d}": 17 + 5 * (d % 4) for d in range(1, 15)}  # 14 dates, 392 windows
+COUNTS = {f"2024-04-{d:02d}": 17 + 5 * (d % 4) for d in range(1, 15)}  # 14 dates, 343 windows
 TOTAL = sum(COUNTS.values())
 KW = dict(seed=11, shuffle_buffer=16)  # blocks of 64 windows (packed by 4): several blocks an epoch
 B = 8
@@ -234,3 +234,42 @@ def test_a_state_moves_between_a_folder_and_s3_and_any_cache_limit(s3, tmp_path)
                          kw={**KW, **new_kw}))
     for case, old, new in zip(cases, olds, _new_jobs(jobs)):
         assert sorted(old + [i for got in new for i in _real(got, B)]) == list(range(sum(counts.values()))), case
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"epoch": -1}, "'epoch' must be an integer >= 0"),
+    ({"epoch": "3"}, "'epoch' must be"),
+    ({"canonical_parts": 2**63}, r"'canonical_parts' must be an integer in \[1, 65536\]"),
+    ({"block": 0}, "'block' must be"),
+    ({"generation": None}, "'generation' must be"),
+    ({"pinned": "x"}, "'pinned' must be"),
+    ({"shards": []}, "'shards' must be the non-empty list"),
+    ({"shards": [{"date": "2024-04-01"}]}, "'shards' or 'dates' cannot be read"),
+    ({"dates": ["2024-13-01", None]}, "'shards' or 'dates' cannot be read"),
+    ({"phases": [[1, 8, 10_000]]}, "1 parts read 10000 batches of 8, their slices hold at most 343 samples"),
+    ({"phases": [[1, True, 1]]}, "'phases' must be"),
+    (None, "differ from what state_dict.. saved"),  # a shard's window count edited
+])
+def test_a_hand_edited_state_is_one_loader_error_and_the_epoch_goes_on(store, tmp_path, edit, match):
+    """Every field load_state_dict() uses is checked before the epoch in progress is let go: an
+    altered state is a LoaderError naming the field, never a KeyError/TypeError/hang, and the
+    iterator goes on reading where it was."""
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        first = it.next().label[0].asnumpy().tolist()
+        state = json.loads(json.dumps(it.state_dict()))
+        altered = json.loads(json.dumps({**state, **(edit or {})}))
+        if edit is None:
+            altered["shards"][0]["windows"] = altered["shards"][0].get("windows", 0) + 4
+        with pytest.raises(LoaderError, match=match):
+            it.load_state_dict(altered)
+        it.load_state_dict(state)  # the unaltered state still loads
+        second = it.next().label[0].asnumpy().tolist()
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        assert [it.next().label[0].asnumpy().tolist() for _ in range(2)] == [first, second]
+
+
+def test_canonical_parts_is_bounded(store, tmp_path):
+    with pytest.raises(LoaderError, match="canonical_parts .*must be <= 65,536"):
+        ShardIter(store, B, cache_dir=tmp_path / "c", canonical_parts=2**63)
+    with pytest.raises(LoaderError, match="canonical_parts .*must be <= 65,536"):
+        ShardIter(store, B, cache_dir=tmp_path / "c", num_parts=70_000)

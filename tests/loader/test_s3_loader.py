@@ -328,8 +328,13 @@ def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_r
     cache = tmp_path / "cache"
     mirror = cache / "objects" / "data" / "store"
     with pytest.raises(LoaderError, match=r"^s3://data/store: cache_limit .* kB is too small to stream this part: "
-                                          r"it must hold 3 of its largest shard .*raise cache_limit to at least .* kB"):
+                                          r"it must hold 3 of its largest shard .*raise cache_limit to at least "
+                                          r"[\d,]+ bytes \(.* kB\)") as refused:
         read_all(url, cache, cache_limit=3 * max(s.bytes for s in shards) - 1, readers=1)
+    least = int(re.search(r"at least ([\d,]+) bytes", str(refused.value)).group(1).replace(",", ""))
+    with pytest.raises(LoaderError, match="too small"):
+        ShardIter(url, 8, cache_dir=tmp_path / "least", cache_limit=least - 1, readers=1).close()
+    ShardIter(url, 8, cache_dir=tmp_path / "least", cache_limit=least, readers=1).close()  # the least it said works
     assert not list(mirror.glob("*.rec"))
     peak, stop = [0], threading.Event()
 
