@@ -30,13 +30,12 @@ def state_of(reader: Any, manifest: str) -> dict:
     phases = [list(ph) for ph in reader.phases] + [[p.num_parts, p.batch_size, reader.cursor]]
     total = plan.samples
     consumed = total - count(remainder(total, [Phase(*ph) for ph in phases]))
-    return {
+    state = {
         "version": STATE_VERSION,
         "manifest": manifest,
         "generation": plan.generation,
         "fingerprint": plan.fingerprint,
         "shards": [s.to_json() for s in plan.shards],
-        "shards_sha256": _digest([s.to_json() for s in plan.shards]),
         "dates": list(reader.dates) if reader.dates else None,
         "epoch": reader.epoch,
         "seed": p.seed,
@@ -52,10 +51,19 @@ def state_of(reader: Any, manifest: str) -> dict:
         "last_batch": p.last_batch,
         "pinned": reader.choice.pin,
     }
+    return {**state, "sha256": _digest(state)}
+
+
+def _digest(state: dict) -> str:
+    """sha256 of every field but itself: a state is written by ``state_of`` alone."""
+    body = {k: v for k, v in state.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def check_state(reader: Any, state: dict) -> None:
     """LoaderError unless ``reader`` can continue from ``state``."""
+    if not isinstance(state, dict):
+        raise LoaderError(f"state_dict must be the dict state_dict() returned, got {type(state).__name__}")
     version = state.get("version")
     if version in (2, 3):
         raise LoaderError(f"state_dict version {version} was saved by a loader whose order depended on its cache, "
@@ -65,17 +73,20 @@ def check_state(reader: Any, state: dict) -> None:
                           f"resume exactly")
     if version != STATE_VERSION:
         raise LoaderError(f"state_dict version {version!r}, expected {STATE_VERSION}")
+    try:
+        sound = state.get("sha256") == _digest(state)
+    except (TypeError, ValueError):  # not JSON
+        sound = False
+    if not sound:
+        raise LoaderError("state_dict differs from what state_dict() saved (its 'sha256' does not match its "
+                          "fields): it was altered or damaged; load an unaltered copy")
     for key in MUST_MATCH:
-        if state[key] != getattr(reader.params, key):
-            raise LoaderError(f"state_dict was saved with {key}={state[key]!r}, this iterator has "
+        if state.get(key) != getattr(reader.params, key):
+            raise LoaderError(f"state_dict was saved with {key}={state.get(key)!r}, this iterator has "
                               f"{getattr(reader.params, key)!r}")
-    if state["fingerprint"] != reader.schema.fingerprint:
+    if state.get("fingerprint") != reader.schema.fingerprint:
         raise LoaderError("state_dict was saved for another schema")
     _check_fields(state)
-
-
-def _digest(shards: list) -> str:
-    return hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
 
 
 def _check_fields(state: dict) -> None:
@@ -105,13 +116,11 @@ def _check_fields(state: dict) -> None:
     except (KeyError, TypeError, ValueError, LoaderError) as exc:
         raise LoaderError(f"state_dict 'shards' or 'dates' cannot be read ({exc}): the state was altered or "
                           "damaged after state_dict() saved it") from None
-    if "shards_sha256" in state and state["shards_sha256"] != _digest(shards):
-        raise LoaderError("state_dict 'shards' differ from what state_dict() saved (their sha256 does not match "
-                          "'shards_sha256'): the state was altered or damaged")
     phases = state.get("phases")
     want(isinstance(phases, list) and all(isinstance(ph, list) and len(ph) == 3 and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ph) and ph[0] >= 1 and ph[1] >= 1
-        for ph in phases), "phases", "a list of [num_parts, batch_size, batches]")
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31 for v in ph) and
+        1 <= ph[0] <= MAX_CANONICAL_PARTS and ph[1] >= 1 for ph in phases), "phases",
+        f"a list of [num_parts <= {MAX_CANONICAL_PARTS}, batch_size, batches]")
     try:
         remainder(sum(e.samples for e in entries), [Phase(*ph) for ph in phases])
     except ValueError as exc:

@@ -22,9 +22,9 @@ from loader.errors import LoaderError, StoreUnreachableError
 from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
 from loader.pipeline.memory import Arena, settle_allocator
-from loader.pipeline.order import EpochOrder, Phase, slice_of
+from loader.pipeline.order import EpochOrder, Phase, count, remainder, slice_of
 from loader.pipeline.settings import check_memory
-from loader.pipeline.stream import order_spec
+from loader.pipeline.stream import epoch_batches, order_spec
 from loader.source.generations import Choice
 from loader.source.location import Location
 from loader.source.plan import EpochPlan, make_plan
@@ -191,7 +191,7 @@ class Reader:
         is split among this iterator's parts. Only the blocks from the resumption point on are read.
         ``before_end()`` is called before this epoch's stream ends. True (a new stream started)."""
         check_state(self, state)
-        self.dates = normalize_dates(state.get("dates"))  # the saved selection, from the next reset() on
+        dates = normalize_dates(state.get("dates"))  # the saved selection, from the next reset() on
         shards = tuple(ShardEntry.from_json(s) for s in state["shards"])
         p = self.params
         phases = tuple(Phase(*map(int, ph)) for ph in state["phases"])
@@ -199,17 +199,23 @@ class Reader:
         if phases and phases[-1][:2] == (p.num_parts, p.batch_size):
             phases, skip = phases[:-1], phases[-1].batches
         params = dataclasses.replace(p, canonical_parts=int(state["canonical_parts"]), block=int(state["block"]))
-        if params.block != p.block:  # buffers for the state's blocks: checked before this epoch is let go
+        memory = self.memory
+        if params.block != p.block:  # buffers for the state's blocks
             per = p.block / max(1, p.buffer_records)
             params = dataclasses.replace(params, buffer_records=max(1, math.ceil(params.block / per)))
-            self.memory = check_memory(params, f"a state's block of {params.block:,} samples")
-        before_end()
-        self.end_epoch()
-        if state.get("pinned") is not None:
-            self.choice = Choice(pin=state["pinned"])
-        self.params = params
+            memory = check_memory(params, f"a state's block of {params.block:,} samples")
+        # Everything that can refuse the state is asked before this epoch is let go: the phase it
+        # resumes (an empty part), and the state's shards (opened and checked for a folder).
+        rest = remainder(sum(s.samples for s in shards), phases)
+        epoch_batches(params, [count(slice_of(rest, p.num_parts, q)) for q in range(p.num_parts)],
+                      int(state["generation"]), count(rest), resumed=bool(phases))
         manifest = self.location.manifest()
         plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
+        before_end()
+        self.end_epoch()
+        self.dates, self.memory, self.params = dates, memory, params
+        if state.get("pinned") is not None:
+            self.choice = Choice(pin=state["pinned"])
         plan = dataclasses.replace(plan, generation=state["generation"])
         self._start(plan, phases=phases, skip=skip, epoch=int(state["epoch"]))
         self.manifest = manifest

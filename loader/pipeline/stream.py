@@ -38,12 +38,14 @@ def order_spec(p: StreamParams) -> OrderSpec:
     return OrderSpec(p.seed, p.shuffle, p.canonical_parts, p.block)
 
 
-def epoch_batches(p: StreamParams, part_samples: Sequence[int], generation: int, left: int) -> int:
+def epoch_batches(p: StreamParams, part_samples: Sequence[int], generation: int, left: int,
+                  resumed: bool = False) -> int:
     """Batches every part yields in this phase: ``"pad"``, ``ceil(largest part / batch_size)`` (a
     batch larger than a part: one batch, ``pad = batch_size - samples``, as ``NDArrayIter`` gives);
-    ``"discard"``, ``smallest part // batch_size``. LoaderError for an empty part, or no batch at all."""
+    ``"discard"``, ``smallest part // batch_size``. LoaderError for an empty part, or no batch at all
+    (``resumed`` with ``"discard"``: none, what is left is what discard leaves out)."""
     smallest, bs = min(part_samples), p.batch_size
-    if not any(part_samples):
+    if not any(part_samples) or (resumed and p.last_batch == "discard" and smallest < bs):
         return 0  # a state saved at the epoch's very end
     which = list(part_samples).index(smallest)
     if smallest == 0:
@@ -81,7 +83,7 @@ class EpochStream:
         self.part_samples = [count(slice_of(rest, params.num_parts, q)) for q in range(params.num_parts)]
         self._mine = slice_of(rest, params.num_parts, params.part_index)
         self.samples = self.part_samples[params.part_index]
-        self.batches = epoch_batches(params, self.part_samples, plan.generation, count(rest))
+        self.batches = epoch_batches(params, self.part_samples, plan.generation, count(rest), bool(self.phases))
         self.readers = params.readers
         bs = params.batch_size
         self._last_real = math.ceil(self.samples / bs) - 1  # batches after it (if any) are all filler

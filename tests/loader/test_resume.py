@@ -175,7 +175,7 @@ def test_a_state_of_the_old_format_or_another_seed_is_refused_saying_what_to_do(
             it.load_state_dict(old)
         with pytest.raises(LoaderError, match="seed=11, this iterator has 12"):
             ShardIter(store, B, cache_dir=tmp_path / "c", **{**KW, "seed": 12}).load_state_dict(state)
-        with pytest.raises(LoaderError, match="phases"):
+        with pytest.raises(LoaderError, match="state_dict differs from what state_dict.. saved"):
             it.load_state_dict({**state, "phases": [[0, 8, 1]]})
         assert it.next().data[0].shape[0] == B, "the epoch in progress is untouched"
 
@@ -248,24 +248,64 @@ def test_a_state_moves_between_a_folder_and_s3_and_any_cache_limit(s3, tmp_path)
     ({"dates": ["2024-13-01", None]}, "'shards' or 'dates' cannot be read"),
     ({"phases": [[1, 8, 10_000]]}, "1 parts read 10000 batches of 8, their slices hold at most 343 samples"),
     ({"phases": [[1, True, 1]]}, "'phases' must be"),
-    (None, "differ from what state_dict.. saved"),  # a shard's window count edited
+    ({"phases": [[10**7, 1, 0]]}, "'phases' must be"),  # a table of 10^7 slices: refused, not built
+    ({"seed": None}, "saved with seed=None"),
 ])
 def test_a_hand_edited_state_is_one_loader_error_and_the_epoch_goes_on(store, tmp_path, edit, match):
-    """Every field load_state_dict() uses is checked before the epoch in progress is let go: an
-    altered state is a LoaderError naming the field, never a KeyError/TypeError/hang, and the
+    """A state is written by state_dict() alone: an edited field (or a window count of a shard)
+    is refused by the state's own sha256; re-signed, each field is still checked. Always before
+    the epoch in progress is let go: one LoaderError, never a KeyError/TypeError/hang, and the
     iterator goes on reading where it was."""
+    from loader.checkpoint import _digest
+
     with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
         first = it.next().label[0].asnumpy().tolist()
         state = json.loads(json.dumps(it.state_dict()))
-        altered = json.loads(json.dumps({**state, **(edit or {})}))
-        if edit is None:
-            altered["shards"][0]["windows"] = altered["shards"][0].get("windows", 0) + 4
-        with pytest.raises(LoaderError, match=match):
+        altered = json.loads(json.dumps({**state, **edit}))
+        with pytest.raises(LoaderError, match="state_dict differs from what state_dict.. saved"):
             it.load_state_dict(altered)
+        with pytest.raises(LoaderError, match=match):
+            it.load_state_dict({**altered, "sha256": _digest(altered)})
         it.load_state_dict(state)  # the unaltered state still loads
         second = it.next().label[0].asnumpy().tolist()
     with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
         assert [it.next().label[0].asnumpy().tolist() for _ in range(2)] == [first, second]
+
+
+@pytest.mark.parametrize("bad", [None, [], {"version": 4}])
+def test_what_is_not_a_state_is_one_loader_error(store, tmp_path, bad):
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        with pytest.raises(LoaderError):
+            it.load_state_dict(bad)
+        assert it.next().data[0].shape[0] == B
+
+
+def test_a_state_the_new_parts_cannot_split_is_refused_before_the_epoch_is_let_go(store, tmp_path):
+    """Saved one batch before the end (1 sample left), loaded on 2 parts: part 1 would be empty;
+    the iterator goes on. With last_batch='discard', the end of an epoch resumes on any number of
+    parts as an epoch with nothing left (discard leaves the rest out)."""
+    with ShardIter(store, 9, cache_dir=tmp_path / "a", **KW) as old:
+        for _ in range(old.batches_per_epoch - 1):
+            old.next()
+        state = old.state_dict()
+    assert TOTAL - state["samples"] == 1
+    with ShardIter(store, 9, num_parts=2, cache_dir=tmp_path / "b", **KW) as it:
+        first = it.next().label[0].asnumpy().tolist()
+        with pytest.raises(LoaderError, match=r"part \d of 2 would be empty"):
+            it.load_state_dict(state)
+        second = it.next().label[0].asnumpy().tolist()  # the epoch in progress goes on
+    with ShardIter(store, 9, num_parts=2, cache_dir=tmp_path / "b", **KW) as again:
+        assert [again.next().label[0].asnumpy().tolist() for _ in range(2)] == [first, second]
+    for parts, new in ((3, 1), (1, 2), (2, 4)):
+        with ShardIter(store, B, num_parts=parts, last_batch="discard", cache_dir=tmp_path / "d", **KW) as old:
+            for _ in old:
+                pass
+            state = old.state_dict()
+        with ShardIter(store, B, num_parts=new, last_batch="discard", cache_dir=tmp_path / "e", **KW) as it:
+            it.load_state_dict(state)
+            assert list(it) == [] and it.epoch == 0
+            it.reset()
+            assert it.epoch == 1 and len(list(it)) == it.batches_per_epoch > 0
 
 
 def test_canonical_parts_is_bounded(store, tmp_path):
