@@ -52,8 +52,9 @@ class ShardIter(mx.io.DataIter):
     ``manifest``: a manifest file, a store folder, or ``s3://bucket/prefix`` (downloaded into
     ``cache_dir``, at most ``cache_limit`` bytes). ``cache_dir``: the one root of what the loader
     writes locally (:mod:`loader.source.location`).
-    ``verify``: ``"frame"`` (default) checks every record's framing before MXNet reads it,
-    ``"sha256"`` also checks content against the manifest, ``"none"`` trusts the files.
+    ``verify``: ``"crc"`` (default) checks every record's framing and payload CRC32 before MXNet
+    reads it (once per file version), ``"frame"`` the framing only, ``"sha256"`` also the whole
+    file against the manifest, ``"none"`` trusts the files.
     ``readers``: native iterators per part (each with its own I/O thread; default 2).
     ``shuffle_buffer``: what is held for mixing, as a number of *records* (an int) or a size
     in bytes (a string such as ``"256MB"`` or ``"1GiB"``; default 128 MB).
@@ -69,7 +70,7 @@ class ShardIter(mx.io.DataIter):
                  seed: int = 0, preprocess_threads: int = 4, prefetch_buffer: int = 8, num_parts: int = 1,
                  part_index: int = 0, last_batch: str = "pad", dates: DateRange = None,
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
-                 verify: str = "frame", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
+                 verify: str = "crc", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
                  cache_limit: Optional[int | str] = None, producer: str = "thread",
                  canonical_parts: Optional[int] = None):

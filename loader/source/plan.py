@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -30,10 +31,12 @@ import numpy as np
 from loader.errors import LoaderError
 from loader.source.files import PlanFiles, recheck
 from loader.source.location import Location
-from shardgen.format.check import VERIFY_MODES
+from shardgen.format.check import VERIFY_MODES, has_checksums
 from shardgen.format.index import reader_index
 from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.store.manifest import Manifest, ShardEntry
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EpochPlan", "PlanFiles", "Read", "ReaderSource", "reader_source", "make_plan", "recheck"]
 
@@ -154,7 +157,7 @@ def _make_folder(folder: Path) -> None:
                 raise
 
 
-def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, ...], *, verify: str = "frame",
+def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, ...], *, verify: str = "crc",
               who: str = "", eager: Optional[bool] = None) -> EpochPlan:
     """A plan over ``shards`` with its own folder for MXNet. ``eager`` (default: a store folder):
     every file is opened and checked now, so what is wrong with one is said by ``ShardIter()`` or
@@ -171,6 +174,7 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
     store = location.store.resolve()
     if not shards:
         raise LoaderError(f"{location.manifest_path}: no shards selected (generation {manifest.generation})")
+    _notice_old_shards(location, shards, verify)
     eager = not location.downloads if eager is None else eager
     plans = location.plans.resolve()
     mine = plans / f"{HOST_TOKEN}-{os.getpid()}"
@@ -197,6 +201,20 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
         files.close()
         raise
     return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, folder, files)
+
+
+_NOTICED: set = set()
+
+
+def _notice_old_shards(location: Location, shards: tuple, verify: str) -> None:
+    """One warning per store and process: shards written before record checksums are read with
+    their framing checked, not their content, until they are rebuilt."""
+    old = [s.date for s in shards if not has_checksums(s)]
+    if verify == "crc" and old and location.manifest_path not in _NOTICED:
+        _NOTICED.add(location.manifest_path)
+        log.warning("%s: %d shard(s) (%s%s) were written before record checksums: their content is checked by "
+                    "frame only until rebuilt (`shardgen build --force` for their dates); `shardgen verify` "
+                    "lists them", location.manifest_path, len(old), ", ".join(old[:3]), ", ..." if len(old) > 3 else "")
 
 
 def _clean_dead_processes(plans: Path) -> None:

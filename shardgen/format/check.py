@@ -8,8 +8,12 @@ checked here first, once per process and file version (inode, size, mtime, ctime
 every record (magic, length, cflag, header flag == record_floats, id == the date's day, the
 constant image and padding) and what the codec checks inside the payload (items used, day, runs'
 row counts and window starts). The check reads a few words per record through a memory map; the
-common case (no record split by dmlc's magic word) is vectorised. ``verify="sha256"`` also hashes
-the whole file against the manifest, so a flipped payload byte is an error, not wrong data.
+common case (no record split by dmlc's magic word) is vectorised. ``verify="crc"`` (the default)
+also checks every record's CRC32 of its payload and image (``framing.CRC_WORD``), so a flipped
+payload byte is an error naming the record, not wrong data; shards written before record
+checksums (their manifest entry has no ``checksum``) are checked by frame only.
+``verify="sha256"`` also hashes the whole file against the manifest: a mismatch in a file whose
+every record is sound is the manifest's error, and is said so.
 
 The published shard is described by any object with ``date`` (ISO), ``records``, ``bytes``,
 ``sha256`` and ``windows`` (0: unknown), such as the manifest's ``ShardEntry``.
@@ -29,13 +33,23 @@ import numpy as np
 
 from shardgen.format.codec import Columns, Damage
 from shardgen.format.errors import ShardError
-from shardgen.format.framing import HEADER_BYTES, MAGIC, PAYLOAD_WORD, data_bytes, image_tail, split_lrec
+from shardgen.format.framing import (
+    CHECKSUM,
+    CRC_WORD,
+    HEADER_BYTES,
+    MAGIC,
+    PAYLOAD_WORD,
+    data_bytes,
+    image_tail,
+    payload_crcs,
+    split_lrec,
+)
 from shardgen.format.index import parse_index
 from shardgen.format.schema import Schema, day_number
 
-__all__ = ["VERIFY_MODES", "ShardFrames", "Published", "check_shard", "read_offsets", "needs_index"]
+__all__ = ["VERIFY_MODES", "ShardFrames", "Published", "check_shard", "read_offsets", "needs_index", "has_checksums"]
 
-VERIFY_MODES = ("frame", "sha256", "none")
+VERIFY_MODES = ("crc", "frame", "sha256", "none")  # the first is the default
 _CACHE: dict = {}
 _CACHE_LOCK = threading.Lock()
 
@@ -46,6 +60,23 @@ class Published(Protocol):
     bytes: int
     sha256: str
     windows: int
+    checksum: str
+
+
+def has_checksums(entry: Published) -> bool:
+    """Whether ``entry``'s records carry a CRC32 (written since 2026-12-06)."""
+    return getattr(entry, "checksum", "") == CHECKSUM
+
+
+def _check_crcs(buf: memoryview, starts: np.ndarray, stored: np.ndarray, length: int,
+                where: Optional[np.ndarray] = None) -> None:
+    """Damage naming the first record whose payload's CRC32 is not the one stored in it."""
+    bad = np.flatnonzero(payload_crcs(buf, starts, length) != stored)
+    if len(bad):
+        i = int(bad[0])
+        raise Damage(int(where[i]) if where is not None else i,
+                     f"payload checksum differs: CRC32 stored {int(stored[i]):#010x}, the bytes give "
+                     f"{int(payload_crcs(buf, starts[i:i + 1], length)[0]):#010x}")
 
 
 @dataclass(frozen=True)
@@ -133,7 +164,7 @@ def _renumber(where: np.ndarray, run):
         raise Damage(int(where[bad.record]), bad.what) from None
 
 
-def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int
+def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, crcs: bool
                    ) -> tuple[np.ndarray, np.ndarray]:
     """The general case (some record split at a magic word): whole records column-wise as in
     ``_whole_records`` (gathered by offset), only the split ones one by one."""
@@ -153,6 +184,9 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
 
     counts[whole] = _renumber(whole, lambda: _whole_records(whole_cols, len(whole), schema, day))
     keys[whole] = _keys(whole_cols, len(whole), schema)
+    length = data_bytes(schema.record_floats, schema.image)
+    if crcs:
+        _check_crcs(buf, offsets[whole], flat[first + CRC_WORD], length, whole)
     if len(split):
         rebuilt = np.empty((len(split), rb // 4), np.uint32)
         for j, i in enumerate(split.tolist()):
@@ -167,6 +201,9 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
 
         counts[split] = _renumber(split, lambda: schema.codec.check(split_cols, len(split), schema, day))
         keys[split] = _keys(split_cols, len(split), schema)
+        if crcs:
+            _check_crcs(memoryview(rebuilt).cast("B"), np.arange(len(split)) * rb, rebuilt[:, CRC_WORD], length,
+                        split)
     return counts, keys
 
 
@@ -190,9 +227,10 @@ def read_offsets(idx_path: str, entry: Published) -> np.ndarray:
 
 def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify: str,
           entry: Published) -> tuple[Optional[tuple[np.ndarray, np.ndarray]], object]:
-    """((counts, keys), None), or (None, "sha256" | (record, what)); no view of ``buf`` outlives the call."""
-    if verify == "sha256" and hashlib.sha256(buf).hexdigest() != entry.sha256:
-        return None, "sha256"
+    """((counts, keys), None), or (None, "sha256" | "sha256-sound" | (record, what)); no view of
+    ``buf`` outlives the call. "sha256-sound": the hash differs, every record's frame and CRC hold."""
+    sha_ok = verify != "sha256" or hashlib.sha256(buf).hexdigest() == entry.sha256
+    crcs = verify in ("crc", "sha256") and has_checksums(entry)
     rb = schema.record_bytes
     try:
         if len(offsets) * rb == len(buf) and (np.diff(offsets) == rb).all():
@@ -204,8 +242,12 @@ def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify
             keys = _keys(cols, len(offsets), schema)
             if verify == "none":
                 return (schema.codec.counts(cols, len(offsets), schema), keys), None
-            return (_whole_records(cols, len(offsets), schema, day), keys), None
-        return _split_records(buf, offsets, schema, day), None
+            found = (_whole_records(cols, len(offsets), schema, day), keys)
+            if crcs:
+                _check_crcs(buf, offsets, words[:, CRC_WORD], data_bytes(schema.record_floats, schema.image))
+        else:
+            found = _split_records(buf, offsets, schema, day, crcs)
+        return (found, None) if sha_ok else (None, "sha256-sound" if crcs else "sha256")
     except Damage as bad:  # leaving the block drops the exception and its frames (views of the map)
         problem = (bad.record, bad.what)
     except (ValueError, IndexError, TypeError) as exc:  # bytes no check foresaw: still damage, named
@@ -234,16 +276,22 @@ def _scan_file(fd: int, idx_path: str, entry: Published, schema: Schema, verify:
         try:
             found, problem = _scan(buf, offsets, schema, day, verify, entry)
             if isinstance(problem, tuple) and not needs_index(entry, schema):
-                # Whole-size records did not frame: maybe split records after all; ask the index.
-                offsets = read_offsets(idx_path, entry)
-                found, problem = _scan(buf, offsets, schema, day, verify, entry)
+                # Whole-size records did not frame: maybe split records after all; ask the index
+                # (none here, e.g. a cache that never needed it: the damage stands as found).
+                try:
+                    listed = read_offsets(idx_path, entry)
+                except ShardError:
+                    listed = offsets
+                if not np.array_equal(listed, offsets):
+                    offsets = listed
+                    found, problem = _scan(buf, offsets, schema, day, verify, entry)
         finally:
             buf.release()
     return offsets, found, problem
 
 
 def check_shard(fd: int, rec_path: str, idx_path: str, entry: Published, schema: Schema, *,
-                verify: str = "frame", cache: bool = True, check_index: bool = False) -> ShardFrames:
+                verify: str = "crc", cache: bool = True, check_index: bool = False) -> ShardFrames:
     """Check the open shard file ``fd`` (what MXNet will read) once per file version; ShardError
     names the file, the date and the record. ``verify="none"`` only reads counts and sizes.
     The ``.idx`` is read only when records differ in size (or with ``check_index``): the loader
@@ -263,6 +311,10 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: Published, schema:
     if problem == "sha256":
         raise ShardError(f"{rec_path}: sha256 differs from the manifest ({entry.date}): the file changed "
                          "after it was published")
+    if problem == "sha256-sound":
+        raise ShardError(f"{rec_path}: sha256 differs from the manifest ({entry.date}), yet every record's frame "
+                         "and checksum hold: the manifest's sha256 is wrong (the file is sound); republish the "
+                         "shard's entry (`shardgen build --force` for its date)")
     if problem is not None:
         raise ShardError(f"{rec_path}: record {problem[0]} of {entry.date} is damaged ({problem[1]}); run "
                          "`shardgen verify`, then rebuild it with `shardgen build --force`")

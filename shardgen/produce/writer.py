@@ -21,7 +21,7 @@ import numpy as np
 
 from shardgen.errors import ShardError
 from shardgen.format.check import check_shard
-from shardgen.format.framing import frame_records
+from shardgen.format.framing import CHECKSUM, frame_records
 from shardgen.format.index import shard_index_text
 from shardgen.format.schema import Schema, day_number
 from shardgen.fsutil import atomic_write
@@ -97,7 +97,7 @@ def write_shard(store: Path, date: dt.date, x: Union[np.ndarray, RunSpec, Window
             digest.update(chunk)
     sidecar = Sidecar(date=date.isoformat(), records=packed.records, bytes=packed.size,
                       sha256=digest.hexdigest(), idx_bytes=len(idx), fingerprint=schema.fingerprint,
-                      rec=paths["rec"].name, idx=paths["idx"].name, windows=ws.n)
+                      rec=paths["rec"].name, idx=paths["idx"].name, windows=ws.n, checksum=CHECKSUM)
     sidecar = dataclasses.replace(sidecar, distinct=_distinct(paths, sidecar, schema))
     atomic_write(paths["json"], json.dumps(sidecar.to_json(), sort_keys=True).encode(), fsync=fsync)
     return sidecar

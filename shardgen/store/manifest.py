@@ -78,6 +78,7 @@ class ShardEntry:
     # part boundary inside one stays there (``loader.pipeline.parts``); None in manifests before
     # 2026-12-05: a loader then reads the shard to know.
     distinct: Optional[bool] = None
+    checksum: str = ""  # "crc32": every record carries its payload's CRC32 (shardgen.format.framing); "": older
 
     def __post_init__(self) -> None:
         check_date(self.date, "shard")
@@ -101,13 +102,15 @@ class ShardEntry:
             del out["windows"]
         if self.distinct is None:
             del out["distinct"]
+        if not self.checksum:
+            del out["checksum"]
         return out
 
     @classmethod
     def from_json(cls, obj: dict) -> ShardEntry:
         return cls(str(obj["date"]), str(obj["rec"]), str(obj["idx"]), int(obj["records"]),
                    int(obj["bytes"]), str(obj["sha256"]), int(obj.get("windows", 0)),
-                   None if obj.get("distinct") is None else bool(obj["distinct"]))
+                   None if obj.get("distinct") is None else bool(obj["distinct"]), str(obj.get("checksum", "")))
 
 
 @dataclass(frozen=True)

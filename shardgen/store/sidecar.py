@@ -15,7 +15,7 @@ from shardgen.store.naming import check_date, check_name
 
 __all__ = ["Sidecar"]
 
-_OPTIONAL = ("windows", "distinct")  # keys sidecars of older versions do not have
+_OPTIONAL = ("windows", "distinct", "checksum")  # keys sidecars of older versions do not have
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Sidecar:
     idx: str
     windows: int = 0
     distinct: Optional[bool] = None  # every record told apart by key words and window count (None: not said)
+    checksum: str = ""  # "crc32": every record carries the CRC32 of its payload ("": written before 2026-12-06)
 
     def __post_init__(self) -> None:
         check_date(self.date, "sidecar")
@@ -40,11 +41,11 @@ class Sidecar:
                 check_name(name, f"sidecar {self.date}")
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "distinct" or v is not None}
+        return {k: v for k, v in self.__dict__.items() if (k != "distinct" or v is not None) and (k != "checksum" or v)}
 
     def entry(self) -> ShardEntry:
         return ShardEntry(self.date, self.rec, self.idx, self.records, self.bytes, self.sha256, self.windows,
-                          self.distinct)
+                          self.distinct, self.checksum)
 
     @classmethod
     def load(cls, path: Path) -> Optional[Sidecar]:

@@ -38,9 +38,9 @@ def make(store, layout=RUNS, dates=4):
     return Manifest.load(store / "manifest.json")
 
 
-def shardgen_verify(store, tmp_path):
+def shardgen_verify(store, tmp_path, stdout=None):
     """``shardgen verify`` (the CLI's own entry point, in this process) on a config naming ``store``:
-    exit code and stderr."""
+    exit code and stderr (stdout into ``stdout``, a list, if given)."""
     import contextlib
     import io
 
@@ -50,8 +50,11 @@ def shardgen_verify(store, tmp_path):
     write_config(folder)
     (folder / "shards").symlink_to(store)
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    out = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         code = main(["verify", "-c", str(folder / "shardgen.toml")])
+    if stdout is not None:
+        stdout.append(out.getvalue())
     return code, err.getvalue()
 
 
@@ -102,19 +105,109 @@ except LoaderError as exc:
     assert "LoaderError:" in r.stdout and m.shards[2].date in r.stdout and "record 3" in r.stdout
 
 
-def test_payload_flip_needs_sha256_mode(store, tmp_path):
-    m = Manifest.load(store / "manifest.json")
-    s = m.shards[0]
-    offset = m.schema.record_bytes + 8 + 24 + 4 * (m.schema.data_slice.start + 2)  # a row value of record 1
-    flip(store / s.rec, offset)
-    with ShardIter(store, 8, cache_dir=tmp_path / "c") as it:  # framing is intact: reads
+def _record_offsets(store, entry):
+    text = (store / entry.idx).read_text().split()
+    return [int(v) for v in text[1::2]] + [entry.bytes]
+
+
+@pytest.mark.parametrize("layout", [RUNS, Layout("windows", 4), Layout()], ids=["runs", "windows", "samples"])
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_one_flipped_payload_bit_is_a_loader_error_naming_the_record_before_any_batch(tmp_path, layout, where):
+    """The default check (issue 43): every record's CRC32 of its payload; one bit (the lowest of a
+    float's mantissa) at the start, middle or end of the payload of the middle record of a shard."""
+    m = make(tmp_path / "s", layout)
+    s = m.shards[1]
+    offsets = _record_offsets(tmp_path / "s", s)
+    r = len(offsets) // 2 - 1
+    a, z = m.schema.data_slice.start, m.schema.data_slice.stop  # the window values (codec words are framing)
+    end = z - 2 if layout.kind == "samples" else z - 1  # a sample's last word is its date: framing
+    word = {"start": a, "middle": (a + z) // 2, "end": end}[where]
+    flip(tmp_path / "s" / s.rec, offsets[r] + 8 + 24 + 4 * word, (tmp_path / "s" / s.rec).read_bytes()[
+        offsets[r] + 8 + 24 + 4 * word] ^ 0x01)
+    with pytest.raises(LoaderError, match=f"{s.rec}: record {r} of {s.date} is damaged \\(payload checksum differs"):
+        ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
+    with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", verify="frame") as it:  # frame only: reads it
         assert sum(8 - b.pad for b in it) == m.samples
-    with pytest.raises(LoaderError, match=f"{s.rec}: sha256 differs from the manifest \\({s.date}\\)"):
+    code, err = shardgen_verify(tmp_path / "s", tmp_path)
+    assert code == 1 and f"record {r} of {s.date} is damaged (payload checksum differs" in err
+
+
+def test_a_split_record_is_checked_too(tmp_path):
+    """A payload word equal to dmlc's magic splits the record on disk; its CRC is checked on the
+    reassembled record."""
+    from shardgen.format.framing import MAGIC
+
+    m = make(tmp_path / "s")
+    schema, s = m.schema, m.shards[0]
+    raw = np.random.default_rng(9).standard_normal((60, C + 1)).astype(np.float32)
+    raw[30, 1] = np.uint32(MAGIC).view(np.float32)
+    d = dt.date.fromisoformat(s.date)
+    entry = write_shard(tmp_path / "s", d, sliding_windows(raw, d, time_steps=T, num_inputs=C, labels=LABELS), None,
+                        schema, fsync=False, version=2).entry()
+    publish(tmp_path / "s", schema, 0, [entry] + list(m.shards[1:]))
+    offsets = _record_offsets(tmp_path / "s", entry)
+    split = [i for i in range(entry.records) if offsets[i + 1] - offsets[i] != schema.record_bytes]
+    assert split, "the magic word split a record"
+    with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c") as it:  # sound: reads
+        assert sum(8 - b.pad for b in it) == Manifest.load(tmp_path / "s" / "manifest.json").samples
+    at = offsets[split[0]] + 8 + 24 + 4 * schema.data_slice.start  # before the split (the magic is further on)
+    flip(tmp_path / "s" / entry.rec, at, (tmp_path / "s" / entry.rec).read_bytes()[at] ^ 0x01)
+    with pytest.raises(LoaderError, match=f"record {split[0]} of {s.date} is damaged \\(payload checksum differs"):
+        ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
+
+
+def test_a_shard_damaged_between_two_epochs_is_refused_at_reset_and_read_again_once_rebuilt(store, tmp_path):
+    m = Manifest.load(store / "manifest.json")
+    s = m.shards[2]
+    good = (store / s.rec).read_bytes()
+    with ShardIter(store, 8, cache_dir=tmp_path / "c") as it:
+        first = sum(8 - b.pad for b in it)
+        at = m.schema.record_bytes + 8 + 24 + 4 * (m.schema.data_slice.start + 3)  # a value of record 1
+        flip(store / s.rec, at, good[at] ^ 1)
+        with pytest.raises(LoaderError, match=f"{s.rec}: record 1 of {s.date} is damaged \\(payload checksum"):
+            it.reset()
+        (store / s.rec).write_bytes(good)  # rebuilt
+        it.reset()
+        assert sum(8 - b.pad for b in it) == first == m.samples
+
+
+def test_shards_without_checksums_still_read_with_one_notice_and_verify_lists_them(store, tmp_path, caplog):
+    """Shards written before record checksums: no ``checksum`` key in their entries. They read
+    (frame checked), one warning per store says so, and ``shardgen verify`` lists them."""
+    import json
+    import logging
+
+    path = store / "manifest.json"
+    obj = json.loads(path.read_text())
+    for e in obj["shards"][:2]:
+        del e["checksum"]
+    path.write_text(json.dumps(obj))
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        for _ in range(2):
+            with ShardIter(store, 8, cache_dir=tmp_path / "c") as it:
+                assert sum(8 - b.pad for b in it) == Manifest.load(path).samples
+    notes = [r.getMessage() for r in caplog.records if "before record checksums" in r.getMessage()]
+    assert len(notes) == 1 and "2 shard(s) (2024-01-02, 2024-01-03)" in notes[0]
+    out: list = []
+    assert shardgen_verify(store, tmp_path, out)[0] == 0
+    assert "2 shard(s) written before record checksums (2024-01-02, 2024-01-03)" in out[0]
+
+
+def test_a_wrong_sha256_in_the_manifest_is_said_to_be_the_manifests(store, tmp_path):
+    import json
+
+    path = store / "manifest.json"
+    obj = json.loads(path.read_text())
+    obj["shards"][1]["sha256"] = "0" * 64
+    path.write_text(json.dumps(obj))
+    s = Manifest.load(path).shards[1]
+    with ShardIter(store, 8, cache_dir=tmp_path / "c") as it:  # the default checks records, not the hash
+        assert sum(8 - b.pad for b in it) == Manifest.load(path).samples
+    with pytest.raises(LoaderError, match=f"{s.rec}: sha256 differs from the manifest \\({s.date}\\), yet every "
+                                          "record's frame and checksum hold: the manifest's sha256 is wrong"):
         ShardIter(store, 8, cache_dir=tmp_path / "c", verify="sha256")
     code, err = shardgen_verify(store, tmp_path)
-    assert code == 1
-    assert [ln.split(": ")[2] for ln in err.splitlines()] == [s.date]  # this shard, and only it
-    assert s.rec in err and "sha256" in err
+    assert code == 1 and "sha256 is wrong (the file is sound)" in err and s.date in err
 
 
 # Mid-epoch faults need an epoch that is still reading when they strike: 40 dates of 7 records,
@@ -219,8 +312,20 @@ def _set_start(store, m, start):
     rows_used = int(struct.unpack_from("<f", data, payload + 4 * 3)[0])  # head: n, day, first row, rows used
     offset = payload + 4 * m.schema.items_slice.start
     struct.pack_into("<f", data, offset, float(start(rows_used)))
+    reseal(data, 0, m.schema)  # a writer's mistake, not a flipped bit: the record's checksum agrees
     (store / s.rec).write_bytes(bytes(data))
     return rows_used
+
+
+def reseal(data: bytearray, offset: int, schema) -> None:
+    """Store the CRC32 of the (edited) whole record at ``offset``, as a writer would have."""
+    import struct
+    import zlib
+
+    from shardgen.format.framing import CRC_WORD, data_bytes
+
+    length = data_bytes(schema.record_floats, schema.image)
+    struct.pack_into("<I", data, offset + 4 * CRC_WORD, zlib.crc32(data[offset + 32:offset + 8 + length]))
 
 
 @pytest.mark.parametrize("start", [lambda rows: 1e6, lambda rows: rows - T + 1, lambda rows: -1,

@@ -3,6 +3,7 @@
 import datetime as dt
 import hashlib
 import struct
+import zlib
 
 import mxnet as mx
 import numpy as np
@@ -35,7 +36,8 @@ def mxnet_reference(tmp_path, x, labels):
     w = mx.recordio.MXIndexedRecordIO(str(tmp_path / "ref.idx"), str(tmp_path / "ref.rec"), "w")
     for i in range(len(x)):
         payload = np.concatenate([x[i].ravel(), [labels["a"][i]], labels["b"][i], [day]]).astype(np.float32)
-        w.write_idx(i, mx.recordio.pack(mx.recordio.IRHeader(0, payload, day, i), PNG_1X1))
+        crc = zlib.crc32(payload.tobytes() + PNG_1X1)  # id2's high word: the payload's CRC32 (issue 43)
+        w.write_idx(i, mx.recordio.pack(mx.recordio.IRHeader(0, payload, day, i | crc << 32), PNG_1X1))
     w.close()
     return (tmp_path / "ref.rec").read_bytes(), (tmp_path / "ref.idx").read_text()
 
@@ -59,7 +61,8 @@ def test_golden_shard_sha_is_stable(tmp_path):
     """The format is a contract: the same inputs must always give these exact bytes."""
     x, labels = golden_inputs()
     sidecar = write_shard(tmp_path, DATE, x, labels, SCHEMA)
-    assert sidecar.sha256 == "45e37d830ee23d1234ecbcdcab5924c83f7e3bbf7bf36443c75ca647082e28d7"
+    # 2026-12-06: records carry their payload's CRC32 (issue 43)
+    assert sidecar.sha256 == "6d5f2642755a956980560b9694a4e4c1241cce21bd551492c1297ad180d04385"
     assert SCHEMA.fingerprint == "33d876bda78372dc"
 
 
@@ -69,7 +72,8 @@ def test_stock_reader_round_trip(tmp_path):
     r = mx.recordio.MXIndexedRecordIO(str(tmp_path / "2024-01-02.idx"), str(tmp_path / "2024-01-02.rec"), "r")
     for i in range(6):
         header, img = mx.recordio.unpack(r.read_idx(i))
-        assert header.flag == SCHEMA.record_floats and header.id == day_number(DATE) and header.id2 == i
+        assert header.flag == SCHEMA.record_floats and header.id == day_number(DATE) and header.id2 & 0xFFFFFFFF == i
+        assert header.id2 >> 32 == zlib.crc32(header.label.astype("<f4").tobytes() + img)
         np.testing.assert_array_equal(header.label[:6], x[i].ravel())
         assert header.label[6] == labels["a"][i]
         np.testing.assert_array_equal(header.label[7:9], labels["b"][i])

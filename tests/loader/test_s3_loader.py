@@ -816,3 +816,24 @@ def test_the_first_batch_comes_while_the_rest_of_the_epoch_is_still_downloading(
     assert sorted(i for ids in first + rest for i in ids) == list(range(sum(MANY.values())))
 
 
+
+
+def test_a_cached_object_damaged_on_disk_is_a_loader_error_naming_the_record(s3, tmp_path):
+    """The default check covers the cache too (issue 43): a payload bit of a cached shard flipped
+    on disk after its download is a LoaderError at the next reset(), naming the file, date and
+    record, before any batch of it; once the cached copy is gone, the shard is fetched again."""
+    local, url = store_with(s3, tmp_path)
+    cache = tmp_path / "cache"
+    m = Manifest.load(local / "manifest.json")
+    s = m.shards[1]
+    cached = cache / "objects" / "data" / "store" / s.rec
+    with ShardIter(url, 8, seed=5, cache_dir=cache) as it:
+        want = read_epoch(it)
+        good = cached.read_bytes()
+        at = m.schema.record_bytes + 8 + 24 + 4 * m.schema.data_slice.start  # a value of record 1
+        cached.write_bytes(good[:at] + bytes([good[at] ^ 1]) + good[at + 1:])
+        with pytest.raises(LoaderError, match=f"{s.rec}: record 1 of {s.date} is damaged \\(payload checksum"):
+            it.reset()
+    cached.unlink()
+    with ShardIter(url, 8, seed=5, cache_dir=cache) as it:
+        assert read_epoch(it) == want
