@@ -28,6 +28,7 @@ import numpy as np
 
 from benchmarks.baselines import ListBatchIter, PoppedBatches, samples_from_arrays
 from benchmarks.boundaries import boundary_suite
+from benchmarks.content import content_check, writer_checksums
 from benchmarks.e2e import end_to_end
 from benchmarks.measure import Loader, stall, throughput
 from benchmarks.objects import object_store_suite
@@ -191,6 +192,10 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
         res["loaders"][loader.name] = r
     res["stall_floor"] = stall_floor(x, labels, bs, res["loaders"]["ShardIter"], seconds)
     res["shardier_cold_epoch"] = cold_epoch(store, bs, cache)
+    log("bench: the default content check (verify='crc') against verify='none'; the writer's CRCs")
+    res["content"] = content_check(store, cache, repeats=1 if args.quick else 5, epochs=1 if args.quick else 5)
+    res["content"]["writer"] = writer_checksums(workdir / "crc_store", RUNS_SCHEMA, list(make_data(n)[2]),
+                                                repeats=1 if args.quick else 3)
     log("bench: a cold epoch from an S3 store on loopback")
     res["object_store"] = object_store_suite(store, workdir, bs, cache, quick=args.quick, log=log)
     log("bench: end to end")

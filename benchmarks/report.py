@@ -100,6 +100,11 @@ def targets(res: dict) -> list[dict]:
         ("ShardIter next() p99 ms at 50% load", si["stall_50"]["next_p99_ms"], "<=", 0.5),
         ("ShardIter next() p99 ms at 90% load", si["stall_90"]["next_p99_ms"], "<=", 0.5),
     ]
+    ct = res.get("content")
+    if ct:
+        rows += [("first epoch of a fresh process: verify='crc' (default) / 'none'", ct["first_ratio"], "<=", 1.10),
+                 ("later epochs: verify='crc' (default) / 'none'", ct["later_ratio"], "<=", 1.03),
+                 ("writer windows/s: with record CRCs / without", ct["writer"]["ratio"], ">=", 0.95)]
     b = res.get("build", {})
     if "jobs1_vs_generator" in b:
         rows.append((f"build jobs=1 windows/s / the generator's own ({b['generator_work_ms']} ms/date)",

@@ -38,7 +38,7 @@ def test_verify_names_every_bad_shard(cfg_dir):
         fh.truncate(50)
     r = shardgen_cli("verify", "-c", cfg)
     assert r.returncode == 1
-    assert "2024-01-03:" in r.stderr and "sha256 differs" in r.stderr
+    assert "2024-01-03:" in r.stderr and "is damaged (payload checksum differs" in r.stderr  # the record named
     assert "2024-01-05:" in r.stderr and "50 bytes, the manifest says" in r.stderr
     assert "2 bad" in r.stdout
 

@@ -649,7 +649,7 @@ def test_adopts_complete_shards_from_other_producers(tmp_path, caplog):
         with caplog.at_level("WARNING"):
             report = w.cycle()
         assert [e.date for e in report.adopted] == ["2024-01-03"]
-        assert "2024-01-04: not adopting" in caplog.text and "sha256 differs from its sidecar" in caplog.text
+        assert "2024-01-04: not adopting" in caplog.text and "record 0 of 2024-01-04 is damaged" in caplog.text
         assert w.cycle().adopted == []  # the bad one is reported once, left alone
     assert published(mine.store.dir) == ["2024-01-02", "2024-01-03"]
 

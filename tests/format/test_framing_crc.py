@@ -1,0 +1,69 @@
+"""Record checksums at the edges of the framing (issue 43): a CRC32 equal to dmlc's magic word
+splits its record as a payload word would, and the whole records of a shard that also holds a
+split record are still checked."""
+
+import datetime as dt
+import zlib
+from unittest import mock
+
+import mxnet as mx
+import numpy as np
+import pytest
+from test_damage import LABELS, C, T, flip, make
+
+from loader import LoaderError, ShardIter
+from shardgen.format import framing
+from shardgen.format.framing import CRC_WORD, MAGIC
+from shardgen.process import sliding_windows
+from shardgen.produce.writer import write_shard
+from shardgen.store.manifest import Manifest
+from shardgen.store.publish import publish
+
+
+def test_a_crc_equal_to_the_magic_word_splits_its_record_and_reads_back(tmp_path):
+    real = framing.payload_crcs
+
+    def magic_for_row_3(buf, starts, length):
+        crcs = real(buf, starts, length)
+        if len(starts) > 3:
+            crcs[3] = MAGIC
+        return crcs
+
+    m = make(tmp_path / "s", dates=1)
+    schema, s = m.schema, m.shards[0]
+    raw = np.random.default_rng(4).standard_normal((60, C + 1)).astype(np.float32)
+    d = dt.date.fromisoformat(s.date)
+    with mock.patch.object(framing, "payload_crcs", magic_for_row_3):
+        entry = write_shard(tmp_path / "s", d, sliding_windows(raw, d, time_steps=T, num_inputs=C, labels=LABELS),
+                            None, schema, fsync=False, version=2).entry()
+    publish(tmp_path / "s", schema, 0, [entry])
+    r = mx.recordio.MXIndexedRecordIO(str(tmp_path / "s" / entry.idx), str(tmp_path / "s" / entry.rec), "r")
+    for i in range(entry.records):  # every record reads back whole, its CRC the real one
+        header, img = mx.recordio.unpack(r.read_idx(i))
+        assert header.id2 & 0xFFFFFFFF == i
+        assert header.id2 >> 32 == zlib.crc32(header.label.astype("<f4").tobytes() + img)
+    r.close()
+    with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c") as it:
+        assert sum(8 - b.pad for b in it) == entry.windows
+
+
+def test_a_whole_record_beside_a_split_one_is_checked(tmp_path):
+    m = make(tmp_path / "s")
+    schema, s = m.schema, m.shards[0]
+    raw = np.random.default_rng(9).standard_normal((60, C + 1)).astype(np.float32)
+    raw[50, 1] = np.uint32(MAGIC).view(np.float32)  # splits a late record
+    d = dt.date.fromisoformat(s.date)
+    entry = write_shard(tmp_path / "s", d, sliding_windows(raw, d, time_steps=T, num_inputs=C, labels=LABELS), None,
+                        schema, fsync=False, version=2).entry()
+    publish(tmp_path / "s", schema, 0, [entry] + list(m.shards[1:]))
+    text = (tmp_path / "s" / entry.idx).read_text().split()
+    offsets = [int(v) for v in text[1::2]] + [entry.bytes]
+    whole = [i for i in range(entry.records) if offsets[i + 1] - offsets[i] == schema.record_bytes]
+    assert len(whole) < entry.records and whole[0] == 0
+    at = offsets[0] + 8 + 24 + 4 * schema.data_slice.start
+    data = (tmp_path / "s" / entry.rec).read_bytes()
+    flip(tmp_path / "s" / entry.rec, at, data[at] ^ 0x01)
+    with pytest.raises(LoaderError, match=f"record 0 of {s.date} is damaged \\(payload checksum differs"):
+        ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
+    assert Manifest.load(tmp_path / "s" / "manifest.json").shards[0].checksum == "crc32"
+    assert CRC_WORD == 7
