@@ -109,6 +109,23 @@ class PlanFiles:
         for k in free:
             self.location.unpin(self.shards[k])
 
+    def forget(self, k: int) -> bool:
+        """Close shard ``k``'s file if no read uses it (found damaged: the next ``ensure`` opens it
+        anew, fetched again); False if a read still does."""
+        with self.lock:
+            fd = self.fds[k]
+            if fd < 0 or self.users[k] > 0:
+                return fd < 0
+            self.checked.pop(fd, None)
+            self.fds[k], self.frames[k] = -1, None
+            with contextlib.suppress(OSError):
+                shutil.rmtree(self.folder / f"{k:06d}")
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if not self.keep:
+            self.location.unpin(self.shards[k])
+        return True
+
     def close(self) -> None:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -137,7 +154,7 @@ def recheck(plan: Any, schema: Any, verify: str) -> None:
     if files is None:
         return
     store = os.path.join(str(plan.store), "")
-    for s, fd in zip(plan.shards, list(files.fds)):
+    for k, (s, fd) in enumerate(zip(plan.shards, list(files.fds))):
         if fd < 0:  # not open (an object store's shard no read needs now)
             continue
         seen = identity(fd, verify)
@@ -146,7 +163,10 @@ def recheck(plan: Any, schema: Any, verify: str) -> None:
         try:
             check_shard(fd, store + s.rec, store + s.idx, s, schema, verify=verify)
         except ShardError as exc:
-            raise LoaderError(str(exc)) from None
+            advice = files.location.drop_damaged(s)
+            if files.location.downloads and not files.forget(k):
+                advice = advice.replace("the next reset()", "a new ShardIter")
+            raise LoaderError(_told(str(exc), advice)) from None
         files.checked[fd] = seen
 
 
@@ -174,8 +194,14 @@ def _check(location: Location, store: Path, fd: int, s: ShardEntry, schema: Any,
         return check_shard(fd, str(store / s.rec), str(store / s.idx), s, schema, verify=verify)
     except ShardError as exc:
         if not location.fetch_index(s):
-            raise LoaderError(str(exc)) from None
+            raise LoaderError(_told(str(exc), location.drop_damaged(s))) from None
     try:
         return check_shard(fd, str(store / s.rec), str(store / s.idx), s, schema, verify=verify)
     except ShardError as exc:
-        raise LoaderError(str(exc)) from None
+        raise LoaderError(_told(str(exc), location.drop_damaged(s))) from None
+
+
+def _told(message: str, what_to_do: str) -> str:
+    """A check's message with the location's advice instead of the store's."""
+    generic = "run `shardgen verify`, then rebuild it with `shardgen build --force`"
+    return message.replace(generic, what_to_do) if generic in message else message

@@ -106,6 +106,10 @@ class Location:
         """Fetch ``shard``'s ``.idx`` if it was left out; True if it was (a check may then be retried)."""
         return False
 
+    def drop_damaged(self, shard: ShardEntry) -> str:
+        """``shard``'s local file failed its check: what to tell the user (a cache drops its copy)."""
+        return "run `shardgen verify`, then rebuild it with `shardgen build --force`"
+
     def fetch_ahead(self, select: Callable[[Manifest], tuple], after: Optional[threading.Event] = None) -> None:
         """Start fetching the newest generation's files in the background (``select`` picks the
         shards), once ``after`` is set (this epoch's own downloads first)."""
@@ -179,6 +183,11 @@ class MirrorLocation(Location):
 
     def fetch_ahead(self, select: Callable[[Manifest], tuple], after: Optional[threading.Event] = None) -> None:
         self.cache.fetch_ahead(select, after)
+
+    def drop_damaged(self, shard: ShardEntry) -> str:
+        self.cache.drop(shard)
+        return (f"the cached copy was removed: the next reset() downloads it again (`shardgen verify` on "
+                f"{self.cache.remote.url} checks the store's own)")
 
     def claim(self, who: str) -> None:
         self.cache.claim(who)

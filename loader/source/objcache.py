@@ -51,6 +51,23 @@ log = logging.getLogger(__name__)
 DOWNLOAD_THREADS = 8
 
 
+OUTAGE_WAIT_S = 600.0  # default budget for waiting out a store outage mid-epoch (SHARDGEN_OUTAGE_WAIT_S)
+OUTAGE_RETRY_S = 5.0  # between two tries while waiting
+
+
+def outage_wait_s() -> float:
+    """Seconds a mid-epoch fetch waits for a store that cannot be reached: ``SHARDGEN_OUTAGE_WAIT_S``
+    (0: fail at once, after the AWS retries), else 10 minutes."""
+    text = os.environ.get("SHARDGEN_OUTAGE_WAIT_S", "")
+    try:
+        value = float(text) if text.strip() else OUTAGE_WAIT_S
+    except ValueError:
+        raise LoaderError(f"SHARDGEN_OUTAGE_WAIT_S must be a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise LoaderError(f"SHARDGEN_OUTAGE_WAIT_S must be >= 0 seconds, got {text!r}")
+    return value
+
+
 class ObjectCache(Room):
     """One store on an object store, mirrored into ``folder``."""
 
@@ -114,9 +131,34 @@ class ObjectCache(Room):
         whose files are kept from eviction from now on (an iterator). With the ``schema``, a shard
         comes without its ``.idx`` unless reading it needs one (``needs_index``; ``fetch_index``
         gets it later if the check asks for it after all)."""
+        t0, waited_since = time.perf_counter(), None
+        shards = list(shards)
+        while True:
+            try:
+                self._fetch_once(shards, who, schema, halt)
+                break
+            except StoreUnreachableError as exc:
+                # Mid-epoch (a feed's fetch: ``halt``), an outage is waited out within a budget; at
+                # reset() (no ``halt``) the generation held is read again instead (``Reader.reset``).
+                budget, now = outage_wait_s(), time.monotonic()
+                if halt is None or budget == 0:
+                    raise
+                if waited_since is None:
+                    waited_since = now
+                    log.warning("%s; waiting up to %.0f s for the store (SHARDGEN_OUTAGE_WAIT_S) before the epoch "
+                                "fails; it goes on where it was", exc, budget)
+                elif now - waited_since >= budget:
+                    raise StoreUnreachableError(f"{exc}; still after waiting {now - waited_since:.0f} s "
+                                                f"(SHARDGEN_OUTAGE_WAIT_S={budget:g})") from None
+                if halt.wait(min(OUTAGE_RETRY_S, budget - (now - waited_since))):
+                    raise
+        if waited_since is not None:
+            log.warning("%s: reachable again after %.0f s", self.remote.url, time.monotonic() - waited_since)
+        return time.perf_counter() - t0
+
+    def _fetch_once(self, shards: list, who: str, schema: Optional[Schema], halt: Optional[threading.Event]) -> None:
         t0 = time.perf_counter()
         self._ensure_folder()
-        shards = list(shards)
         files = {}
         for s in shards:
             files[s.rec] = (s, "rec")
@@ -134,7 +176,6 @@ class ObjectCache(Room):
                     for n in missing:
                         self._inflight.pop(n, None)
             log.info("%s: %d files downloaded in %.1fs", self.remote.url, len(missing), time.perf_counter() - t0)
-        return time.perf_counter() - t0
 
     def _download_all(self, missing: list, files: dict) -> None:
         def one(name: str) -> None:
@@ -192,6 +233,13 @@ class ObjectCache(Room):
 
     def _marker(self, name: str) -> Path:
         return self.folder / _LOCKS / (name + ".sha256")
+
+    def drop(self, shard: ShardEntry) -> None:
+        """A cached copy found damaged on disk goes (its marker first): the next fetch downloads it."""
+        with self._file_lock(shard.rec):
+            for path in (self._marker(shard.rec), self.folder / shard.rec):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     def _download(self, name: str, shard: ShardEntry, kind: str) -> None:
         with self._file_lock(name):

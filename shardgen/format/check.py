@@ -68,6 +68,13 @@ def has_checksums(entry: Published) -> bool:
     return getattr(entry, "checksum", "") == CHECKSUM
 
 
+def _check_numbers(stored: np.ndarray, numbers: np.ndarray) -> None:
+    """Damage naming the first record whose number (``id2``'s low word) is not its place."""
+    bad = np.flatnonzero(stored != numbers)
+    if len(bad):
+        raise Damage(int(numbers[bad[0]]), f"record number (id2) is {int(stored[bad[0]])}")
+
+
 def _check_crcs(buf: memoryview, starts: np.ndarray, stored: np.ndarray, length: int,
                 where: Optional[np.ndarray] = None) -> None:
     """Damage naming the first record whose payload's CRC32 is not the one stored in it."""
@@ -127,8 +134,8 @@ def _reassemble(data: memoryview, start: int, end: int) -> bytes:
         cflag, length = split_lrec(word)
         if magic != MAGIC:
             raise Damage(0, f"bad magic word at byte {pos}")
-        if (cflag == 0 and body) or (cflag in (2, 3) and pos == start) or (cflag == 1 and pos != start):
-            raise Damage(0, f"bad continuation flag {cflag} at byte {pos}")
+        if cflag > 3 or (cflag == 0 and body) or (cflag in (2, 3) and pos == start) or (cflag == 1 and pos != start):
+            raise Damage(0, f"bad continuation flag {cflag} at byte {pos}")  # dmlc aborts on 4-7 (review)
         if pos + 8 + length > end:
             raise Damage(0, "record runs past its index entry")
         body += bytes(data[pos + 8: pos + 8 + length])
@@ -148,9 +155,9 @@ def _one_split_record(data: memoryview, start: int, end: int, schema: Schema, da
     want = data_bytes(f, schema.image)
     if len(body) != want:
         raise Damage(0, f"record has {len(body)} data bytes, expected {want}")
-    flag, _label, rid = np.frombuffer(body, "<u4", 3)
-    if flag != f or rid != day:
-        raise Damage(0, f"header flag is not {f} or id is not day {day}")
+    flag, label, rid, rid_high = np.frombuffer(body, "<u4", 4)
+    if flag != f or rid != day or label != 0 or rid_high != 0:
+        raise Damage(0, f"header flag is not {f}, label not 0 or id is not day {day}")
     if body[HEADER_BYTES + 4 * f:] != schema.image:
         raise Damage(0, "image bytes differ from the constant image")
     return np.frombuffer(b"\0" * 8 + body + b"\0" * (-len(body) % 4), "<u4")
@@ -186,6 +193,7 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
     keys[whole] = _keys(whole_cols, len(whole), schema)
     length = data_bytes(schema.record_floats, schema.image)
     if crcs:
+        _check_numbers(flat[first + CRC_WORD - 1], whole)
         _check_crcs(buf, offsets[whole], flat[first + CRC_WORD], length, whole)
     if len(split):
         rebuilt = np.empty((len(split), rb // 4), np.uint32)
@@ -202,6 +210,7 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
         counts[split] = _renumber(split, lambda: schema.codec.check(split_cols, len(split), schema, day))
         keys[split] = _keys(split_cols, len(split), schema)
         if crcs:
+            _check_numbers(rebuilt[:, CRC_WORD - 1], split)
             _check_crcs(memoryview(rebuilt).cast("B"), np.arange(len(split)) * rb, rebuilt[:, CRC_WORD], length,
                         split)
     return counts, keys
@@ -244,6 +253,7 @@ def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify
                 return (schema.codec.counts(cols, len(offsets), schema), keys), None
             found = (_whole_records(cols, len(offsets), schema, day), keys)
             if crcs:
+                _check_numbers(words[:, CRC_WORD - 1], np.arange(len(offsets)))
                 _check_crcs(buf, offsets, words[:, CRC_WORD], data_bytes(schema.record_floats, schema.image))
         else:
             found = _split_records(buf, offsets, schema, day, crcs)
@@ -302,7 +312,7 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: Published, schema:
                          "(truncated or rewritten?)")
     # ctime too: mtime can be set back (touch -r, cp -p, rsync -t), ctime cannot from user space.
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, verify, schema.fingerprint,
-           entry.sha256)
+           entry.sha256, has_checksums(entry))
     with _CACHE_LOCK:
         hit: Optional[ShardFrames] = _CACHE.get(key)
     if hit is not None and cache:
@@ -312,9 +322,9 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: Published, schema:
         raise ShardError(f"{rec_path}: sha256 differs from the manifest ({entry.date}): the file changed "
                          "after it was published")
     if problem == "sha256-sound":
-        raise ShardError(f"{rec_path}: sha256 differs from the manifest ({entry.date}), yet every record's frame "
-                         "and checksum hold: the manifest's sha256 is wrong (the file is sound); republish the "
-                         "shard's entry (`shardgen build --force` for its date)")
+        raise ShardError(f"{rec_path}: sha256 differs from the manifest ({entry.date}), yet every record's frame, "
+                         "header and payload checksum hold: the manifest's sha256 is most likely wrong, not the "
+                         "file; republish the shard (`shardgen build --force` for its date)")
     if problem is not None:
         raise ShardError(f"{rec_path}: record {problem[0]} of {entry.date} is damaged ({problem[1]}); run "
                          "`shardgen verify`, then rebuild it with `shardgen build --force`")

@@ -3,12 +3,15 @@ splits its record as a payload word would, and the whole records of a shard that
 split record are still checked."""
 
 import datetime as dt
+import subprocess
+import sys
 import zlib
 from unittest import mock
 
 import mxnet as mx
 import numpy as np
 import pytest
+from conftest import ROOT
 from test_damage import LABELS, C, T, flip, make
 
 from loader import LoaderError, ShardIter
@@ -67,3 +70,47 @@ def test_a_whole_record_beside_a_split_one_is_checked(tmp_path):
         ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
     assert Manifest.load(tmp_path / "s" / "manifest.json").shards[0].checksum == "crc32"
     assert CRC_WORD == 7
+
+
+def _split_store(tmp_path):
+    m = make(tmp_path / "s")
+    schema, s = m.schema, m.shards[0]
+    raw = np.random.default_rng(9).standard_normal((60, C + 1)).astype(np.float32)
+    raw[30, 1] = np.uint32(MAGIC).view(np.float32)
+    d = dt.date.fromisoformat(s.date)
+    entry = write_shard(tmp_path / "s", d, sliding_windows(raw, d, time_steps=T, num_inputs=C, labels=LABELS), None,
+                        schema, fsync=False, version=2).entry()
+    publish(tmp_path / "s", schema, 0, [entry] + list(m.shards[1:]))
+    text = (tmp_path / "s" / entry.idx).read_text().split()
+    offsets = [int(v) for v in text[1::2]] + [entry.bytes]
+    split = [i for i in range(entry.records) if offsets[i + 1] - offsets[i] != schema.record_bytes]
+    return entry, offsets, split
+
+
+def test_a_bad_continuation_flag_of_a_split_record_is_a_loader_error_not_an_abort(tmp_path):
+    """cflag 5 (the top bit of a split record's first length word flipped): dmlc aborted the
+    process (SIGABRT) before the check refused cflags 4-7 (review)."""
+    entry, offsets, split = _split_store(tmp_path)
+    flip(tmp_path / "s" / entry.rec, offsets[split[0]] + 7, (tmp_path / "s" / entry.rec).read_bytes()[
+        offsets[split[0]] + 7] ^ 0x80)
+    script = f"""
+from loader import LoaderError, ShardIter
+try:
+    ShardIter({str(tmp_path / 's')!r}, 8, cache_dir={str(tmp_path / 'c')!r})
+except LoaderError as exc:
+    print("LoaderError:", exc)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"record {split[0]} of {entry.date} is damaged (bad continuation flag 5" in r.stdout
+
+
+@pytest.mark.parametrize("where", ["whole", "split"])
+def test_a_record_number_that_changed_is_named(tmp_path, where):
+    """id2's low word (the record's number) is checked too: no header byte of a new shard is unchecked."""
+    entry, offsets, split = _split_store(tmp_path)
+    r = split[0] if where == "split" else 0
+    at = offsets[r] + 8 + 16  # id2's low word
+    flip(tmp_path / "s" / entry.rec, at, (tmp_path / "s" / entry.rec).read_bytes()[at] ^ 0x04)
+    with pytest.raises(LoaderError, match=f"record {r} of {entry.date} is damaged \\(record number \\(id2\\) is"):
+        ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
