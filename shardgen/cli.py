@@ -26,7 +26,7 @@ from shardgen.store.status import dumps, status, watch_fields
 from shardgen.store.verify import verify_store
 from shardgen.watch.alive import watcher_status
 from shardgen.watch.state import load_state
-from shardgen.watch.watcher import Watcher
+from shardgen.watch.watcher import Watcher, prune_raw
 
 __all__ = ["main"]
 
@@ -190,8 +190,16 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 def _cmd_gc(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     st = cfg.store
-    deleted = collect(st.open(), grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
+    store = st.open()
+    deleted = collect(store, grace_s=st.grace_s, lease_ttl_s=st.lease_ttl_s)
     print(f"deleted {len(deleted)} retired shards" + (f": {', '.join(deleted)}" if deleted else ""))
+    manifest = store.load_manifest()
+    if manifest is not None:  # the raw files of dates that left the window go too, as the watcher's do
+        before = cfg.raw_files()
+        prune_raw(cfg, manifest, set(deleted), before)
+        gone = sorted(d.isoformat() for d in set(before) - set(cfg.raw_files()))
+        if gone:
+            print(f"removed {len(gone)} raw files of dates that left the window: {', '.join(gone)}")
     return 0
 
 

@@ -223,3 +223,29 @@ def test_a_local_dask_cluster_is_quiet_without_v(cfg_dir):
     r = shardgen_cli("build", "-c", cfg, "--force", "-v")
     assert r.returncode == 0 and "shardgen: info: dask: local with 1 workers" in r.stderr
     assert "Scheduler at:" in r.stderr  # Dask's own INFO lines, asked for
+
+
+@pytest.mark.parametrize("keep_raw", [False, True])
+def test_gc_from_cron_removes_the_raw_files_the_watcher_would(cfg_dir, keep_raw):
+    """``shardgen build`` + ``shardgen gc`` from cron, no watcher (issue 44): with store.window = 3,
+    gc removes the raw files of the dates that left the window (their shards deleted), as the
+    watcher does; store.keep_raw = true keeps them; a date the manifest lists keeps its file."""
+    cfg = write_config(cfg_dir, start="2024-01-02", end="2024-01-15", window=3, grace=0)
+    if keep_raw:
+        cfg.write_text(cfg.read_text().replace("grace_s = 0", "grace_s = 0\nkeep_raw = true"))
+    raw, said = cfg_dir / "raw", ""
+    for end in ("2024-01-05", "2024-01-10", "2024-01-15"):  # three cron cycles, the calendar moving on
+        text = re.sub(r'end = "[^"]*"', f'end = "{end}"', cfg.read_text())
+        cfg.write_text(text)
+        assert shardgen_cli("build", "-c", cfg).returncode == 0
+        r = shardgen_cli("gc", "-c", cfg)
+        assert r.returncode == 0, r.stderr
+        said += r.stdout
+    listed = {s["date"] for s in json.loads((cfg_dir / "shards" / "manifest.json").read_text())["shards"]}
+    left = {p.stem for p in raw.glob("*.npy")}
+    assert len(listed) == 3
+    if keep_raw:
+        assert len(left) > 3 and listed <= left
+    else:
+        assert left == listed, "gc removed the raw files of every date that left the window, and only those"
+        assert "raw files of dates that left the window" in said

@@ -228,31 +228,11 @@ class Watcher:
         return arrivals
 
     def _prune_raw(self, deleted: list[str], files: dict[dt.date, Path]) -> None:
-        """Remove the raw files of the dates that left the window once gc deleted their shards (this
-        cycle, or another gc since, also one that ran while no watcher did: with the window full, a
-        date older than its oldest shard is never produced again), unless ``store.keep_raw``; never
-        of a date the manifest lists."""
+        """Remove the raw files of the dates that left the window (:func:`prune_raw`)."""
         manifest = self.store.load_manifest()
-        if manifest is None:
-            return
-        listed = {e.date for e in (*manifest.shards, *manifest.retired)}
-        self._left |= {r.date for r in manifest.retired} | set(deleted)
-        if self.cfg.store.keep_raw:
-            return
-        if manifest.window and len(manifest.shards) >= manifest.window:  # as ``wanted`` judges a date too old
-            oldest = manifest.shards[0].date
-            self._left |= {d.isoformat() for d in files if d.isoformat() < oldest}  # the cycle's raw files
-        for day in sorted(self._left - listed):
-            self._left.discard(day)
-            path = self.cfg.raw_path(dt.date.fromisoformat(day))
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                log.warning("%s: cannot remove the raw file of %s (%s)", path, day, exc.strerror)
-                continue
-            log.info("%s: removed %s (its shard was deleted; store.keep_raw = false)", day, path)
+        if manifest is not None:
+            self._left |= {r.date for r in manifest.retired} | set(deleted)
+            self._left = prune_raw(self.cfg, manifest, self._left, files)
 
     def _settled_raw_files(self, files: dict[dt.date, Path]) -> dict[dt.date, Path]:
         """Raw files whose mtime is ``settle_s`` old (not being written any more)."""
@@ -298,3 +278,29 @@ class Watcher:
             delay = retry_delay(count, base=self.interval, cap=MAX_BACKOFF_S)
             self._failures[date] = _Failure(count, message, time.monotonic() + delay)
             log.warning("%s: will retry in %.0fs (failure %d)", date, delay, count)
+
+
+def prune_raw(cfg: Config, manifest: Manifest, left: set, files: dict[dt.date, Path]) -> set:
+    """Remove the raw files of the dates gc deleted the shards of (``left``: dates that left the
+    manifest, in this process's memory) and, with the window full, of every date of ``files``
+    older than the oldest shard (never produced again: also after a gc that ran while no watcher
+    did), unless ``store.keep_raw``; never of a date the manifest lists. The dates of ``left``
+    still listed (retired, within their grace) are returned, to prune once gc deletes them."""
+    listed = {e.date for e in (*manifest.shards, *manifest.retired)}
+    if cfg.store.keep_raw:
+        return set(left)
+    left = set(left)
+    if manifest.window and len(manifest.shards) >= manifest.window:  # as ``wanted`` judges a date too old
+        oldest = manifest.shards[0].date
+        left |= {d.isoformat() for d in files if d.isoformat() < oldest}
+    for day in sorted(left - listed):
+        path = cfg.raw_path(dt.date.fromisoformat(day))
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("%s: cannot remove the raw file of %s (%s)", path, day, exc.strerror)
+            continue
+        log.info("%s: removed %s (its shard was deleted; store.keep_raw = false)", day, path)
+    return left & listed
