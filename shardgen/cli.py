@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from shardgen.config import load_config, parse_date
-from shardgen.errors import ConfigError, LockError, ManifestError, ShardgenError
+from shardgen.errors import EXIT_ENVIRONMENT, ConfigError, LockError, ShardgenError, is_environment
 from shardgen.format.check import has_checksums
 from shardgen.produce.build import build
 from shardgen.store.gc import collect
@@ -149,7 +149,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     report = build(cfg, start=args.start, end=args.end, jobs=args.jobs, force=args.force, progress=_bar)
     print(report.summary())
-    return 1 if report.failed else 0
+    return EXIT_ENVIRONMENT if report.environment else 1 if report.failed else 0
 
 
 def _today_source(value):
@@ -213,9 +213,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     raw = [d for d in cfg.raw_files() if d <= today]  # a file for a later date is no input yet (watch warns)
     info["newest_raw"] = max(raw).isoformat() if raw else None
     info["raw_lag_days"] = (today - max(raw)).days if raw else None
+    code = 1 if info["failing"] else 0  # a cron monitor: 1 while the watcher reports failing dates
     if args.json:
         print(dumps(info))
-        return 0
+        return code
     mb = info["bytes"] / 1e6
     print(f"{info['manifest']}: generation {info['generation']}, {info['shards']} shards, "
           f"{info['windows']} windows, {mb:.1f} MB ({info['bytes_per_window']} bytes per window, layout "
@@ -235,8 +236,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"watcher: {state}; {last}, {len(info['failing'])} failing dates")
     for f in info["failing"]:
         retry = f"next retry {f['next_retry']}" if f["next_retry"] else "retried when the file changes"
-        print(f"failing {f['date']} ({f['kind']}, {f['attempts']} attempts, {retry}): {f['error']}")
-    return 0
+        tries = f"{f['attempts']} attempt" + ("s" if f["attempts"] != 1 else "")
+        print(f"failing {f['date']} ({f['kind']}, {tries}, {retry}): {f['error']}")
+    return code
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -283,12 +285,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, LockError) as exc:
         print(f"shardgen: error: {exc}", file=sys.stderr)
         return 2
-    except ManifestError as exc:
+    except ShardgenError as exc:  # a manifest, a date; the store or the disk (EXIT_ENVIRONMENT)
         print(f"shardgen: error: {exc}", file=sys.stderr)
-        return 1
-    except ShardgenError as exc:
-        print(f"shardgen: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ENVIRONMENT if is_environment(exc) else 1
     except KeyboardInterrupt as exc:
         terminated = isinstance(exc, _Terminated)
         print(f"shardgen: {'terminated (SIGTERM)' if terminated else 'interrupted'}; finished shards were published",
@@ -298,7 +297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
         print(f"shardgen: error: {where}{exc.strerror or exc} (what was published before stays intact)",
               file=sys.stderr)
-        return 1
+        return EXIT_ENVIRONMENT if is_environment(exc) else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

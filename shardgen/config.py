@@ -283,11 +283,16 @@ def load_config(path: Path) -> Config:
     """Read and validate a config file; every problem is a ConfigError naming the key."""
     path = Path(path).resolve()
     top = Table(read_toml(path), "config")
-    generator = _generator(top)
-    dates = _dates(top)
-    schema_args = _schema_args(top)
-    process = _process(top, path.parent)
-    store, schema = _store_and_schema(top, path.parent, process, schema_args)
-    run = _run(top)
-    top.done()
+    try:
+        generator = _generator(top)
+        dates = _dates(top)
+        schema_args = _schema_args(top)
+        process = _process(top, path.parent)
+        store, schema = _store_and_schema(top, path.parent, process, schema_args)
+        run = _run(top)
+        top.done()
+    except ConfigError as exc:
+        if str(path) in str(exc):
+            raise
+        raise ConfigError(f"{path}: {exc}") from None  # which file, when several configs are about
     return Config(path, generator, dates, schema, process, store, run)

@@ -43,3 +43,20 @@ class LockError(ShardgenError):
 
 class Interrupted(ShardgenError):
     """Work abandoned because a stop was requested (SIGINT/SIGTERM); nothing partial is published."""
+
+
+EXIT_ENVIRONMENT = 3  # the CLI's exit code when the environment failed (see ``is_environment``)
+
+
+def is_environment(exc: BaseException) -> bool:
+    """A failure of the environment, not of a date or the config: the store cannot be reached or
+    refuses the credentials, or the disk is full (the CLI exits ``EXIT_ENVIRONMENT``)."""
+    import errno
+
+    from shardgen.store.objurl import CredentialsRefused, StoreUnreachable
+
+    if isinstance(exc, (StoreUnreachable, CredentialsRefused)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "the disk is full" in str(exc)

@@ -249,3 +249,24 @@ def test_gc_from_cron_removes_the_raw_files_the_watcher_would(cfg_dir, keep_raw)
     else:
         assert left == listed, "gc removed the raw files of every date that left the window, and only those"
         assert "raw files of dates that left the window" in said
+
+
+def test_exit_codes_follow_the_table(s3, tmp_path, monkeypatch):
+    """docs/config.md's table, for every command (issue 44): 3 when the environment fails (the store
+    cannot be reached, or refuses the credentials), 2 for a config error, 1 for failed dates."""
+    cfg = write_config(tmp_path / "p")
+    cfg.write_text(cfg.read_text().replace('dir = "shards"', 'dir = "s3://data/store"'))
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    assert shardgen_cli("build", "-c", cfg).returncode == 0
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    for command in ("build", "status", "gc", "verify"):
+        r = shardgen_cli(command, "-c", cfg, "--force" if command == "build" else "-v")
+        assert r.returncode == 3, (command, r.stderr[-800:])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.env()["AWS_SECRET_ACCESS_KEY"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens there
+    for command in ("build", "status", "gc", "verify"):
+        r = shardgen_cli(command, "-c", cfg)
+        assert r.returncode == 3, (command, r.stderr[-800:])
+        assert "cannot reach" in r.stderr
+    cfg.write_text(cfg.read_text().replace("jobs = 1", 'jobs = "2"'))
+    assert shardgen_cli("status", "-c", cfg).returncode == 2

@@ -36,6 +36,7 @@ class BuildReport:
     skipped: int = 0
     empty: list = field(default_factory=list)
     failed: list = field(default_factory=list)  # (date, message)
+    environment: bool = False  # a date failed for the environment (``shardgen.errors.is_environment``)
     records: int = 0
     windows: int = 0
     bytes: int = 0
@@ -150,6 +151,7 @@ def _tally(report: BuildReport, res: DateResult, pending: _Pending) -> None:
         log.info("%s", res.message)
     elif res.status == "failed":
         report.failed.append((res.date, res.message))
+        report.environment |= res.environment
         log.error("%s", res.message)
     elif res.status == "empty":
         report.empty.append((res.date, res.message))

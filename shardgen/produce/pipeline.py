@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from shardgen.config import Config
-from shardgen.errors import Interrupted, ShardgenError
+from shardgen.errors import Interrupted, ShardgenError, is_environment
 from shardgen.fsutil import atomic_write
 from shardgen.process import run_processor
 from shardgen.produce.generator import obtain_raw
@@ -37,6 +37,7 @@ class DateResult:
     message: str = ""
     seconds: float = 0.0
     run_spec: bool = False
+    environment: bool = False  # failed for the environment (store unreachable, credentials, disk full)
 
 
 def prepare(cfg: Config, date: dt.date, *, force: bool, raw_only: bool) -> tuple:
@@ -84,10 +85,11 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
     except Interrupted as exc:
         return DateResult(date, "abandoned", message=str(exc), seconds=time.perf_counter() - t0)
     except ShardgenError as exc:
-        return DateResult(date, "failed", message=str(exc), seconds=time.perf_counter() - t0)
+        return DateResult(date, "failed", message=str(exc), seconds=time.perf_counter() - t0,
+                          environment=is_environment(exc))
     except (OSError, MemoryError) as exc:
         return DateResult(date, "failed", message=f"{date}: {type(exc).__name__}: {exc}",
-                          seconds=time.perf_counter() - t0)
+                          seconds=time.perf_counter() - t0, environment=is_environment(exc))
 
 
 def warm() -> None:

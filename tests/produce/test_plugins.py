@@ -139,7 +139,7 @@ def test_process_keys_are_checked_against_the_processor_when_the_config_loads(tm
     cfg.write_text(cfg.read_text().replace("[process]\n", f"[process]\n{keys}\n"))
     (tmp_path / "proj" / "keyed.py").write_text(KEYED)
     r = shardgen_cli("build", "-c", cfg, cwd=tmp_path)
-    assert (r.returncode, r.stderr) == (2, f"shardgen: error: {message}\n")
+    assert (r.returncode, r.stderr) == (2, f"shardgen: error: {cfg.resolve()}: {message}\n")
     assert runs(tmp_path / "proj") == [] and not (tmp_path / "proj" / "shards").exists()
 
 

@@ -387,8 +387,9 @@ def test_status_lists_failing_dates_of_a_running_watcher(cfg_dir, watchers):
     assert f["2024-01-09"]["kind"] == "dropped" and f["2024-01-09"]["next_retry"] is None
     r = subprocess.run([sys.executable, "-m", "shardgen.cli", "status", "-c", str(cfg)], capture_output=True,
                        text=True, timeout=60, env=env)
-    assert "failing 2024-01-03 (due, " in r.stdout and "failing 2024-01-09 (dropped, 1 attempts, retried when" \
+    assert "failing 2024-01-03 (due, " in r.stdout and "failing 2024-01-09 (dropped, 1 attempt, retried when" \
         in r.stdout
+    assert r.returncode == 1  # a cron monitor: status exits 1 while dates are failing
     code, out, err = w.stop()
     assert code == 0
     assert "2024-01-09: " in err and "will read it again when it changes" in err
