@@ -82,7 +82,7 @@ def sliding_windows(raw: np.ndarray, date: dt.date, *, time_steps: int, num_inpu
     """
     if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
         raise ValueError(f"stride must be an integer >= 1, got {stride!r}")
-    raw = np.asarray(raw, dtype=np.float32)
+    raw = _as_float32(raw, date)
     n_rows = raw.shape[0]
     starts = np.arange(0, max(0, n_rows - time_steps + 1), stride, dtype=np.int64)
     last = raw[starts + time_steps - 1]
@@ -112,6 +112,20 @@ def _checked_labels(labs: object, n: int, user_labels: Sequence[LabelSpec], date
             raise ProcessorError(f"{date}: label {lab.name!r} must be float32, got {arr.dtype}")
         checked[lab.name] = arr
     return checked
+
+
+def _as_float32(raw: np.ndarray, date: dt.date) -> np.ndarray:
+    """``raw`` as float32; ProcessorError naming the row and column of a finite value too large for
+    float32 (a cast would make it inf, then read as "non-finite")."""
+    raw = np.asarray(raw)
+    out = raw.astype(np.float32, copy=False)
+    if raw.dtype != np.float32 and np.issubdtype(raw.dtype, np.number):
+        over = np.isfinite(raw) & ~np.isfinite(out)
+        if over.any():
+            row, col = (int(v[0]) for v in np.nonzero(over.reshape(len(raw), -1)))
+            raise ProcessorError(f"{date}: raw value {raw.reshape(len(raw), -1)[row, col]:g} at row {row}, column "
+                                 f"{col} overflows float32 (|x| <= 3.4e38): scale it in the generator")
+    return out
 
 
 def _check_finite(arr: np.ndarray, what: str, date: dt.date, axis_name: str) -> None:

@@ -135,8 +135,8 @@ class Job:
             line = raw.decode(errors="replace").rstrip("\n")
             if member.rank is None:
                 self._learn_ranks()  # a worker reports its rank before it prints as that rank
-            with self._print:
-                print(f"[{member.label}] {line}", flush=True)
+            with self._print:  # one prefix a line: a worker that labels its own lines (train.py) keeps its own
+                print(line if line.startswith(f"[{member.label}] ") else f"[{member.label}] {line}", flush=True)
 
     def _learn_ranks(self) -> None:
         for m in self.members:

@@ -43,6 +43,7 @@ def test_dist_sync_two_workers_exact_epochs_same_params(tmp_path):
     r = launch("-n", 2, "-s", 1, "--", *train_cmd(store, tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("epoch 1: train mse") == 2 and "[rank 0]" in r.stdout and "[rank 1]" in r.stdout
+    assert "[rank 0] [rank 0]" not in r.stdout and "[rank 1] [rank 1]" not in r.stdout  # one prefix a line
     records = [json.loads((tmp_path / f"records-{k}.json").read_text()) for k in (0, 1)]
     history = [json.loads((tmp_path / f"history-{k}.json").read_text()) for k in (0, 1)]
     for epoch in range(2):

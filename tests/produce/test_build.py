@@ -291,3 +291,22 @@ def test_failing_generators_leave_no_descriptors_and_any_descriptor_number_works
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert report.published == [dt.date(2024, 1, 2)] and len(report.failed) == 63
     assert after - before <= 2, f"{after - before} descriptors left open by {len(report.failed)} failed dates"
+
+
+def test_a_raw_value_that_overflows_float32_says_so():
+    """1e300 in a float64 raw file is finite there; the cast made it inf, read as 'non-finite'
+    (issue 44). Now the row, the column and the cast are named."""
+    import datetime as dt
+
+    import numpy as np
+
+    from shardgen.errors import ProcessorError
+    from shardgen.format import LabelSpec
+    from shardgen.process import sliding_windows
+
+    raw = np.zeros((20, 4))
+    raw[7, 2] = -1e300
+    with pytest.raises(ProcessorError, match=r"^2024-01-02: raw value -1e\+300 at row 7, column 2 overflows float32"):
+        sliding_windows(raw, dt.date(2024, 1, 2), time_steps=3, num_inputs=3, labels=[LabelSpec("a", 1)])
+    raw[7, 2] = np.nan  # a NaN is no overflow: the window check names it
+    assert sliding_windows(raw, dt.date(2024, 1, 2), time_steps=3, num_inputs=3, labels=[LabelSpec("a", 1)])
