@@ -617,3 +617,43 @@ def test_the_retry_budget_is_the_standard_aws_max_attempts(s3, tmp_path, monkeyp
     with pytest.raises(StoreUnreachable, match="GET failed 4 times"):  # the default
         store.get("manifest.json")
     assert slept == [0.5, 1, 2]
+
+
+def test_gc_removes_the_lease_of_a_reader_killed_9_once_its_heartbeat_aged(s3, tmp_path):
+    """A training process killed with -9 leaves its reader lease in the bucket (issue 44). While
+    its heartbeat is younger than lease_ttl_s, gc keeps it (the reader may be alive elsewhere);
+    once it aged past, `shardgen gc` removes it (the watcher runs the same collection)."""
+    cfg = s3_config(tmp_path / "p", s3.url("st"), lease_ttl_s=30)
+    assert cli("build", "-c", cfg, timeout=120).returncode == 0
+    remote = objects(s3, "st")
+    script = (f"import time\nfrom loader import ShardIter\nit = ShardIter({s3.url('st')!r}, 4, "
+              f"cache_dir={str(tmp_path / 'cache')!r})\nit.next()\nprint('reading', flush=True)\ntime.sleep(600)\n")
+    reader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env(), start_new_session=True, cwd=ROOT)
+    try:
+        assert reader.stdout.readline().strip() == "reading", reader.stderr.read()[-2000:]
+        leases = sorted((remote / "leases").glob("*.json"))
+        assert leases, "the reader holds a lease in the bucket"
+    finally:
+        kill_group(reader)
+    assert reader.returncode == -signal.SIGKILL
+    # The same reader as if it ran on another host: this host cannot tell whether its pid lives.
+    from shardgen.store import open_store
+
+    store = open_store(s3.url("st"))
+    other = [p.with_name(p.stem + "-elsewhere.json") for p in leases]
+    bodies = [json.dumps({**json.loads(p.read_text()), "host": "another-host", "pidns": "x", "boot_id": "y"})
+              for p in leases]
+    for q, body in zip(other, bodies):  # through the server (it lists what it was sent)
+        store.objects.put(f"leases/{q.name}", body.encode())
+    assert cli("gc", "-c", cfg).returncode == 0
+    assert not any(p.exists() for p in leases), "this host's dead process: its lease goes at once"
+    assert all(q.exists() for q in other), "a fresh heartbeat of another host is kept: that reader may live"
+    from shardgen.store.objstore import _client
+
+    for q, body in zip(other, bodies):  # its last heartbeat 40 s ago: rclone keeps the mtime a PUT says
+        _client().put_object(Bucket=s3.bucket, Key=f"st/leases/{q.name}", Body=body.encode(),
+                             Metadata={"mtime": f"{time.time() - 40:.3f}"})
+    r = cli("gc", "-c", cfg, "-v")
+    assert r.returncode == 0, r.stderr
+    assert not any(q.exists() for q in other), ("its heartbeat aged past lease_ttl_s: gc removed the lease", r.stderr)
