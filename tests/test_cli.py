@@ -270,3 +270,19 @@ def test_exit_codes_follow_the_table(s3, tmp_path, monkeypatch):
         assert "cannot reach" in r.stderr
     cfg.write_text(cfg.read_text().replace("jobs = 1", 'jobs = "2"'))
     assert shardgen_cli("status", "-c", cfg).returncode == 2
+
+
+def test_a_build_whose_dates_fail_for_the_environment_exits_3(cfg_dir, monkeypatch, capsys):
+    """The store goes away once the build has its lock: every date fails for the environment,
+    not for its data: exit 3, not 1 (jobs=1 runs the dates in this process)."""
+    from shardgen.cli import main
+    from shardgen.store.folder import FolderStore
+    from shardgen.store.objurl import StoreUnreachable
+
+    def unreachable(self, sidecar, name):
+        raise StoreUnreachable(f"{self.where(name)}: PUT failed 4 times; cannot reach http://127.0.0.1:1 (refused)")
+
+    cfg = write_config(cfg_dir)
+    monkeypatch.setattr(FolderStore, "put_shard", unreachable)
+    assert main(["build", "-c", str(cfg)]) == 3
+    assert "cannot reach" in capsys.readouterr().err

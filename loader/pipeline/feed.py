@@ -131,11 +131,16 @@ class Feed:
             if not self._queued and self._error is not None:
                 raise self._error
 
-    def close(self) -> None:
-        """Stop; free the natives never taken (before their files go)."""
+    def halt(self) -> None:
+        """Tell the feed thread to stop (a fetch waiting out an outage returns) and wake a
+        ``take()`` waiting for it; ``close()``, in the producer thread, joins it."""
         self._halt.set()
         with self._cond:
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop; free the natives never taken (before their files go)."""
+        self.halt()
         if self._thread is not threading.current_thread():
             self._thread.join()
         self.done_fetching.set()

@@ -142,6 +142,7 @@ class EpochStream:
     def close(self) -> None:
         """Stop the producer thread (and the feed) and join it."""
         self._halt.set()
+        self.feed.halt()  # a producer waiting for the feed (the feed waiting out an outage) wakes
         with self._cond:
             self._cond.notify_all()
             self._ready.clear()
@@ -191,7 +192,8 @@ class EpochStream:
         ``reset()``, ``ShardIter.close()``, a dropped iterator's finalizer or the exit hook, all of
         which only set ``_halt`` and may join this thread):
 
-        1. the producer stops taking reads (``_halt``, or it ran out of batches);
+        1. the producer stops taking reads (``_halt``; the feed is halted too, so a producer waiting
+           for a feed that waits out an outage wakes), or it ran out of batches;
         2. the natives it was reading are freed, in this thread (their I/O threads end), and the
            reads let go of their files (``Blocks.close``);
         3. the feed thread is stopped and joined; the natives it opened that nobody took are freed
