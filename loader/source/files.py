@@ -99,29 +99,27 @@ class PlanFiles:
                 return
             for k in free:
                 del self.users[k]
-                fd = self.fds[k]
-                self.checked.pop(fd, None)
-                self.fds[k], self.frames[k] = -1, None
-                with contextlib.suppress(OSError):
-                    shutil.rmtree(self.folder / f"{k:06d}")
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                self._close_one(k)
         for k in free:
             self.location.unpin(self.shards[k])
+
+    def _close_one(self, k: int) -> None:
+        """Close shard ``k``'s file and remove its link (under ``lock``)."""
+        fd = self.fds[k]
+        self.checked.pop(fd, None)
+        self.fds[k], self.frames[k] = -1, None
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.folder / f"{k:06d}")
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
     def forget(self, k: int) -> bool:
         """Close shard ``k``'s file if no read uses it (found damaged: the next ``ensure`` opens it
         anew, fetched again); False if a read still does."""
         with self.lock:
-            fd = self.fds[k]
-            if fd < 0 or self.users[k] > 0:
-                return fd < 0
-            self.checked.pop(fd, None)
-            self.fds[k], self.frames[k] = -1, None
-            with contextlib.suppress(OSError):
-                shutil.rmtree(self.folder / f"{k:06d}")
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if self.fds[k] < 0 or self.users[k] > 0:
+                return self.fds[k] < 0
+            self._close_one(k)
         if not self.keep:
             self.location.unpin(self.shards[k])
         return True
