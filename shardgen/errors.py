@@ -59,4 +59,5 @@ def is_environment(exc: BaseException) -> bool:
         return True
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    return "the disk is full" in str(exc)
+    text = str(exc)
+    return "the disk is full" in text or "No space left on device" in text or "Disk quota exceeded" in text

@@ -118,9 +118,11 @@ def _as_float32(raw: np.ndarray, date: dt.date) -> np.ndarray:
     """``raw`` as float32; ProcessorError naming the row and column of a finite value too large for
     float32 (a cast would make it inf, then read as "non-finite")."""
     raw = np.asarray(raw)
+    if raw.dtype == object:  # numbers in an object array: as float64 first, so an overflow is seen
+        raw = raw.astype(np.float64)
     out = raw.astype(np.float32, copy=False)
-    if raw.dtype != np.float32 and np.issubdtype(raw.dtype, np.number):
-        over = np.isfinite(raw) & ~np.isfinite(out)
+    if raw.dtype != np.float32 and raw.ndim >= 1 and np.isinf(out).any():  # the rare case: find which
+        over = np.isfinite(raw) & np.isinf(out)
         if over.any():
             row, col = (int(v[0]) for v in np.nonzero(over.reshape(len(raw), -1)))
             raise ProcessorError(f"{date}: raw value {raw.reshape(len(raw), -1)[row, col]:g} at row {row}, column "

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional, Union
 
 from loader.errors import LoaderError
 from loader.sizes import parse_size
-from loader.source.objcache import ObjectCache
+from loader.source.objcache import ObjectCache, outage_wait_s
 from loader.source.selection import load_manifest, manifest_path_of
 from shardgen.errors import ManifestError
 from shardgen.format.schema import Schema
@@ -146,6 +146,7 @@ class MirrorLocation(Location):
     def __init__(self, cache: ObjectCache, root: Path):
         super().__init__(cache.store, cache.manifest_path, root)
         self.cache = cache
+        outage_wait_s()  # a bad SHARDGEN_OUTAGE_WAIT_S is said now, not during an outage
 
     def manifest(self) -> Manifest:
         self.cache.pull_manifest()

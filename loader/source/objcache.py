@@ -62,9 +62,10 @@ def outage_wait_s() -> float:
     try:
         value = float(text) if text.strip() else OUTAGE_WAIT_S
     except ValueError:
-        raise LoaderError(f"SHARDGEN_OUTAGE_WAIT_S must be a number of seconds, got {text!r}") from None
-    if not value >= 0:
-        raise LoaderError(f"SHARDGEN_OUTAGE_WAIT_S must be >= 0 seconds, got {text!r}")
+        value = -1.0
+    if not 0 <= value <= 7 * 86400:  # nan, inf and negatives too
+        raise LoaderError(f"SHARDGEN_OUTAGE_WAIT_S must be a number of seconds in [0, 604800] (a week), got "
+                          f"{text!r}")
     return value
 
 
@@ -140,8 +141,10 @@ class ObjectCache(Room):
             except StoreUnreachableError as exc:
                 # Mid-epoch (a feed's fetch: ``halt``), an outage is waited out within a budget; at
                 # reset() (no ``halt``) the generation held is read again instead (``Reader.reset``).
+                if halt is None:
+                    raise
                 budget, now = outage_wait_s(), time.monotonic()
-                if halt is None or budget == 0:
+                if budget == 0:
                     raise
                 if waited_since is None:
                     waited_since = now

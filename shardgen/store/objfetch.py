@@ -89,7 +89,8 @@ class Downloads:
                     os.unlink(tmp)
                 faults += 1
                 if faults >= self.attempts:
-                    raise StoreUnreachable(f"{self.where(name)}: download failed {faults} times; cannot reach "
+                    times = f"{faults} time" + ("s" if faults != 1 else "")
+                    raise StoreUnreachable(f"{self.where(name)}: download failed {times}; cannot reach "
                                            f"{self.endpoint} ({exc})") from None
                 time.sleep(backoff(faults))
                 continue

@@ -221,8 +221,8 @@ class ObjectStore(Downloads):
                 last = f"{type(exc).__name__}: {exc}"
             if attempt < tries:
                 time.sleep(backoff(attempt))
-        raise StoreUnreachable(f"{self.where(name)}: {what} failed {tries} times; cannot reach "
-                               f"{endpoint()} ({last})")
+        times = f"{tries} time" + ("s" if tries != 1 else "")
+        raise StoreUnreachable(f"{self.where(name)}: {what} failed {times}; cannot reach {endpoint()} ({last})")
 
     def check(self) -> None:
         """Raise a clear error unless the bucket is reachable with our credentials."""

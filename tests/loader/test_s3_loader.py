@@ -727,7 +727,7 @@ def test_a_worker_that_cannot_reach_the_store_reads_rank_0s_generation_or_fails(
         g2 = Manifest.load(local / "manifest.json").generation
         s3.stop()
         it.reader.choice = Choice(kv=RankOne(g2))  # rank 0 reached the store: a generation this cache lacks
-        with pytest.raises(LoaderError, match=rf"generations/{g2}\.json: GET failed 1 times; cannot reach"):
+        with pytest.raises(LoaderError, match=rf"generations/{g2}\.json: GET failed 1 time; cannot reach"):
             it.reset()
     s3.start()
     with ShardIter(url, 8, seed=5, cache_dir=tmp_path / "cache2", generation=g1) as it:  # a new worker, on g1
@@ -945,3 +945,13 @@ def test_close_during_an_outage_wait_is_prompt(s3, tmp_path, monkeypatch):
         took = time.monotonic() - t0
     reader.join(10)
     assert took < 10, f"close() took {took:.1f} s while the epoch waited for the store"
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf"])
+def test_a_bad_outage_budget_is_said_when_the_iterator_is_made(s3, tmp_path, monkeypatch, value):
+    """SHARDGEN_OUTAGE_WAIT_S is checked when a ShardIter is made, not during an outage (where it
+    also broke reset()'s fallback to the generation held: review)."""
+    _, url = store_with(s3, tmp_path)
+    monkeypatch.setenv("SHARDGEN_OUTAGE_WAIT_S", value)
+    with pytest.raises(LoaderError, match=r"SHARDGEN_OUTAGE_WAIT_S must be a number of seconds in \[0, 604800\]"):
+        ShardIter(url, 8, cache_dir=tmp_path / "cache")

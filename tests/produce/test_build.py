@@ -310,3 +310,18 @@ def test_a_raw_value_that_overflows_float32_says_so():
         sliding_windows(raw, dt.date(2024, 1, 2), time_steps=3, num_inputs=3, labels=[LabelSpec("a", 1)])
     raw[7, 2] = np.nan  # a NaN is no overflow: the window check names it
     assert sliding_windows(raw, dt.date(2024, 1, 2), time_steps=3, num_inputs=3, labels=[LabelSpec("a", 1)])
+
+
+def test_an_overflow_in_an_object_array_is_named_too():
+    import datetime as dt
+
+    import numpy as np
+
+    from shardgen.errors import ProcessorError
+    from shardgen.format import LabelSpec
+    from shardgen.process import sliding_windows
+
+    raw = np.zeros((20, 4)).astype(object)
+    raw[3, 1] = 1e39
+    with pytest.raises(ProcessorError, match=r"raw value 1e\+39 at row 3, column 1 overflows float32"):
+        sliding_windows(raw, dt.date(2024, 1, 2), time_steps=3, num_inputs=3, labels=[LabelSpec("a", 1)])
