@@ -99,9 +99,12 @@ def test_bad_shuffle_buffer_values_say_what_is_expected(store, tmp_path, bad):
 
 
 def test_load_state_dict_checks_sizes_before_it_lets_go_of_the_epoch(store, tmp_path):
+    from loader.checkpoint import _digest
+
     with ShardIter(store, 64, cache_dir=tmp_path) as it:
         state = it.state_dict()
         state["block"] = 200_000_000  # the state's shuffle window: buffers of as many records
+        state["sha256"] = _digest(state)  # signed as if saved so (an edit alone is refused by its digest)
         with pytest.raises(LoaderError, match="block of 200,000,000 samples.*would hold"):
             it.load_state_dict(state)
         assert it.next().data[0].shape[0] == 64, "the epoch in progress is untouched"

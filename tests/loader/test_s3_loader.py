@@ -686,7 +686,7 @@ def test_the_store_down_at_reset_with_shards_the_cache_lacks_is_a_loader_error(s
         s3.stop()
         it.dates = None  # the held generation, but a date this cache never fetched
         with pytest.raises(LoaderError, match=r"2024-01-04: s3://data/store/2024-01-04.rec: download failed 1 "
-                                              r"times; cannot reach http://127\.0\.0\.1"):
+                                              r"time; cannot reach http://127\.0\.0\.1"):
             it.reset()
 
 
