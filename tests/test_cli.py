@@ -214,10 +214,19 @@ def test_a_progress_bar_on_a_terminal_and_none_in_a_pipe(cfg_dir):
 @pytest.mark.slow
 def test_a_local_dask_cluster_is_quiet_without_v(cfg_dir):
     """Dask sets its own loggers to INFO (45 lines of them on stderr, a jupyter-server-proxy hint
-    among them): shown with -v only."""
+    among them): shown with -v only. Also with Dask's default dashboard port taken (a notebook's
+    dashboard, another build): the local cluster binds no fixed port."""
+    import contextlib
+    import socket
+
     cfg = write_config(cfg_dir)
     cfg.write_text(cfg.read_text().replace('backend = "loky"', 'backend = "dask"\nscheduler = "local"'))
-    r = shardgen_cli("build", "-c", cfg)
+    taken = socket.socket()
+    with contextlib.suppress(OSError):  # (already held by someone else: as good)
+        taken.bind(("0.0.0.0", 8787))
+        taken.listen()
+    with taken:
+        r = shardgen_cli("build", "-c", cfg)
     assert r.returncode == 0 and "published 4 dates" in r.stdout
     assert r.stderr == ""
     r = shardgen_cli("build", "-c", cfg, "--force", "-v")

@@ -36,8 +36,9 @@ def dask_client(scheduler: str, jobs: int):
     client = _CLIENTS.get(key)
     if client is None or client.status not in ("running", "connecting"):
         if scheduler == "local":
+            # dashboard_address=None still binds Dask's default port 8787 (and warns if it is taken)
             cluster = LocalCluster(n_workers=jobs, threads_per_worker=1, processes=True,
-                                   dashboard_address=None, silence_logs=logging.ERROR)
+                                   dashboard_address=":0", silence_logs=logging.ERROR)
             client = Client(cluster)
         else:
             try:

@@ -315,14 +315,14 @@ def test_module_fit_trains_and_stats_keep_the_last_finished_epoch(store, cache):
     with ShardIter(store, 8, label_names=["a"], cache_dir=cache) as it:
         assert it.stats["last_epoch"] is None
         data = mx.sym.var("seq_var")
-        net = mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=1)
+        net = mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=1, name="fc")  # named: MXNet's counter is global
         net = mx.sym.LinearRegressionOutput(mx.sym.flatten(net), label=mx.sym.var("a"), name="out")
         mod = mx.mod.Module(net, data_names=["seq_var"], label_names=["a"], context=mx.cpu())
         seen = []
         mod.fit(it, num_epoch=2, optimizer="sgd", optimizer_params={"learning_rate": 1e-6}, eval_metric="mse",
                 initializer=mx.init.Zero(), batch_end_callback=lambda p: seen.append((p.epoch, p.nbatch)))
         assert len(seen) == 2 * 6  # ceil(41 / 8) per epoch
-        weight = mod.get_params()[0]["fullyconnected0_weight"].asnumpy()
+        weight = mod.get_params()[0]["fc_weight"].asnumpy()
         assert np.isfinite(weight).all() and (weight != 0).any()  # it trained on the batches
         now, last = it.stats, it.stats["last_epoch"]
         assert (now["epoch"], now["batches"], now["samples"], now["samples_per_s"]) == (2, 0, 0, 0.0)
