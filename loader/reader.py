@@ -22,9 +22,9 @@ from loader.errors import LoaderError, StoreUnreachableError
 from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
 from loader.pipeline.memory import Arena, settle_allocator
-from loader.pipeline.order import EpochOrder, Phase, count, remainder, slice_of
+from loader.pipeline.order import EpochOrder, Phase, slice_of
 from loader.pipeline.settings import check_memory
-from loader.pipeline.stream import epoch_batches, order_spec
+from loader.pipeline.stream import order_spec, split_phase
 from loader.source.generations import Choice
 from loader.source.location import Location
 from loader.source.plan import EpochPlan, make_plan
@@ -206,9 +206,7 @@ class Reader:
             memory = check_memory(params, f"a state's block of {params.block:,} samples")
         # Everything that can refuse the state is asked before this epoch is let go: the phase it
         # resumes (an empty part), and the state's shards (opened and checked for a folder).
-        rest = remainder(sum(s.samples for s in shards), phases)
-        epoch_batches(params, [count(slice_of(rest, p.num_parts, q)) for q in range(p.num_parts)],
-                      int(state["generation"]), count(rest), resumed=bool(phases))
+        split_phase(params, sum(s.samples for s in shards), phases, int(state["generation"]))
         manifest = self.location.manifest()
         plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
         before_end()

@@ -195,9 +195,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     print(f"deleted {len(deleted)} retired shards" + (f": {', '.join(deleted)}" if deleted else ""))
     manifest = store.load_manifest()
     if manifest is not None:  # the raw files of dates that left the window go too, as the watcher's do
-        before = cfg.raw_files()
-        prune_raw(cfg, manifest, set(deleted), before)
-        gone = sorted(d.isoformat() for d in set(before) - set(cfg.raw_files()))
+        gone = prune_raw(cfg, manifest, set(deleted), cfg.raw_files())[1]
         if gone:
             print(f"removed {len(gone)} raw files of dates that left the window: {', '.join(gone)}")
     return 0

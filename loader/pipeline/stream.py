@@ -31,11 +31,19 @@ from loader.source.plan import EpochPlan, ReaderSource
 
 BEHIND_S = 0.002  # how long a stream started behind the caller's next() waits before it starts
 
-__all__ = ["EpochStream", "epoch_batches", "order_spec"]
+__all__ = ["EpochStream", "epoch_batches", "split_phase", "order_spec"]
 
 
 def order_spec(p: StreamParams) -> OrderSpec:
     return OrderSpec(p.seed, p.shuffle, p.canonical_parts, p.block)
+
+
+def split_phase(p: StreamParams, total: int, phases: Sequence[Phase], generation: int) -> tuple[list, list, int]:
+    """What is left of an epoch of ``total`` samples after ``phases``, each part's samples of it,
+    and the batches every part yields (``epoch_batches``; LoaderError if the parts cannot split it)."""
+    rest = remainder(total, phases)
+    part_samples = [count(slice_of(rest, p.num_parts, q)) for q in range(p.num_parts)]
+    return rest, part_samples, epoch_batches(p, part_samples, generation, count(rest), bool(phases))
 
 
 def epoch_batches(p: StreamParams, part_samples: Sequence[int], generation: int, left: int,
@@ -79,11 +87,9 @@ class EpochStream:
         self._producing = True  # the producer thread has batches left to assemble
         self.past_half = False  # the producer thread has been half way (and called on_half)
         self.order = EpochOrder(plan.sample_counts, order_spec(params), epoch)
-        rest = remainder(self.order.total, self.phases)
-        self.part_samples = [count(slice_of(rest, params.num_parts, q)) for q in range(params.num_parts)]
+        rest, self.part_samples, self.batches = split_phase(params, self.order.total, self.phases, plan.generation)
         self._mine = slice_of(rest, params.num_parts, params.part_index)
         self.samples = self.part_samples[params.part_index]
-        self.batches = epoch_batches(params, self.part_samples, plan.generation, count(rest), bool(self.phases))
         self.readers = params.readers
         bs = params.batch_size
         self._last_real = math.ceil(self.samples / bs) - 1  # batches after it (if any) are all filler

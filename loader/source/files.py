@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 from loader.errors import LoaderError
 from loader.source.location import Location
 from shardgen.errors import ShardError
-from shardgen.format.check import check_shard
+from shardgen.format.check import REBUILD, check_shard
 from shardgen.store.manifest import Manifest, ShardEntry
 
 __all__ = ["PlanFiles", "recheck", "identity"]
@@ -201,5 +201,4 @@ def _check(location: Location, store: Path, fd: int, s: ShardEntry, schema: Any,
 
 def _told(message: str, what_to_do: str) -> str:
     """A check's message with the location's advice instead of the store's."""
-    generic = "run `shardgen verify`, then rebuild it with `shardgen build --force`"
-    return message.replace(generic, what_to_do) if generic in message else message
+    return message.replace(REBUILD, what_to_do)

@@ -22,6 +22,7 @@ from loader.sizes import parse_size
 from loader.source.objcache import ObjectCache, outage_wait_s
 from loader.source.selection import load_manifest, manifest_path_of
 from shardgen.errors import ManifestError
+from shardgen.format.check import REBUILD
 from shardgen.format.schema import Schema
 from shardgen.store import FolderStore, S3Store, Store, open_store
 from shardgen.store.lease import Lease
@@ -108,7 +109,7 @@ class Location:
 
     def drop_damaged(self, shard: ShardEntry) -> str:
         """``shard``'s local file failed its check: what to tell the user (a cache drops its copy)."""
-        return "run `shardgen verify`, then rebuild it with `shardgen build --force`"
+        return REBUILD
 
     def fetch_ahead(self, select: Callable[[Manifest], tuple], after: Optional[threading.Event] = None) -> None:
         """Start fetching the newest generation's files in the background (``select`` picks the

@@ -38,6 +38,7 @@ from shardgen.format.framing import (
     CRC_WORD,
     HEADER_BYTES,
     MAGIC,
+    NUMBER_WORD,
     PAYLOAD_WORD,
     data_bytes,
     image_tail,
@@ -47,9 +48,11 @@ from shardgen.format.framing import (
 from shardgen.format.index import parse_index
 from shardgen.format.schema import Schema, day_number
 
-__all__ = ["VERIFY_MODES", "ShardFrames", "Published", "check_shard", "read_offsets", "needs_index", "has_checksums"]
+__all__ = ["VERIFY_MODES", "ShardFrames", "Published", "check_shard", "read_offsets", "needs_index", "has_checksums",
+           "REBUILD"]
 
 VERIFY_MODES = ("crc", "frame", "sha256", "none")  # the first is the default
+REBUILD = "run `shardgen verify`, then rebuild it with `shardgen build --force`"  # what a damaged shard needs
 _CACHE: dict = {}
 _CACHE_LOCK = threading.Lock()
 
@@ -78,12 +81,12 @@ def _check_numbers(stored: np.ndarray, numbers: np.ndarray) -> None:
 def _check_crcs(buf: memoryview, starts: np.ndarray, stored: np.ndarray, length: int,
                 where: Optional[np.ndarray] = None) -> None:
     """Damage naming the first record whose payload's CRC32 is not the one stored in it."""
-    bad = np.flatnonzero(payload_crcs(buf, starts, length) != stored)
+    got = payload_crcs(buf, starts, length)
+    bad = np.flatnonzero(got != stored)
     if len(bad):
         i = int(bad[0])
-        raise Damage(int(where[i]) if where is not None else i,
-                     f"payload checksum differs: CRC32 stored {int(stored[i]):#010x}, the bytes give "
-                     f"{int(payload_crcs(buf, starts[i:i + 1], length)[0]):#010x}")
+        raise Damage(int(where[i]) if where is not None else i, f"payload checksum differs: CRC32 stored "
+                     f"{int(stored[i]):#010x}, the bytes give {int(got[i]):#010x}")
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,7 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
     keys[whole] = _keys(whole_cols, len(whole), schema)
     length = data_bytes(schema.record_floats, schema.image)
     if crcs:
-        _check_numbers(flat[first + CRC_WORD - 1], whole)
+        _check_numbers(flat[first + NUMBER_WORD], whole)
         _check_crcs(buf, offsets[whole], flat[first + CRC_WORD], length, whole)
     if len(split):
         rebuilt = np.empty((len(split), rb // 4), np.uint32)
@@ -210,7 +213,7 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
         counts[split] = _renumber(split, lambda: schema.codec.check(split_cols, len(split), schema, day))
         keys[split] = _keys(split_cols, len(split), schema)
         if crcs:
-            _check_numbers(rebuilt[:, CRC_WORD - 1], split)
+            _check_numbers(rebuilt[:, NUMBER_WORD], split)
             _check_crcs(memoryview(rebuilt).cast("B"), np.arange(len(split)) * rb, rebuilt[:, CRC_WORD], length,
                         split)
     return counts, keys
@@ -253,7 +256,7 @@ def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify
                 return (schema.codec.counts(cols, len(offsets), schema), keys), None
             found = (_whole_records(cols, len(offsets), schema, day), keys)
             if crcs:
-                _check_numbers(words[:, CRC_WORD - 1], np.arange(len(offsets)))
+                _check_numbers(words[:, NUMBER_WORD], np.arange(len(offsets)))
                 _check_crcs(buf, offsets, words[:, CRC_WORD], data_bytes(schema.record_floats, schema.image))
         else:
             found = _split_records(buf, offsets, schema, day, crcs)
@@ -326,8 +329,7 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: Published, schema:
                          "header and payload checksum hold: the manifest's sha256 is most likely wrong, not the "
                          "file; republish the shard (`shardgen build --force` for its date)")
     if problem is not None:
-        raise ShardError(f"{rec_path}: record {problem[0]} of {entry.date} is damaged ({problem[1]}); run "
-                         "`shardgen verify`, then rebuild it with `shardgen build --force`")
+        raise ShardError(f"{rec_path}: record {problem[0]} of {entry.date} is damaged ({problem[1]}); {REBUILD}")
     frames = ShardFrames(offsets, *found)
     if entry.windows and frames.samples != entry.windows:
         raise ShardError(f"{rec_path}: {frames.samples} windows in the records, the manifest says "

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-__all__ = ["MAGIC", "HEADER_BYTES", "PAYLOAD_WORD", "CRC_WORD", "CHECKSUM", "payload_crcs",
+__all__ = ["MAGIC", "HEADER_BYTES", "PAYLOAD_WORD", "NUMBER_WORD", "CRC_WORD", "CHECKSUM", "payload_crcs",
            "MAX_RECORD_BYTES", "PNG_1X1", "BMP_1X1", "lrec", "split_lrec",
            "data_bytes", "record_bytes", "image_tail", "record_data", "frame_record", "FramedRecords",
            "frame_records", "BLOCK_ROWS"]
@@ -43,6 +43,7 @@ __all__ = ["MAGIC", "HEADER_BYTES", "PAYLOAD_WORD", "CRC_WORD", "CHECKSUM", "pay
 MAGIC = 0xCED7230A
 HEADER_BYTES = 24  # IRHeader: uint32 flag, float32 label, uint64 id, uint64 id2
 PAYLOAD_WORD = 2 + HEADER_BYTES // 4  # a whole record's first payload word (after magic, lrec, IRHeader)
+NUMBER_WORD = PAYLOAD_WORD - 2  # id2's low word: the record's number in its shard
 CRC_WORD = PAYLOAD_WORD - 1  # id2's high word: CRC32 of the payload and image
 CHECKSUM = "crc32"  # a manifest entry's ``checksum``: its records carry a CRC32 in CRC_WORD
 MAX_RECORD_BYTES = (1 << 29) - 1  # dmlc's length field has 29 bits
@@ -164,7 +165,7 @@ def frame_records(n: int, fill: Fill, day: int, floats: int, image: bytes, *,
         w = words[b0:b1]
         fill(floats_view[b0:b1, p0:p0 + floats], b0, b1)
         w[:, :p0] = (MAGIC, lrec(0, length), floats, 0, day, 0, 0, 0)  # flag, label 0.0, id = day, id2
-        w[:, 6] = np.arange(b0, b1, dtype="<u4")  # id2: the record's number (low word)
+        w[:, NUMBER_WORD] = np.arange(b0, b1, dtype="<u4")
         w[:, p0 + floats:] = tail
         w[:, CRC_WORD] = payload_crcs(memoryview(flat[b0:b1]).cast("B"), np.arange(b1 - b0) * rec_bytes, length)
         special += (np.flatnonzero((w[:, p0:p0 + floats] == MAGIC).any(axis=1) | (w[:, CRC_WORD] == MAGIC))

@@ -232,7 +232,7 @@ class Watcher:
         manifest = self.store.load_manifest()
         if manifest is not None:
             self._left |= {r.date for r in manifest.retired} | set(deleted)
-            self._left = prune_raw(self.cfg, manifest, self._left, files)
+            self._left = prune_raw(self.cfg, manifest, self._left, files)[0]
 
     def _settled_raw_files(self, files: dict[dt.date, Path]) -> dict[dt.date, Path]:
         """Raw files whose mtime is ``settle_s`` old (not being written any more)."""
@@ -280,19 +280,21 @@ class Watcher:
             log.warning("%s: will retry in %.0fs (failure %d)", date, delay, count)
 
 
-def prune_raw(cfg: Config, manifest: Manifest, left: set, files: dict[dt.date, Path]) -> set:
+def prune_raw(cfg: Config, manifest: Manifest, left: set, files: dict[dt.date, Path]) -> tuple[set, list]:
     """Remove the raw files of the dates gc deleted the shards of (``left``: dates that left the
     manifest, in this process's memory) and, with the window full, of every date of ``files``
     older than the oldest shard (never produced again: also after a gc that ran while no watcher
     did), unless ``store.keep_raw``; never of a date the manifest lists. The dates of ``left``
-    still listed (retired, within their grace) are returned, to prune once gc deletes them."""
+    still listed (retired, within their grace) are returned, to prune once gc deletes them, with
+    the dates whose raw file was removed."""
     listed = {e.date for e in (*manifest.shards, *manifest.retired)}
     if cfg.store.keep_raw:
-        return set(left)
+        return set(left), []
     left = set(left)
     if manifest.window and len(manifest.shards) >= manifest.window:  # as ``wanted`` judges a date too old
         oldest = manifest.shards[0].date
         left |= {d.isoformat() for d in files if d.isoformat() < oldest}
+    removed = []
     for day in sorted(left - listed):
         path = cfg.raw_path(dt.date.fromisoformat(day))
         try:
@@ -303,4 +305,5 @@ def prune_raw(cfg: Config, manifest: Manifest, left: set, files: dict[dt.date, P
             log.warning("%s: cannot remove the raw file of %s (%s)", path, day, exc.strerror)
             continue
         log.info("%s: removed %s (its shard was deleted; store.keep_raw = false)", day, path)
-    return left & listed
+        removed.append(day)
+    return left & listed, removed
