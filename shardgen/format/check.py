@@ -274,6 +274,17 @@ def needs_index(entry: Published, schema: Schema) -> bool:
     return entry.records * schema.record_bytes != entry.bytes
 
 
+def _unmap(buf: memoryview, mm: mmap.mmap) -> None:
+    """Unmap now, or when the last view goes: a sampling profiler (Dask's worker samples every
+    thread's frames) may hold a returned ``_scan`` frame, and with it views of the map, a while
+    longer; closing then raised BufferError and lost the worker (issue 44)."""
+    try:
+        buf.release()
+        mm.close()
+    except BufferError:
+        pass  # the map (and its own dup of the fd) is freed with the last view
+
+
 def _scan_file(fd: int, idx_path: str, entry: Published, schema: Schema, verify: str,
                check_index: bool) -> tuple[np.ndarray, Optional[tuple], object]:
     day = day_number(dt.date.fromisoformat(entry.date))
@@ -284,22 +295,22 @@ def _scan_file(fd: int, idx_path: str, entry: Published, schema: Schema, verify:
             raise ShardError(f"{idx_path}: offsets differ from the records of the .rec ({entry.date})")
     else:
         offsets = read_offsets(idx_path, entry)
-    with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mm:
-        buf = memoryview(mm)
-        try:
-            found, problem = _scan(buf, offsets, schema, day, verify, entry)
-            if isinstance(problem, tuple) and not needs_index(entry, schema):
-                # Whole-size records did not frame: maybe split records after all; ask the index
-                # (none here, e.g. a cache that never needed it: the damage stands as found).
-                try:
-                    listed = read_offsets(idx_path, entry)
-                except ShardError:
-                    listed = offsets
-                if not np.array_equal(listed, offsets):
-                    offsets = listed
-                    found, problem = _scan(buf, offsets, schema, day, verify, entry)
-        finally:
-            buf.release()
+    mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    buf = memoryview(mm)
+    try:
+        found, problem = _scan(buf, offsets, schema, day, verify, entry)
+        if isinstance(problem, tuple) and not needs_index(entry, schema):
+            # Whole-size records did not frame: maybe split records after all; ask the index
+            # (none here, e.g. a cache that never needed it: the damage stands as found).
+            try:
+                listed = read_offsets(idx_path, entry)
+            except ShardError:
+                listed = offsets
+            if not np.array_equal(listed, offsets):
+                offsets = listed
+                found, problem = _scan(buf, offsets, schema, day, verify, entry)
+    finally:
+        _unmap(buf, mm)
     return offsets, found, problem
 
 

@@ -346,3 +346,39 @@ def test_the_last_start_inside_a_run_is_read(store, tmp_path):
     assert rows_used > T
     with ShardIter(store, 8, shuffle=False, cache_dir=tmp_path / "c") as it:
         assert sum(8 - b.pad for b in it) == m.samples
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_frame_held_by_a_sampling_profiler_never_fails_the_check(store, damaged):
+    """Issue 44 item 6: Dask's worker profiler holds frames from ``sys._current_frames()``; a
+    ``_scan`` frame it holds past its return keeps its locals (views of the map) alive, and closing
+    the map raised BufferError ("cannot close exported pointers exist"), losing the worker. The same
+    here, deterministically: a profile hook keeps every returning check frame, as that thread would."""
+    from shardgen.format.check import _CACHE, check_shard
+
+    m = Manifest.load(store / "manifest.json")
+    entry = m.shards[0]
+    rec = store / entry.rec
+    if damaged:
+        flip(rec, len(rec.read_bytes()) // 2)
+    held = []
+
+    def hook(frame, event, arg):
+        if event == "return" and frame.f_code.co_filename.endswith("check.py"):
+            held.append(frame)
+
+    _CACHE.clear()
+    fd = os.open(rec, os.O_RDONLY)
+    sys.setprofile(hook)
+    try:
+        if damaged:
+            with pytest.raises(Exception, match="damaged") as info:
+                check_shard(fd, str(rec), str(store / entry.idx), entry, m.schema)
+            assert type(info.value).__name__ == "ShardError"
+        else:
+            assert check_shard(fd, str(rec), str(store / entry.idx), entry, m.schema).samples == entry.windows
+    finally:
+        sys.setprofile(None)
+        os.close(fd)
+    assert any(f.f_code.co_name == "_scan" for f in held)  # the frames were held: the case is real
+    held.clear()
