@@ -203,7 +203,7 @@ class Reader:
         if params.block != p.block:  # buffers for the state's blocks
             per = p.block / max(1, p.buffer_records)
             params = dataclasses.replace(params, buffer_records=max(1, math.ceil(params.block / per)))
-            memory = check_memory(params, f"a state's block of {params.block:,} samples")
+            memory = check_memory(params, f"a state's block of {params.block:,} samples", len(shards))
         # Everything that can refuse the state is asked before this epoch is let go: the phase it
         # resumes (an empty part), and the state's shards (opened and checked for a folder).
         split_phase(params, sum(s.samples for s in shards), phases, int(state["generation"]))

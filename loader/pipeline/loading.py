@@ -63,11 +63,12 @@ class Blocks:
 
     def pace(self, v: int, fraction: float) -> None:
         """Load the first block after visit ``v`` not ready yet, up to ``fraction`` of it (the share
-        of ``v`` already handed out), from reads that are open (never waits for the feed)."""
+        of ``v`` already handed out), from reads that are open (never waits for the feed); never a
+        block past ``v + 2`` (what ``loader.pipeline.memory`` counts: three blocks a stream)."""
         w = v + 1
         while self.ready(w):
             w += 1
-        while not self.halt.is_set() and not self.ready(w):
+        while w <= v + 2 and not self.halt.is_set() and not self.ready(w):
             if w in self.estimate and self.loaded.get(w, 0) >= fraction * self.estimate[w]:
                 return
             if not self.pump(wait=False):

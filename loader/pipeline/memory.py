@@ -6,8 +6,9 @@ Two epoch streams are alive at once near an epoch's end (this one and the next o
 filling half way through), so the per-stream parts count twice:
 
 - shuffle buffers: ``shuffle_buffer`` records each, kept compact (a run's rows, not its windows):
-  a stream holds the block it hands out and the next one it loads; the next epoch's stream holds
-  its first, small blocks and loads one full block at most while this epoch ends (3 in all);
+  a stream holds the block it hands out, the next one (ready, or loading) and one loading after it
+  (``Blocks.pace``); the next epoch's stream as many while this epoch ends (6 in all, measured: 5);
+  kept buffers count in: the arena lets them go before the total would exceed that;
 - MXNet's native iterators: ``readers`` being read and ``readers`` opened ahead per stream, each
   queueing up to 16 record batches of ``native_batch`` records in its own thread (fixed in MXNet
   1.9.1, whatever ``prefetch_buffer``);
@@ -34,6 +35,8 @@ __all__ = ["Arena", "settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physica
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
 KEEP_BUFFERS = 6  # shuffle buffers an arena keeps for later blocks (full ones and the first, small ones)
+STREAMS = 2  # epoch streams alive at once: this epoch's and the next one's, filling while this one ends
+BLOCKS = 3  # a stream's blocks alive at once: the one handed out, the next (ready) and one loading
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
 
 MMAP_THRESHOLD = 1 << 20  # blocks this large or larger get their own mapping, returned when freed
@@ -80,11 +83,14 @@ def batch_buffers(prefetch_buffer: int) -> int:
     return 2 * (prefetch_buffer + 4)
 
 
-def footprint(schema: Schema, *, buffer_records: int, native_batch: int, readers: int, prefetch_buffer: int,
-              batch_floats: int) -> dict:
-    """Bytes each part of an iterator may hold at most, and their total."""
+def footprint(schema: Schema, *, buffer_records: int, shards: int, native_batch: int, readers: int,
+              prefetch_buffer: int, batch_floats: int) -> dict:
+    """Bytes each part of an iterator reading ``shards`` shards may hold at most, and their total. A
+    block's slice of a shard may start and end inside a record: up to two records more per shard
+    it touches (beyond the eighth ``size_class`` adds only when blocks are small beside shards)."""
+    capacity = max(size_class(buffer_records, buffer_records), buffer_records + 2 * min(shards, buffer_records))
     parts = {
-        "shuffle buffers": 3 * buffer_bytes(schema, size_class(buffer_records, buffer_records)),
+        "shuffle buffers": STREAMS * BLOCKS * buffer_bytes(schema, capacity),
         "native queues": 2 * 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
         "batch buffers": batch_buffers(prefetch_buffer) * 4 * batch_floats,
     }
@@ -113,21 +119,33 @@ class Arena:
     def __init__(self, schema: Schema, batch_floats: int, keep: int):
         self.schema, self.batch_floats, self.keep = schema, batch_floats, keep
         self._shuffle: list[ShuffleBuffer] = []
+        self._out = self._largest = 0  # records of the buffers handed out; the largest buffer's
         self._batches: list[np.ndarray] = []
         self._loans: dict[int, Loan] = {}  # buffer address -> its loan (kept buffers only)
         self._lock = threading.Lock()
 
     def shuffle_buffer(self, capacity: int) -> ShuffleBuffer:
-        """A kept buffer of ``capacity`` records (``size_class`` keeps the sizes few), or a new one."""
+        """The smallest kept buffer of at least ``capacity`` records (``size_class`` keeps the sizes
+        few), or a new one."""
         with self._lock:
-            for i, buffer in enumerate(self._shuffle):
-                if buffer.capacity == capacity:
-                    return self._shuffle.pop(i)
+            self._largest = max(self._largest, capacity)
+            fits = [b for b in self._shuffle if b.capacity >= capacity]
+            if fits:
+                buffer = min(fits, key=lambda b: b.capacity)
+                self._shuffle.remove(buffer)
+                self._out += buffer.capacity
+                return buffer
+            self._out += capacity  # a new one: kept ones go while in use and kept exceed the count
+            while self._shuffle and self._out + sum(b.capacity for b in self._shuffle) > STREAMS * BLOCKS * self._largest:
+                self._shuffle.pop(0)
         return ShuffleBuffer(self.schema, capacity)
 
     def give_back(self, buffer: ShuffleBuffer) -> None:
-        with self._lock:  # a few blocks are alive at once (see the module docstring): keep that many
-            kept, room = [], 3 * max(b.capacity for b in self._shuffle + [buffer])
+        """Keep ``buffer`` for a later block while the buffers in use and kept hold at most
+        ``STREAMS * BLOCKS`` of the largest (the footprint's count, see the module docstring)."""
+        with self._lock:
+            self._out -= buffer.capacity
+            kept, room = [], STREAMS * BLOCKS * self._largest - self._out
             for b in reversed(self._shuffle + [buffer]):
                 if len(kept) < KEEP_BUFFERS and b.capacity <= room:
                     kept.append(b)

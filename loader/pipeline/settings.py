@@ -80,11 +80,11 @@ def block_samples(records: int, shards: tuple, schema: Schema) -> int:
     return max(1, int(records * per))
 
 
-def check_memory(params: StreamParams, shuffle_buffer: object) -> dict:
-    """What ``params`` would hold (``loader.pipeline.memory``); LoaderError before anything is allocated
-    if that is more than the machine can spare."""
+def check_memory(params: StreamParams, shuffle_buffer: object, shards: int) -> dict:
+    """What ``params`` would hold reading ``shards`` shards (``loader.pipeline.memory``); LoaderError
+    before anything is allocated if that is more than the machine can spare."""
     records = buffer_capacity(params)
-    held = footprint(params.schema, buffer_records=records, native_batch=params.native_batch,
+    held = footprint(params.schema, buffer_records=records, shards=shards, native_batch=params.native_batch,
                      readers=params.readers, prefetch_buffer=params.prefetch_buffer,
                      batch_floats=batch_floats(params))
     check_footprint(held, f"shuffle_buffer={shuffle_buffer!r} ({records:,} records), "
