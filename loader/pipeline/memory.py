@@ -7,7 +7,8 @@ filling half way through), so the per-stream parts count twice:
 
 - shuffle buffers: ``shuffle_buffer`` records each, kept compact (a run's rows, not its windows):
   a stream holds the block it hands out, the next one (ready, or loading) and one loading after it
-  (``Blocks.pace``); the next epoch's stream as many while this epoch ends (6 in all, measured: 5);
+  (``Blocks.pace``); the next epoch's stream as many while this epoch ends; one more while a block
+  that outgrew its buffer is copied into a larger one (7 in all, measured: 7 at small blocks);
   kept buffers count in: the arena lets them go before the total would exceed that;
 - MXNet's native iterators: ``readers`` being read and ``readers`` opened ahead per stream, each
   queueing up to 16 record batches of ``native_batch`` records in its own thread (fixed in MXNet
@@ -37,6 +38,7 @@ NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (
 KEEP_BUFFERS = 6  # shuffle buffers an arena keeps for later blocks (full ones and the first, small ones)
 STREAMS = 2  # epoch streams alive at once: this epoch's and the next one's, filling while this one ends
 BLOCKS = 3  # a stream's blocks alive at once: the one handed out, the next (ready) and one loading
+BUFFERS = STREAMS * BLOCKS + 1  # and one more while a block outgrowing its buffer is copied into a larger one
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
 
 MMAP_THRESHOLD = 1 << 20  # blocks this large or larger get their own mapping, returned when freed
@@ -90,7 +92,7 @@ def footprint(schema: Schema, *, buffer_records: int, shards: int, native_batch:
     it touches (beyond the eighth ``size_class`` adds only when blocks are small beside shards)."""
     capacity = max(size_class(buffer_records, buffer_records), buffer_records + 2 * min(shards, buffer_records))
     parts = {
-        "shuffle buffers": STREAMS * BLOCKS * buffer_bytes(schema, capacity),
+        "shuffle buffers": BUFFERS * buffer_bytes(schema, capacity),
         "native queues": 2 * 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
         "batch buffers": batch_buffers(prefetch_buffer) * 4 * batch_floats,
     }
@@ -136,16 +138,17 @@ class Arena:
                 self._out += buffer.capacity
                 return buffer
             self._out += capacity  # a new one: kept ones go while in use and kept exceed the count
-            while self._shuffle and self._out + sum(b.capacity for b in self._shuffle) > STREAMS * BLOCKS * self._largest:
+            count = BUFFERS * self._largest
+            while self._shuffle and self._out + sum(b.capacity for b in self._shuffle) > count:
                 self._shuffle.pop(0)
         return ShuffleBuffer(self.schema, capacity)
 
     def give_back(self, buffer: ShuffleBuffer) -> None:
         """Keep ``buffer`` for a later block while the buffers in use and kept hold at most
-        ``STREAMS * BLOCKS`` of the largest (the footprint's count, see the module docstring)."""
+        ``BUFFERS`` of the largest (the footprint's count, see the module docstring)."""
         with self._lock:
             self._out -= buffer.capacity
-            kept, room = [], STREAMS * BLOCKS * self._largest - self._out
+            kept, room = [], BUFFERS * self._largest - self._out
             for b in reversed(self._shuffle + [buffer]):
                 if len(kept) < KEEP_BUFFERS and b.capacity <= room:
                     kept.append(b)

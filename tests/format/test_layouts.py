@@ -299,3 +299,18 @@ def test_the_exceptions_repeat_batch_is_a_copy(stores, tmp_path):
     assert batches[-1].pad == bs - 1 and batches[-1].data[0] is not batches[-2].data[0]
     restored = keys(batches[-1])
     assert len(restored) == 1 and restored[0] in want
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout("windows", 1), Layout("runs", 1, T)])
+def test_records_of_one_window_each_say_nothing_about_distinct_keys(tmp_path, layout):
+    """A part boundary never falls inside a record of one window: the writer leaves ``distinct``
+    out (None) rather than reading the shard back to compute it (issue 45 pins the short cut)."""
+    from shardgen.process import sliding_windows
+    from shardgen.produce.writer import write_shard
+
+    schema = Schema.create(time_steps=T, num_inputs=C, data_name="seq_var", labels=LABELS, layout=layout)
+    raw = np.random.default_rng(0).standard_normal((40, C + 3)).astype(np.float32)
+    d = dt.date(2024, 1, 2)
+    side = write_shard(tmp_path, d, sliding_windows(raw, d, time_steps=T, num_inputs=C, labels=LABELS), None,
+                       schema, fsync=False)
+    assert side.records == side.windows and side.distinct is None

@@ -2,6 +2,7 @@
 
 import datetime as dt
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -90,7 +91,7 @@ def test_shuffle_buffer_in_bytes_or_records(store, tmp_path):
         assert it.reader.params.buffer_records == 64 * 10**6 // per
         per_record = it.plan.samples / it.plan.records
         assert it.state_dict()["block"] == int(64 * 10**6 // per * per_record)  # samples of as many records
-        assert it.memory["shuffle buffers"] <= 6 * 64 * 10**6 * 9 / 8  # 2 streams x 3 blocks: loader.pipeline.memory
+        assert it.memory["shuffle buffers"] <= 7 * 64 * 10**6 * 9 / 8  # 2 streams x 3 blocks + 1: loader.pipeline.memory
         assert it.memory["total"] < physical_memory() / 2
     with ShardIter(store, 64, shuffle_buffer=300, cache_dir=tmp_path) as it:
         assert it.state_dict()["block"] == int(300 * it.plan.samples / it.plan.records)
@@ -115,13 +116,14 @@ def test_load_state_dict_checks_sizes_before_it_lets_go_of_the_epoch(store, tmp_
 
 
 
-@pytest.mark.parametrize("shuffle_buffer", [64, 100])
-def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch, shuffle_buffer):
+@pytest.mark.parametrize("shuffle_buffer, step", [(32, 0.005), (64, 0)])
+def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch, shuffle_buffer, step):
     """``it.memory``'s shuffle and batch buffers bound those alive at once (each counted whenever one
     is made, alive until the last reference goes), over epochs read with ``reset()`` by a caller that
-    keeps its last four batches as MXNet's engine may (4 dates of 94 records). Measured
-    (2026-12-06): shuffle buffers alive reach 5.8 of the 6 counted (before: up to 5 in use, 3
-    counted, and the arena kept 3 more beside them), batch buffers 7 of 12.
+    keeps its last four batches as MXNet's engine may, ``step`` s a step (4 dates of 94 records). Measured
+    (2026-12-06): at 32 records, 7 buffers of the 7 counted alive at once (a stream's block handed
+    out, the next and one loading, two streams, one outgrowing; before: 3 counted and the arena
+    kept 3 more beside those in use), batch buffers 7 of 12.
     """
     import weakref
 
@@ -151,10 +153,33 @@ def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch
     with ShardIter(store, 64, cache_dir=tmp_path, native_batch=8, shuffle_buffer=shuffle_buffer,
                    prefetch_buffer=2) as it:
         assert it.state_dict()["block"] < it.plan.samples // 2  # blocks, not one block for the epoch
-        for _ in range(4):
+        for _ in range(3):
             for b in it:
                 held = (held + [b])[-4:]
+                time.sleep(step)  # a training step: loading gets ahead (never past v + 2)
             it.reset()
         reported = it.memory
     assert 0 < peak["shuffle"] <= reported["shuffle buffers"], (peak, reported)
     assert 0 < peak["batch"] <= reported["batch buffers"], (peak, reported)
+
+
+def test_the_arena_lets_kept_buffers_go_before_new_ones_pass_the_count():
+    """Kept buffers too small for the blocks now asked for are let go as new ones are made: those
+    alive never pass ``BUFFERS`` of the largest (what ``it.memory`` counts)."""
+    import weakref
+
+    from loader.pipeline.memory import BUFFERS, Arena
+
+    schema = Schema.create(time_steps=T, num_inputs=C, data_name="seq_var", labels=LABELS,
+                           layout=Layout("runs", 64, T + 63))
+    arena, alive = Arena(schema, 16, keep=2), weakref.WeakSet()
+    first = [arena.shuffle_buffer(64) for _ in range(BUFFERS)]
+    alive.update(first)
+    for b in first:
+        arena.give_back(b)
+    del first, b
+    later = [arena.shuffle_buffer(72) for _ in range(BUFFERS)]
+    alive.update(later)
+    assert sum(b.capacity for b in alive) <= BUFFERS * 72
+    arena.give_back(later[0])
+    assert arena.shuffle_buffer(40) is later[0]  # the smallest kept buffer that fits serves a smaller block

@@ -280,6 +280,17 @@ def test_what_is_not_a_state_is_one_loader_error(store, tmp_path, bad):
         assert it.next().data[0].shape[0] == B
 
 
+@pytest.mark.parametrize("version", [1, 5, None, "4"])
+def test_a_state_of_another_version_is_refused_naming_it(store, tmp_path, version):
+    from loader.checkpoint import STATE_VERSION, _digest
+
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        it.next()
+        state = {**it.state_dict(), "version": version}
+        with pytest.raises(LoaderError, match=f"state_dict version {version!r}, expected {STATE_VERSION}"):
+            it.load_state_dict({**state, "sha256": _digest(state)})
+
+
 def test_a_state_the_new_parts_cannot_split_is_refused_before_the_epoch_is_let_go(store, tmp_path):
     """Saved one batch before the end (1 sample left), loaded on 2 parts: part 1 would be empty;
     the iterator goes on. With last_batch='discard', the end of an epoch resumes on any number of

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -320,10 +321,12 @@ def test_a_dask_worker_dying_on_a_date_fails_that_date_only(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("jobs", [1, 3])
-def test_dates_run_in_a_dask_worker_started_by_dask_s_own_cli(tmp_path, jobs):
+@pytest.mark.parametrize("jobs, late", [(1, 0), (3, 0), (1, 3)])
+def test_dates_run_in_a_dask_worker_started_by_dask_s_own_cli(tmp_path, jobs, late):
     """``dask scheduler`` + one ``dask worker --no-nanny`` (the worker is that process): every
-    date's processor runs in the worker's pid, whatever ``jobs`` says, never in the build's."""
+    date's processor runs in the worker's pid, whatever ``jobs`` says, never in the build's. A
+    worker joining ``late`` seconds after the build started is waited for (CI saw "with 0
+    workers" once without ``wait_for_workers``)."""
     dask = Path(sys.executable).with_name("dask")
     assert dask.exists(), "dask's CLI is part of the dev install (dask[distributed])"
     cfg_path = plugin_config(tmp_path / "proj", jobs=jobs)
@@ -333,17 +336,25 @@ def test_dates_run_in_a_dask_worker_started_by_dask_s_own_cli(tmp_path, jobs):
     common = dict(cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     procs = [subprocess.Popen([str(dask), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
                                "--scheduler-file", str(info)], **common)]
+    start = None
     try:
         deadline = time.monotonic() + 60
         while not (info.exists() and info.stat().st_size):
             assert procs[0].poll() is None and time.monotonic() < deadline, "the dask scheduler did not start"
             time.sleep(0.05)
         address = json.loads(info.read_text())["address"]
-        procs.append(subprocess.Popen([str(dask), "worker", "--no-nanny", "--nthreads", "1", "--no-dashboard",
-                                       "--local-directory", str(tmp_path / "worker"), address], **common))
+
+        def worker():
+            procs.append(subprocess.Popen([str(dask), "worker", "--no-nanny", "--nthreads", "1", "--no-dashboard",
+                                           "--local-directory", str(tmp_path / "worker"), address], **common))
+
+        start = threading.Timer(late, worker)
+        start.start()
         use_dask(cfg_path, address)
         r = shardgen_cli("build", "-c", cfg_path, "-v", cwd=tmp_path, timeout=180)
     finally:
+        if start is not None:
+            start.join()
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

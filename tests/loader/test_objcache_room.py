@@ -1,0 +1,71 @@
+"""The object cache's room, one rule at a time (issue 45: each of these changes passed every epoch
+test): eviction order and amount, the least cache_limit, and a failed download cancelling the rest."""
+
+import os
+import threading
+import time
+
+import pytest
+from conftest import make_store
+from test_s3_loader import upload_store
+
+from loader import LoaderError
+from loader.source.objcache import DOWNLOAD_THREADS, ObjectCache
+from shardgen.store import S3Store
+from shardgen.store.manifest import Manifest
+
+
+@pytest.fixture
+def remote(s3, tmp_path):
+    local = tmp_path / "local"
+    make_store(local, {f"2024-03-{d:02d}": 20 + d for d in range(1, 21)})
+    return upload_store(s3, local), Manifest.load(local / "manifest.json")
+
+
+def _files(folder, ages):
+    """Files of 1,000 bytes in ``folder``, used ``ages`` seconds ago, by name."""
+    now = time.time()
+    for name, age in ages.items():
+        (folder / name).write_bytes(b"x" * 1000)
+        os.utime(folder / name, (now - age, now - age))
+
+
+def test_eviction_frees_the_least_recently_used_first_and_no_more_than_asked(remote, tmp_path):
+    cache = ObjectCache(S3Store(remote[0]), tmp_path / "cache", 10**6)
+    _files(cache.folder, {"old.rec": 300, "mid.rec": 200, "new.rec": 100, "newest.rec": 0})
+    assert cache._evict(1500) == 0  # two files' worth: the two used longest ago
+    assert sorted(p.name for p in cache._entries()) == ["new.rec", "newest.rec"]
+    assert cache._evict(1000) == 0  # exactly one file's worth: one file
+    assert [p.name for p in cache._entries()] == ["newest.rec"]
+    assert cache._evict(0) == 0 and [p.name for p in cache._entries()] == ["newest.rec"]
+
+
+def test_a_cache_limit_of_exactly_three_of_the_largest_shards_is_enough(remote, tmp_path):
+    url, manifest = remote
+    shards = list(manifest.shards)
+    probe = ObjectCache(S3Store(url), tmp_path / "probe", 10**9)
+    least = 3 * max(s.bytes for s in shards) + probe.meta_bytes()
+    ObjectCache(S3Store(url), tmp_path / "exact", least).check_room(shards)
+    with pytest.raises(LoaderError, match=f"raise cache_limit to at least {least:,} bytes"):
+        ObjectCache(S3Store(url), tmp_path / "less", least - 1).check_room(shards)
+
+
+def test_a_failed_download_cancels_the_downloads_not_started(remote, tmp_path, monkeypatch):
+    url, manifest = remote
+    cache = ObjectCache(S3Store(url), tmp_path / "cache", None)
+    started, lock = [], threading.Lock()
+
+    def download(self, name, shard, kind):
+        with lock:
+            started.append(name)
+            first = len(started) == 1
+        if first:
+            raise LoaderError(f"{name}: download failed (on purpose)")
+        time.sleep(0.2)
+
+    monkeypatch.setattr(ObjectCache, "_download", download)
+    shards = list(manifest.shards)
+    with pytest.raises(LoaderError, match="on purpose"):
+        cache.fetch(shards, who="test")
+    assert len(shards) > 2 * DOWNLOAD_THREADS
+    assert len(started) <= DOWNLOAD_THREADS + 1, f"{len(started)} downloads started after the first failed"
