@@ -204,3 +204,28 @@ def test_members_die_with_the_launcher(tmp_path):
         left = [name for name, pid in members.items() if alive(pid)]
         assert not left, f"{left} outlived the launcher"
         assert not proctree.tagged_pids(job.tag)
+
+
+def test_kill_stops_every_member_within_seconds():
+    """``Job.kill`` (the first failure, a timeout, a straggler) kills the scheduler and servers too,
+    not only the workers: bounded here by 20 s (a kill loop skipping them waited for ever on a
+    scheduler that never exits, and the job's tests only noticed at their 60-110 s limits)."""
+    import contextlib
+    import threading
+
+    from loader.tools.launch import Job
+
+    job = Job([sys.executable, "-c", "import time; time.sleep(120)"], workers=2, servers=1, grace_s=1)
+    job.start()
+    try:
+        time.sleep(1.0)
+        assert all(m.proc.poll() is None for m in job.members), "every member runs before kill()"
+        killer = threading.Thread(target=job.kill, daemon=True)
+        killer.start()
+        killer.join(20)
+        left = [m.name for m in job.members if m.proc.poll() is None]
+        assert not killer.is_alive() and not left, f"kill() left {left} running"
+    finally:
+        for m in job.members:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(m.proc.pid, signal.SIGKILL)

@@ -69,3 +69,27 @@ def test_a_failed_download_cancels_the_downloads_not_started(remote, tmp_path, m
         cache.fetch(shards, who="test")
     assert len(shards) > 2 * DOWNLOAD_THREADS
     assert len(started) <= DOWNLOAD_THREADS + 1, f"{len(started)} downloads started after the first failed"
+
+
+def test_under_a_limit_a_feed_group_holds_at_most_a_third_of_the_room(remote, tmp_path, monkeypatch):
+    """A block's files are fetched in groups of at most a third of what the limit leaves (one being
+    read, one fetched ahead, one for the next epoch). Uncapped, an epoch at a limit waited for room
+    until a test's 90 s timeout; here the first group says so at once."""
+    from loader import ShardIter
+    from loader.pipeline import feed
+
+    url, manifest = remote
+    limit = sum(s.bytes for s in manifest.shards) // 3
+    seen, real = [], feed._group
+
+    def group(pieces, sizes, cap):
+        assert cap is not None and cap <= limit // 3, f"a feed group capped at {cap} under cache_limit {limit}"
+        groups = real(pieces, sizes, cap)
+        seen.extend(len(g) == 1 or sum(sizes[k] for k, _, _ in g) <= cap for g in groups)
+        return groups
+
+    monkeypatch.setattr(feed, "_group", group)
+    with ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=limit, shuffle_buffer=64, native_batch=4,
+                   readers=1) as it:
+        assert sum(8 - b.pad for b in it) == manifest.samples
+    assert len(seen) > 1 and all(seen)
