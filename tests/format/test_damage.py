@@ -382,3 +382,29 @@ def test_a_frame_held_by_a_sampling_profiler_never_fails_the_check(store, damage
         os.close(fd)
     assert any(f.f_code.co_name == "_scan" for f in held)  # the frames were held: the case is real
     held.clear()
+    with open("/proc/self/maps") as maps:
+        assert str(rec) not in maps.read(), "the map goes with the last frame holding a view of it"
+    assert not [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == str(rec)]
+
+
+@pytest.mark.parametrize("verify", ["crc", "frame", "sha256", "none"])
+def test_no_unmap_is_deferred_without_a_profiler(tmp_path, verify):
+    """No view of a checked map outlives the check (sound and damaged shards, two layouts): a deferred
+    unmap without a profiler would be a view our own code keeps, i.e. a map and an fd leaked."""
+    from shardgen.format import check
+
+    before = check.DEFERRED_UNMAPS
+    for layout in (RUNS, Layout("samples")):
+        store = tmp_path / f"{layout.kind}-{verify}"
+        m = make(store, layout=layout, dates=2)
+        flip(store / m.shards[1].rec, len((store / m.shards[1].rec).read_bytes()) // 2)
+        for entry in m.shards:
+            check._CACHE.clear()
+            fd = os.open(store / entry.rec, os.O_RDONLY)
+            try:
+                check.check_shard(fd, str(store / entry.rec), str(store / entry.idx), entry, m.schema, verify=verify)
+            except Exception as exc:
+                assert type(exc).__name__ == "ShardError"
+            finally:
+                os.close(fd)
+    assert check.DEFERRED_UNMAPS == before

@@ -91,7 +91,7 @@ def test_shuffle_buffer_in_bytes_or_records(store, tmp_path):
         assert it.reader.params.buffer_records == 64 * 10**6 // per
         per_record = it.plan.samples / it.plan.records
         assert it.state_dict()["block"] == int(64 * 10**6 // per * per_record)  # samples of as many records
-        assert it.memory["shuffle buffers"] <= 7 * 64 * 10**6 * 9 / 8  # 2 streams x 3 blocks + 1: loader.pipeline.memory
+        assert it.memory["shuffle buffers"] <= 7 * 64 * 10**6 * 9 / 8  # 2 streams x 3 blocks + 1 (memory.py)
         assert it.memory["total"] < physical_memory() / 2
     with ShardIter(store, 64, shuffle_buffer=300, cache_dir=tmp_path) as it:
         assert it.state_dict()["block"] == int(300 * it.plan.samples / it.plan.records)

@@ -301,9 +301,9 @@ def test_a_dask_worker_dying_on_a_date_fails_that_date_only(tmp_path):
     tried again, and the others are published (it came out of build as a traceback)."""
     import dask
     import distributed  # noqa: F401  its defaults in dask's config first: set() below would
+
     # otherwise create the 'distributed' key and delete all of it on exit (every later Dask test in
     # this process then failed with KeyError: 'distributed'; found by SHARDGEN_TEST_SHUFFLE=1)
-
     from shardgen.produce.cluster import _close_clients
 
     cfg_path = plugin_config(tmp_path / "proj", jobs=2)
