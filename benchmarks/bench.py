@@ -29,6 +29,7 @@ import numpy as np
 from benchmarks.baselines import ListBatchIter, PoppedBatches, samples_from_arrays
 from benchmarks.boundaries import boundary_suite
 from benchmarks.content import content_check, writer_checksums
+from benchmarks.cpu import cpu_suite
 from benchmarks.e2e import end_to_end
 from benchmarks.measure import Loader, stall, throughput
 from benchmarks.objects import object_store_suite
@@ -138,9 +139,9 @@ def _arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--no-docs", action="store_true", help="write no results page")
     p.add_argument("--chart", type=Path, help="the PNG chart (default: next to the results page, else "
                    "bench/chart.png)")
-    p.add_argument("--only", choices=["boundaries", "objects"], help="run only these rows (objects: S3 on "
+    p.add_argument("--only", choices=["boundaries", "objects", "cpu"], help="run only these rows (objects: S3 on "
                    "loopback, issue 36; boundaries: epoch boundaries "
-                   "at 400 shards, issue 37); writes no results page")
+                   "at 400 shards, issue 37; cpu: CPU per window, issue 46); writes no results page")
     p.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder, removed after)")
     args = p.parse_args(argv)
     if args.no_docs or args.only:
@@ -170,6 +171,12 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
         res["boundaries"] = boundary_suite(workdir, cache, quick=args.quick, seconds=seconds, batch_size=bs, log=log)
         res["targets"] = targets(res)
         return
+    if args.only == "cpu":
+        _, _, specs = make_data(n)
+        build(workdir / "store", RUNS_SCHEMA, specs, fsync=True)
+        res["cpu"] = cpu_suite(workdir / "store", cache, 60, 32, epochs=1 if args.quick else 4)
+        res["targets"] = targets(res)
+        return
     if args.only == "objects":
         _, _, specs = make_data(n)
         build(workdir / "store", RUNS_SCHEMA, specs, fsync=True)
@@ -192,6 +199,8 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
         res["loaders"][loader.name] = r
     res["stall_floor"] = stall_floor(x, labels, bs, res["loaders"]["ShardIter"], seconds)
     res["shardier_cold_epoch"] = cold_epoch(store, bs, cache)
+    log("bench: CPU per window (fresh processes: the RAM gather floor, ShardIter, the trainer's own gather)")
+    res["cpu"] = cpu_suite(store, cache, 60, 32, epochs=1 if args.quick else 4)
     log("bench: the default content check (verify='crc') against verify='none'; the writer's CRCs")
     res["content"] = content_check(store, cache, repeats=1 if args.quick else 5, epochs=1 if args.quick else 5)
     res["content"]["writer"] = writer_checksums(workdir / "crc_store", RUNS_SCHEMA, list(make_data(n)[2]),

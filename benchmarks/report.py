@@ -79,9 +79,10 @@ def targets(res: dict) -> list[dict]:
     """Each target: name, value, the limit and how it is judged (``target``), met. ShardIter's stall
     is judged against the floor measured in the same run (``res["stall_floor"]``): the shared
     machine's own cost of waking a sleeping consumer, which moves from run to run."""
-    if "loaders" not in res:  # --only boundaries / objects
+    if "loaders" not in res:  # --only boundaries / objects / cpu
         return _judge((_boundary_targets(res["boundaries"]) if "boundaries" in res else [])
-                      + (_object_targets(res["object_store"]) if "object_store" in res else []))
+                      + (_object_targets(res["object_store"]) if "object_store" in res else [])
+                      + (_cpu_targets(res["cpu"]) if "cpu" in res else []))
     lo = res["loaders"]
     si = lo["ShardIter"]
     floor = {load: res["stall_floor"][load]["stall_pct"] for load in ("stall_50", "stall_90")}
@@ -100,6 +101,8 @@ def targets(res: dict) -> list[dict]:
         ("ShardIter next() p99 ms at 50% load", si["stall_50"]["next_p99_ms"], "<=", 0.5),
         ("ShardIter next() p99 ms at 90% load", si["stall_90"]["next_p99_ms"], "<=", 0.5),
     ]
+    if res.get("cpu"):
+        rows += _cpu_targets(res["cpu"])
     ct = res.get("content")
     if ct:
         rows += [("first epoch of a fresh process: verify='crc' (default) / 'none'", ct["first_ratio"], "<=", 1.10),
@@ -155,6 +158,30 @@ def targets(res: dict) -> list[dict]:
     if "boundaries" in res:
         rows += _boundary_targets(res["boundaries"])
     return _judge(rows)
+
+
+def _cpu_targets(cp: dict) -> list[tuple]:
+    floor = cp["floor"]["gather_us"]
+    return [("the trainer's own numpy gather after a ShardIter ran / before", cp["trainer_gather_ratio"], "<=", 1.1),
+            ("ShardIter shuffled: process CPU per window / the RAM gather floor", cp["shuffled"]["floor_ratio"], "<=",
+             2.0, f"the floor {floor:.2f} us"),
+            ("ShardIter in order: process CPU per window / the RAM gather floor", cp["in_order"]["floor_ratio"], "<=",
+             1.3, f"the floor {floor:.2f} us")]
+
+
+def _cpu_lines(cp: dict) -> list[str]:
+    fl = cp["floor"]
+    out = ["", f"CPU per window (process CPU / windows, fresh processes): RAM gather floor {fl['gather_us']:.2f} us "
+           f"(into one batch; {fl['fresh_gather_us']:.2f} us into a new array each batch)"]
+    for name in ("shuffled", "in_order"):
+        r = cp[name]
+        out.append(f"  ShardIter {name.replace('_', ' ')}: {r['cpu_us_per_window']:.2f} us ({r['floor_ratio']:.2f}x "
+                   f"the floor), {100 * r['producer_share']:.0f}% of it in the producer threads (Python, GIL), "
+                   f"{r['boundary_cpu_ms']:.1f} CPU-ms from reset() to the next epoch's first batch")
+    out.append(f"  the trainer's own gather into a new array: {cp['trainer_gather_before_us']:.2f} us before a "
+               f"ShardIter ran in its process, {cp['trainer_gather_after_us']:.2f} us after "
+               f"({cp['trainer_gather_ratio']:.2f}x)")
+    return out
 
 
 def _boundary_targets(bo: dict) -> list[tuple]:
@@ -237,9 +264,10 @@ def _object_lines(ob: dict) -> list[str]:
 
 def results_table(res: dict) -> str:
     """Every figure of a run, as plain text (the targets apart)."""
-    if "loaders" not in res:  # --only boundaries / objects
+    if "loaders" not in res:  # --only boundaries / objects / cpu
         return "\n".join((_boundary_lines(res["boundaries"])[1:] if "boundaries" in res else [])
-                         + (_object_lines(res["object_store"]) if "object_store" in res else []))
+                         + (_object_lines(res["object_store"]) if "object_store" in res else [])
+                         + (_cpu_lines(res["cpu"])[1:] if "cpu" in res else []))
     lines = [f"{'loader':32} {'samples/s':>11} {'GB/s':>6} {'stall@50%':>10} {'stall@90%':>10} "
              f"{'next() p99 ms @50%/@90%':>24}"]
     for name, r in res["loaders"].items():
@@ -250,6 +278,8 @@ def results_table(res: dict) -> str:
                      "   (ShardIter's steps; next() builds nothing)")
     c = res["shardier_cold_epoch"]
     lines.append(f"{'ShardIter, first (cold) epoch':32} {c['samples_per_s']:>11,.0f} {c['payload_gb_per_s']:>6.2f}")
+    if res.get("cpu"):
+        lines += _cpu_lines(res["cpu"])
     if res.get("object_store"):
         lines += _object_lines(res["object_store"])
     e2e = res.get("end_to_end", {})

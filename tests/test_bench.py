@@ -48,12 +48,19 @@ def test_quick_bench_writes_results(quick):
     assert side["samples"] == side["expected_samples"] > 0
     assert res["writer"]["shard_mb_per_s"] > 0 and res["writer"]["np_save_mb_per_s"] > 0
     assert res["build"]["speedup"] > 0 and res["build"]["jobs1_vs_generator"] > 0
+    cpu = res["cpu"]
+    assert cpu["floor"]["gather_us"] > 0 and cpu["trainer_gather_before_us"] > 0 and cpu["trainer_gather_ratio"] > 0
+    for name in ("shuffled", "in_order"):
+        assert cpu[name]["cpu_us_per_window"] > 0 and 0 < cpu[name]["producer_share"] < 1, name
+        assert cpu[name]["windows"] == res["settings"]["samples"], name  # one whole epoch measured (quick)
     loop = res["training_loop"]
     assert loop["ram_s"] > 0 and loop["thread_ratio"] > 0
     names = {t["name"] for t in res["targets"]}
     assert {"ShardIter stall % at 90% load (across epochs)", "ShardIter next() p99 ms at 50% load",
             "Gluon LSTM loop time: ShardIter / batches in RAM",
-            "ShardIter 400 shards / stock ImageRecordIter one file (shuffled)"} <= names
+            "ShardIter 400 shards / stock ImageRecordIter one file (shuffled)",
+            "the trainer's own numpy gather after a ShardIter ran / before",
+            "ShardIter shuffled: process CPU per window / the RAM gather floor"} <= names
     assert all(isinstance(t["met"], bool) for t in res["targets"])
     assert "targets:" in stdout and "ShardIter" in stdout
     # ShardIter's stall is judged against the floor measured in the same run, plus one point

@@ -1,0 +1,141 @@
+"""CPU per window for ``make bench`` (issue 46): what the loader takes from the training process.
+
+Each figure comes from a fresh interpreter (``cpu_in_subprocess``), so no other part of the bench
+has touched its allocator or threads:
+
+- the floor: gathering the same windows from RAM into a batch (``np.take(X, idx, out=batch)``) in
+  a process that never imported the loader, process CPU per window;
+- ShardIter shuffled and in order: process CPU per window over whole epochs (``reset()`` between),
+  and the share of it spent in the producer threads (``shardgen-batches*``: Python, holding the GIL
+  most of the time) read from ``/proc/self/task/*/stat``;
+- an epoch boundary: process CPU from ``reset()`` to the next epoch's first batch;
+- the trainer's own numpy work before and after a ShardIter ran in its process: a gather into a
+  fresh batch-sized array (``np.take(X, idx, axis=0)``), as a training loop's own code does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["cpu_in_subprocess", "cpu_suite"]
+
+BATCH = 512
+RAM_WINDOWS = 20_000  # windows the gathers draw from (T=60, C=32 float32: 150 MB)
+
+
+def _ram(t: int, c: int) -> np.ndarray:
+    return np.random.default_rng(1).standard_normal((RAM_WINDOWS, t, c), dtype=np.float32)
+
+
+def _gather_us(x: np.ndarray, fresh: bool, reps: int = 60) -> float:
+    """Process CPU µs per window of ``reps`` batch gathers: into one batch (``fresh=False``, the
+    floor) or into a new array each time (``fresh=True``, a trainer's own code); best of 5."""
+    rng = np.random.default_rng(0)
+    idxs = [rng.integers(0, len(x), BATCH) for _ in range(reps)]
+    out = np.empty((BATCH,) + x.shape[1:], x.dtype)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.process_time()
+        for idx in idxs:
+            if fresh:
+                np.take(x, idx, axis=0).sum()
+            else:
+                np.take(x, idx, axis=0, out=out)
+        best = min(best, (time.process_time() - t0) / (reps * BATCH) * 1e6)
+    return best
+
+
+class ThreadCPU:
+    """CPU seconds of the threads named ``name`` (Python's names: the OS's are all "python"),
+    sampled now and then: each thread's largest reading is kept, so threads that ended count too
+    (less what they spent after their last sample)."""
+
+    def __init__(self, name: str):
+        self.name, self.seen, self.tick = name, {}, os.sysconf("SC_CLK_TCK")
+
+    def sample(self) -> None:
+        for t in threading.enumerate():
+            if t.name != self.name or t.native_id is None:
+                continue
+            try:
+                with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            cpu = (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
+            self.seen[t.native_id] = max(self.seen.get(t.native_id, 0.0), cpu)
+
+    def total(self) -> float:
+        return sum(self.seen.values())
+
+
+def _loader(store: str, cache: str, epochs: int) -> dict:
+    """In this (fresh) process: the trainer's gather before, ShardIter shuffled and in order, the
+    trainer's gather after."""
+    from shardgen.store.manifest import Manifest
+
+    schema = Manifest.load(Path(store) / "manifest.json").schema  # the loader not made yet
+    x = _ram(schema.time_steps, schema.num_inputs)
+    out: dict = {"trainer_gather_before_us": _gather_us(x, fresh=True)}
+
+    from loader.shard_iter import ShardIter
+    for name, shuffle in (("shuffled", True), ("in_order", False)):
+        with ShardIter(store, BATCH, cache_dir=cache, shuffle=shuffle) as it:
+            for _ in it:  # warm: files in the page cache, buffers allocated
+                pass
+            it.reset()
+            windows, boundary, producers = 0, [], ThreadCPU("shardgen-batches")
+            producers.sample()
+            before = producers.total()  # the warm epoch's threads (and the next one's, begun)
+            cpu0 = reset_cpu = time.process_time()
+            for e in range(epochs):
+                for i, b in enumerate(it):
+                    if i == 0 and e:
+                        boundary.append(time.process_time() - reset_cpu)
+                    if i % 8 == 0:
+                        producers.sample()
+                    windows += BATCH - b.pad
+                producers.sample()
+                reset_cpu = time.process_time()
+                it.reset()
+            cpu = time.process_time() - cpu0
+            producer = producers.total() - before
+        out[name] = {"cpu_us_per_window": cpu / windows * 1e6, "windows": windows,
+                     "producer_share": producer / cpu if cpu else 0.0,
+                     "boundary_cpu_ms": 1000 * float(np.median(boundary)) if boundary else 0.0}
+    out["trainer_gather_after_us"] = _gather_us(x, fresh=True)
+    return out
+
+
+def _floor(t: int, c: int) -> dict:
+    x = _ram(t, c)
+    return {"gather_us": _gather_us(x, fresh=False), "fresh_gather_us": _gather_us(x, fresh=True)}
+
+
+def cpu_in_subprocess(kind: str, *args: object) -> dict:
+    """``_floor`` or ``_loader`` in a fresh interpreter (nothing else of the bench in it)."""
+    code = (f"import json; from benchmarks.cpu import _{kind}; "
+            f"print(json.dumps(_{kind}(*{tuple(args)!r})))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
+                       cwd=Path(__file__).resolve().parent.parent)
+    if r.returncode != 0:
+        raise RuntimeError(f"cpu bench ({kind}) failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def cpu_suite(store: Path, cache: Path, t: int, c: int, *, epochs: int = 4) -> dict:
+    """The floor (a process without the loader) and the loader's figures, in one run."""
+    res = {"floor": cpu_in_subprocess("floor", t, c), **cpu_in_subprocess("loader", str(store), str(cache), epochs)}
+    floor = res["floor"]["gather_us"]
+    res["trainer_gather_ratio"] = res["trainer_gather_after_us"] / res["trainer_gather_before_us"]
+    for name in ("shuffled", "in_order"):
+        res[name]["floor_ratio"] = res[name]["cpu_us_per_window"] / floor
+    return res
