@@ -203,7 +203,7 @@ class Reader:
         if params.block != p.block:  # buffers for the state's blocks
             per = p.block / max(1, p.buffer_records)
             params = dataclasses.replace(params, buffer_records=max(1, math.ceil(params.block / per)))
-            memory = check_memory(params, f"a state's block of {params.block:,} samples", len(shards))
+            memory = check_memory(params, f"a state's block of {params.block:,} samples", shards)
         # Everything that can refuse the state is asked before this epoch is let go: the phase it
         # resumes (an empty part), and the state's shards (opened and checked for a folder).
         split_phase(params, sum(s.samples for s in shards), phases, int(state["generation"]))
@@ -211,6 +211,8 @@ class Reader:
         plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
         before_end()
         self.end_epoch()
+        if params.block != p.block:
+            self.epochs.arena.new_blocks()
         self.dates, self.memory, self.params = dates, memory, params
         if state.get("pinned") is not None:
             self.choice = Choice(pin=state["pinned"])

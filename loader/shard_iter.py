@@ -107,7 +107,7 @@ class ShardIter(mx.io.DataIter):
             label_names=tuple(lab.name for lab in schema.labels if lab.name in self.label_names),
             canonical_parts=int(num_parts if canonical_parts is None else canonical_parts),
             block=block_samples(records, selected, schema))
-        memory = check_memory(params, shuffle_buffer, len(selected))
+        memory = check_memory(params, shuffle_buffer, selected)
         self.reader = Reader(location, manifest_obj, params, choice=choice, dates=dates, verify=verify,
                              memory=memory)
         self._describe()

@@ -71,7 +71,7 @@ class Blocks:
         while w <= v + 2 and not self.halt.is_set() and not self.ready(w):
             if w in self.estimate and self.loaded.get(w, 0) >= fraction * self.estimate[w]:
                 return
-            if not self.pump(wait=False):
+            if not self.pump(wait=False, upto=w):  # reads of w and before only: never a block past it
                 return
 
     def pump(self, wait: bool, upto: Optional[int] = None) -> bool:

@@ -7,8 +7,10 @@ filling half way through), so the per-stream parts count twice:
 
 - shuffle buffers: ``shuffle_buffer`` records each, kept compact (a run's rows, not its windows):
   a stream holds the block it hands out, the next one (ready, or loading) and one loading after it
-  (``Blocks.pace``); the next epoch's stream as many while this epoch ends; one more while a block
-  that outgrew its buffer is copied into a larger one (7 in all, measured: 7 at small blocks);
+  (``Blocks.pace`` reads no block past it); the next epoch's stream as many while this epoch ends;
+  one more while a block that outgrew its buffer is copied into a larger one (7 in all; measured:
+  6 at most). A buffer holds the most records a block can (``settings.block_records``: a block of
+  the sparsest shards), an eighth more than the average block at least;
   kept buffers count in: the arena lets them go before the total would exceed that;
 - MXNet's native iterators: ``readers`` being read and ``readers`` opened ahead per stream, each
   queueing up to 16 record batches of ``native_batch`` records in its own thread (fixed in MXNet
@@ -85,12 +87,12 @@ def batch_buffers(prefetch_buffer: int) -> int:
     return 2 * (prefetch_buffer + 4)
 
 
-def footprint(schema: Schema, *, buffer_records: int, shards: int, native_batch: int, readers: int,
+def footprint(schema: Schema, *, buffer_records: int, block_records: int, native_batch: int, readers: int,
               prefetch_buffer: int, batch_floats: int) -> dict:
-    """Bytes each part of an iterator reading ``shards`` shards may hold at most, and their total. A
-    block's slice of a shard may start and end inside a record: up to two records more per shard
-    it touches (beyond the eighth ``size_class`` adds only when blocks are small beside shards)."""
-    capacity = max(size_class(buffer_records, buffer_records), buffer_records + 2 * min(shards, buffer_records))
+    """Bytes each part of an iterator may hold at most, and their total. A shuffle buffer holds a
+    block: ``buffer_records`` on average, ``block_records`` at most (``settings.block_records``: a
+    block of sparse shards, or entering and leaving many shards inside records)."""
+    capacity = max(size_class(buffer_records, buffer_records), block_records)
     parts = {
         "shuffle buffers": BUFFERS * buffer_bytes(schema, capacity),
         "native queues": 2 * 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
@@ -142,6 +144,12 @@ class Arena:
             while self._shuffle and self._out + sum(b.capacity for b in self._shuffle) > count:
                 self._shuffle.pop(0)
         return ShuffleBuffer(self.schema, capacity)
+
+    def new_blocks(self) -> None:
+        """Blocks of another size from now on (a state's): kept buffers go, the largest is forgotten
+        (buffers still in use are not kept when given back unless they fit the new count)."""
+        with self._lock:
+            self._shuffle, self._largest = [], 0
 
     def give_back(self, buffer: ShuffleBuffer) -> None:
         """Keep ``buffer`` for a later block while the buffers in use and kept hold at most

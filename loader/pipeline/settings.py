@@ -80,11 +80,26 @@ def block_samples(records: int, shards: tuple, schema: Schema) -> int:
     return max(1, int(records * per))
 
 
-def check_memory(params: StreamParams, shuffle_buffer: object, shards: int) -> dict:
-    """What ``params`` would hold reading ``shards`` shards (``loader.pipeline.memory``); LoaderError
+def block_records(block: int, shards: tuple) -> int:
+    """The most records a block of ``block`` samples of ``shards`` can hold: its samples taken from
+    the sparsest shards first (a store's samples per record vary: a short date, another stride),
+    plus two records per shard it may enter or leave inside a record."""
+    need, records = block, 2 * min(len(shards), block)
+    for s in sorted(shards, key=lambda s: s.samples / max(1, s.records)):
+        if need <= 0:
+            break
+        take = min(need, s.samples)
+        records += math.ceil(take * s.records / max(1, s.samples))
+        need -= take
+    return records
+
+
+def check_memory(params: StreamParams, shuffle_buffer: object, shards: tuple) -> dict:
+    """What ``params`` would hold reading ``shards`` (``loader.pipeline.memory``); LoaderError
     before anything is allocated if that is more than the machine can spare."""
     records = buffer_capacity(params)
-    held = footprint(params.schema, buffer_records=records, shards=shards, native_batch=params.native_batch,
+    held = footprint(params.schema, buffer_records=records, block_records=block_records(params.block, shards),
+                     native_batch=params.native_batch,
                      readers=params.readers, prefetch_buffer=params.prefetch_buffer,
                      batch_floats=batch_floats(params))
     check_footprint(held, f"shuffle_buffer={shuffle_buffer!r} ({records:,} records), "

@@ -116,20 +116,31 @@ def test_load_state_dict_checks_sizes_before_it_lets_go_of_the_epoch(store, tmp_
 
 
 
-@pytest.mark.parametrize("shuffle_buffer, step", [(32, 0.005), (64, 0)])
-def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch, shuffle_buffer, step):
+def _sparse_date(store, day: dt.date) -> None:
+    """One more date written at stride 64: one window per record (64 per record elsewhere)."""
+    from shardgen.store.manifest import Manifest
+
+    m = Manifest.load(store / "manifest.json")
+    raw = np.random.default_rng(99).standard_normal((6000, C + 5)).astype(np.float32)
+    spec = sliding_windows(raw, day, time_steps=T, num_inputs=C, labels=LABELS, stride=64)
+    publish(store, m.schema, 0, list(m.shards) + [write_shard(store, day, spec, None, m.schema, fsync=False).entry()])
+
+
+@pytest.mark.parametrize("case", ["slow-32", "fast-64", "readers-4", "sparse-date", "resume-smaller-block"])
+def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch, case):
     """``it.memory``'s shuffle and batch buffers bound those alive at once (each counted whenever one
     is made, alive until the last reference goes), over epochs read with ``reset()`` by a caller that
-    keeps its last four batches as MXNet's engine may, ``step`` s a step (4 dates of 94 records). Measured
-    (2026-12-06): at 32 records, 7 buffers of the 7 counted alive at once (a stream's block handed
-    out, the next and one loading, two streams, one outgrowing; before: 3 counted and the arena
-    kept 3 more beside those in use), batch buffers 7 of 12.
-    """
+    keeps its last four batches as MXNet's engine may (4 dates of 94 records): a slow caller (loading
+    gets ahead), 4 readers, a date of one window per record (a block of it holds 64x the records of
+    the average one), a state with a smaller block loaded mid-epoch. And no stream holds more than
+    3 blocks (the one handed out, the next, one loading). Found by review (2026-12-06): pace pumped
+    any open read (up to v + 7 with 4 readers: 9 buffers alive), a sparse date's block needed 5.6x
+    the buffer counted, and a smaller state's block kept the old, larger buffers."""
     import weakref
 
-    from loader.pipeline import memory
+    from loader.pipeline import loading, memory
 
-    shuffle, batches, peak = weakref.WeakSet(), {}, {"shuffle": 0, "batch": 0}
+    shuffle, batches, peak = weakref.WeakSet(), {}, {"shuffle": 0, "batch": 0, "blocks": 0}
 
     class Counted(memory.ShuffleBuffer):
         def __init__(self, schema, capacity):
@@ -137,7 +148,7 @@ def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch
             shuffle.add(self)
             peak["shuffle"] = max(peak["shuffle"], sum(buffer_bytes(schema, b.capacity) for b in list(shuffle)))
 
-    batch = memory.Arena.batch
+    batch, grow = memory.Arena.batch, loading.Blocks._buffer
 
     def counted_batch(arena):
         a = batch(arena)
@@ -147,20 +158,39 @@ def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch
         peak["batch"] = max(peak["batch"], sum(batches.values()))
         return a
 
+    def counted_blocks(blocks, v, records):
+        out = grow(blocks, v, records)
+        peak["blocks"] = max(peak["blocks"], len(blocks.buffers))
+        return out
+
     monkeypatch.setattr(memory, "ShuffleBuffer", Counted)
     monkeypatch.setattr(memory.Arena, "batch", counted_batch)
+    monkeypatch.setattr(loading.Blocks, "_buffer", counted_blocks)
     held, store = [], _store(tmp_path / "s", 4, rows=6000)
-    with ShardIter(store, 64, cache_dir=tmp_path, native_batch=8, shuffle_buffer=shuffle_buffer,
-                   prefetch_buffer=2) as it:
+    kw = dict(cache_dir=tmp_path, native_batch=8, prefetch_buffer=2, shuffle_buffer=64 if "64" in case else 32,
+              readers=4 if case == "readers-4" else 2)
+    step = 0.005 if case in ("slow-32", "readers-4") else 0
+    if case == "sparse-date":
+        _sparse_date(store, dt.date(2024, 2, 1))
+    with ShardIter(store, 64, **kw) as it:
         assert it.state_dict()["block"] < it.plan.samples // 2  # blocks, not one block for the epoch
+        if case == "resume-smaller-block":
+            for _ in range(20):
+                it.next()
+            with ShardIter(store, 64, **{**kw, "shuffle_buffer": 8, "cache_dir": tmp_path / "b"}) as small:
+                small.next()
+                state = small.state_dict()
+            it.load_state_dict(state)
+            peak["shuffle"] = 0  # from now on within the smaller block's memory (the old buffers gone)
         for _ in range(3):
             for b in it:
                 held = (held + [b])[-4:]
-                time.sleep(step)  # a training step: loading gets ahead (never past v + 2)
+                time.sleep(step)  # a training step
             it.reset()
         reported = it.memory
     assert 0 < peak["shuffle"] <= reported["shuffle buffers"], (peak, reported)
     assert 0 < peak["batch"] <= reported["batch buffers"], (peak, reported)
+    assert peak["blocks"] <= memory.BLOCKS, peak
 
 
 def test_the_arena_lets_kept_buffers_go_before_new_ones_pass_the_count():
