@@ -51,7 +51,7 @@ def test_quick_bench_writes_results(quick):
     cpu = res["cpu"]
     assert cpu["floor"]["gather_us"] > 0 and cpu["trainer_gather_before_us"] > 0 and cpu["trainer_gather_ratio"] > 0
     for name in ("shuffled", "in_order"):
-        assert cpu[name]["cpu_us_per_window"] > 0 and 0 < cpu[name]["producer_share"] < 1, name
+        assert cpu[name]["cpu_us_per_window"] > 0 and 0 <= cpu[name]["producer_share"] < 1, name  # 0: a tiny epoch
         assert cpu[name]["windows"] == res["settings"]["samples"], name  # one whole epoch measured (quick)
     loop = res["training_loop"]
     assert loop["ram_s"] > 0 and loop["thread_ratio"] > 0

@@ -132,11 +132,21 @@ class Epochs:
 
     def recheck(self, plan: EpochPlan, schema: Schema, verify: str) -> None:
         """``plan.recheck`` of the current plan's files, which a ``close()`` from another thread
-        cannot close meanwhile (an fstat on a closed, or reused, descriptor)."""
+        cannot close meanwhile (an fstat on a closed, or reused, descriptor). A file that changed
+        since it was checked (damaged, or rewritten in place) may have been read by the next epoch's
+        stream while it changed: that stream goes, the epoch is read again from the files as they are."""
         with self.lock:
             if self.closed:
                 raise _closed_during_reset(plan)
-            recheck(plan, schema, verify)
+            try:
+                changed = recheck(plan, schema, verify)
+            except BaseException:
+                changed = True
+                raise
+            finally:
+                if changed and self.ahead is not None:
+                    ahead, self.ahead = self.ahead, None
+                    ahead.close()
 
     def end_current(self) -> None:
         """Stop the current stream (``reset()``, ``load_state_dict()``) and join its thread, also

@@ -144,13 +144,13 @@ class PlanFiles:
         self.close()
 
 
-def recheck(plan: Any, schema: Any, verify: str) -> None:
+def recheck(plan: Any, schema: Any, verify: str) -> bool:
     """Check the plan's open files again if they changed since (size, mtime or ctime): a file
     damaged in place is caught before the next epoch reads it. This runs at every reset(): a file
-    as it was when last found good costs one fstat."""
-    files = plan.files
+    as it was when last found good costs one fstat. True if some file had changed (and is sound)."""
+    files, changed = plan.files, False
     if files is None:
-        return
+        return False
     store = os.path.join(str(plan.store), "")
     for k, (s, fd) in enumerate(zip(plan.shards, list(files.fds))):
         if fd < 0:  # not open (an object store's shard no read needs now)
@@ -165,7 +165,9 @@ def recheck(plan: Any, schema: Any, verify: str) -> None:
             if files.location.downloads and not files.forget(k):
                 advice = advice.replace("the next reset()", "a new ShardIter")
             raise LoaderError(_told(str(exc), advice)) from None
+        changed = True
         files.checked[fd] = seen
+    return changed
 
 
 def identity(fd: int, verify: str) -> tuple:
