@@ -15,15 +15,14 @@ has touched its allocator or threads:
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.subproc import json_from_subprocess
 
 __all__ = ["cpu_in_subprocess", "cpu_suite"]
 
@@ -122,13 +121,8 @@ def _floor(t: int, c: int) -> dict:
 
 def cpu_in_subprocess(kind: str, *args: object) -> dict:
     """``_floor`` or ``_loader`` in a fresh interpreter (nothing else of the bench in it)."""
-    code = (f"import json; from benchmarks.cpu import _{kind}; "
-            f"print(json.dumps(_{kind}(*{tuple(args)!r})))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
-                       cwd=Path(__file__).resolve().parent.parent)
-    if r.returncode != 0:
-        raise RuntimeError(f"cpu bench ({kind}) failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return json_from_subprocess(f"import json; from benchmarks.cpu import _{kind}; "
+                                f"print(json.dumps(_{kind}(*{tuple(args)!r})))", f"cpu bench ({kind})", 1800)
 
 
 def cpu_suite(store: Path, cache: Path, t: int, c: int, *, epochs: int = 4) -> dict:

@@ -4,16 +4,14 @@ generations are published, with RSS, open file descriptors and threads sampled a
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from benchmarks.stores import LABELS, LAYOUTS, C, T, make_store, raw_rows
+from benchmarks.subproc import json_from_subprocess
 from loader.shard_iter import ShardIter
 from shardgen.process import sliding_windows
 from shardgen.produce.writer import write_shard
@@ -83,10 +81,6 @@ def soak(workdir: Path, cache: Path, *, epochs: int = 300, publish_every: int = 
 
 def soak_in_subprocess(workdir: Path, cache: Path, **kw: object) -> dict:
     """``soak`` in a fresh interpreter, so its RSS is the iterator's and not the rest of the bench's."""
-    code = ("import json, sys; from pathlib import Path; from benchmarks.soak import soak; "
-            f"print(json.dumps(soak(Path({str(workdir)!r}), Path({str(cache)!r}), **{kw!r})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600,
-                         cwd=Path(__file__).resolve().parent.parent)
-    if out.returncode != 0:
-        raise RuntimeError(f"soak failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_from_subprocess("import json, sys; from pathlib import Path; from benchmarks.soak import soak; "
+                                f"print(json.dumps(soak(Path({str(workdir)!r}), Path({str(cache)!r}), **{kw!r})))",
+                                "soak")
