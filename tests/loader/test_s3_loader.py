@@ -321,7 +321,6 @@ def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_r
     """cache_limit a third of the part: segments download ahead and are evicted once read; every
     window once per epoch, the files on disk (temp files too) never above the limit, and a saved
     state resumes exactly. A shard larger than the limit is refused, saying what is needed."""
-    import contextlib
 
     counts = {f"2024-02-{d:02d}": 30 + d % 7 for d in range(1, 25)}  # 24 dates
     local, url = store_with(s3, tmp_path, counts)
@@ -935,16 +934,25 @@ def test_close_during_an_outage_wait_is_prompt(s3, tmp_path, monkeypatch):
     killer = KillAtGet(s3, monkeypatch)
     killer.arm(nth=7)
     it = ShardIter(url, 8, seed=5, shuffle_buffer=16, native_batch=4, cache_dir=tmp_path / "cache")
-    reader = threading.Thread(target=lambda: [None for _ in it], daemon=True)
-    with contextlib.suppress(LoaderError):
-        reader.start()
-        _wait_for(lambda: killer.tries, 30)
-        time.sleep(3)  # in the wait now
-        t0 = time.monotonic()
-        it.close()
-        took = time.monotonic() - t0
+    raised = []
+
+    def read():
+        try:
+            for _ in it:
+                pass
+        except LoaderError as exc:
+            raised.append(str(exc))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    _wait_for(lambda: killer.tries, 30)
+    time.sleep(3)  # in the wait now
+    t0 = time.monotonic()
+    it.close()
+    took = time.monotonic() - t0
     reader.join(10)
     assert took < 10, f"close() took {took:.1f} s while the epoch waited for the store"
+    assert not reader.is_alive() and raised and "closed" in raised[0], raised  # the reading thread is told
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf"])
