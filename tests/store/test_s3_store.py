@@ -588,14 +588,19 @@ def test_an_object_of_another_size_after_upload_is_caught(s3, tamper, tmp_path):
 def test_the_retry_budget_is_the_standard_aws_max_attempts(s3, tmp_path, monkeypatch):
     """``AWS_MAX_ATTEMPTS`` (or ``max_attempts`` in the AWS profile) counts our tries of a request
     and of a download; the backoff doubles from 0.5 s up to 8 s."""
+    import threading
     import types
 
     from shardgen.store import objfetch, objstore
     from shardgen.store.objstore import ObjectStoreError, StoreUnreachable
 
-    slept = []
-    for module in (objstore, objfetch):  # their waits between tries, recorded instead of slept
-        monkeypatch.setattr(module, "time", types.SimpleNamespace(sleep=slept.append, time=time.time))
+    slept, me = [], threading.get_ident()
+
+    def sleep(s):  # this thread's waits are recorded, not slept; another thread's (an earlier test's) sleep
+        slept.append(s) if threading.get_ident() == me else time.sleep(s)
+
+    for module in (objstore, objfetch):  # their waits between tries
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(sleep=sleep, time=time.time))
     s3.stop()
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "7")
     objstore.forget_clients()
