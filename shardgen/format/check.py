@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import logging
-import mmap
 import os
 import threading
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ import numpy as np
 
 from shardgen.format.codec import Columns, Damage
 from shardgen.format.errors import ShardError
+from shardgen.format.filemap import mapped
 from shardgen.format.framing import (
     CHECKSUM,
     CRC_WORD,
@@ -55,8 +54,6 @@ __all__ = ["VERIFY_MODES", "ShardFrames", "Published", "check_shard", "read_offs
 VERIFY_MODES = ("crc", "frame", "sha256", "none")  # the first is the default
 REBUILD = "run `shardgen verify`, then rebuild it with `shardgen build --force`"  # what a damaged shard needs
 _CACHE: dict = {}
-DEFERRED_UNMAPS = 0  # maps left to their last view (see _unmap)
-log = logging.getLogger(__name__)
 _CACHE_LOCK = threading.Lock()
 
 
@@ -277,20 +274,6 @@ def needs_index(entry: Published, schema: Schema) -> bool:
     return entry.records * schema.record_bytes != entry.bytes
 
 
-def _unmap(buf: memoryview, mm: mmap.mmap) -> None:
-    """Unmap now, or when the last view goes: a sampling profiler (Dask's worker samples every
-    thread's frames) may hold a returned ``_scan`` frame, and with it views of the map, a while
-    longer; closing then raised BufferError and failed the date (issue 44). Counted in
-    ``DEFERRED_UNMAPS``: without a profiler none is (a view kept by our own code would be a leak)."""
-    global DEFERRED_UNMAPS
-    try:
-        buf.release()
-        mm.close()
-    except BufferError:  # the map (and its own dup of the fd) is freed with the last view
-        DEFERRED_UNMAPS += 1
-        log.debug("a view of a checked shard's map is still held (a sampling profiler?): unmapped later")
-
-
 def _scan_file(fd: int, idx_path: str, entry: Published, schema: Schema, verify: str,
                check_index: bool) -> tuple[np.ndarray, Optional[tuple], object]:
     day = day_number(dt.date.fromisoformat(entry.date))
@@ -301,9 +284,7 @@ def _scan_file(fd: int, idx_path: str, entry: Published, schema: Schema, verify:
             raise ShardError(f"{idx_path}: offsets differ from the records of the .rec ({entry.date})")
     else:
         offsets = read_offsets(idx_path, entry)
-    mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-    buf = memoryview(mm)
-    try:
+    with mapped(fd) as buf:  # unmapped at the end, or with the last view a profiler holds
         found, problem = _scan(buf, offsets, schema, day, verify, entry)
         if isinstance(problem, tuple) and not needs_index(entry, schema):
             # Whole-size records did not frame: maybe split records after all; ask the index
@@ -315,8 +296,6 @@ def _scan_file(fd: int, idx_path: str, entry: Published, schema: Schema, verify:
             if not np.array_equal(listed, offsets):
                 offsets = listed
                 found, problem = _scan(buf, offsets, schema, day, verify, entry)
-    finally:
-        _unmap(buf, mm)
     return offsets, found, problem
 
 

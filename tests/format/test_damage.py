@@ -391,9 +391,9 @@ def test_a_frame_held_by_a_sampling_profiler_never_fails_the_check(store, damage
 def test_no_unmap_is_deferred_without_a_profiler(tmp_path, verify):
     """No view of a checked map outlives the check (sound and damaged shards, two layouts): a deferred
     unmap without a profiler would be a view our own code keeps, i.e. a map and an fd leaked."""
-    from shardgen.format import check
+    from shardgen.format import check, filemap
 
-    before = check.DEFERRED_UNMAPS
+    before = filemap.DEFERRED_UNMAPS
     for layout in (RUNS, Layout("samples")):
         store = tmp_path / f"{layout.kind}-{verify}"
         m = make(store, layout=layout, dates=2)
@@ -407,7 +407,7 @@ def test_no_unmap_is_deferred_without_a_profiler(tmp_path, verify):
                 assert type(exc).__name__ == "ShardError"
             finally:
                 os.close(fd)
-    assert check.DEFERRED_UNMAPS == before
+    assert filemap.DEFERRED_UNMAPS == before
 
 
 def test_a_shard_rewritten_in_place_between_epochs_is_not_read_from_the_next_epochs_early_reads(store, tmp_path,
