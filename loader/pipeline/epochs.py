@@ -141,12 +141,16 @@ class Epochs:
             try:
                 changed = recheck(plan, schema, verify)
             except BaseException:
-                changed = True
+                self._drop_ahead()
                 raise
-            finally:
-                if changed and self.ahead is not None:
-                    ahead, self.ahead = self.ahead, None
-                    ahead.close()
+            if changed:
+                self._drop_ahead()
+
+    def _drop_ahead(self) -> None:
+        """Close the next epoch's stream, if one started (under ``lock``)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.close()
 
     def end_current(self) -> None:
         """Stop the current stream (``reset()``, ``load_state_dict()``) and join its thread, also
