@@ -75,6 +75,16 @@ def _beat_until_gone(owner: weakref.ref, state: Heartbeat, stop: threading.Event
         state.beat()
 
 
+def _dropped(state: Heartbeat) -> None:
+    """A Lease dropped without ``release()``: garbage collection runs this in whatever thread
+    allocated at that moment, so the removal (a request with retries, 23 s with a store that is
+    gone) runs in a thread of its own; at interpreter exit, in place."""
+    if getattr(weakref.finalize, "_shutdown", False):
+        state.release()
+        return
+    threading.Thread(target=state.release, name="shardgen-lease-release", daemon=True).start()
+
+
 class Lease:
     """Holds one lease file naming a generation; ``renew(generation)``, ``release()``.
 
@@ -92,7 +102,7 @@ class Lease:
         self.path = Path(store.where(name))  # where the lease file is (a path, or the object's URL)
         self._state: Heartbeat = store.heartbeat(name)
         self._thread: Optional[threading.Thread] = None
-        weakref.finalize(self, self._state.release)
+        weakref.finalize(self, _dropped, self._state)
 
     @property
     def generation(self) -> Optional[int]:

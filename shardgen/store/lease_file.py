@@ -42,6 +42,7 @@ class Heartbeat:
         self.lock = threading.RLock()  # orders a beat against release: a released lease is never rewritten
         self.warned = False
         self.written: Optional[int] = None  # the generation the lease last said
+        self.placed = False  # written since the last removal: release() has something to remove
 
     def text(self) -> bytes:
         """What the lease holds: the generation and who reads it."""
@@ -52,7 +53,7 @@ class Heartbeat:
         """Write the lease (again); False, with one warning, if it cannot be written."""
         try:
             self.put(self.text())
-            self.written = self.generation
+            self.written, self.placed = self.generation, True
         except (OSError, ShardgenError) as exc:
             if not self.warned:
                 log.warning("%s: cannot write a %s (%s); %s", self.where, self.what, exc, self.unseen)
@@ -77,9 +78,15 @@ class Heartbeat:
         raise NotImplementedError
 
     def release(self) -> None:
+        """Stop the heartbeat and remove the lease, once per placement: a Lease released and
+        then garbage-collected sends no second request (a store that is gone would cost the
+        collecting thread its whole retry budget again)."""
         with self.lock:
             self.stop.set()
             self.generation = None
+            if not self.placed:
+                return
+            self.placed = False  # one try: a lease left behind ages out (gc's lease_ttl_s)
             with contextlib.suppress(OSError, ShardgenError):
                 self.remove()
 

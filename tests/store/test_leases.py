@@ -199,10 +199,65 @@ def test_a_dropped_lease_removes_its_file_and_stops_its_thread(tmp_path):
     time.sleep(0.2)
     del lease_
     gc.collect()
+    deadline = time.monotonic() + 10  # removed by a thread of its own (see the next test)
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert not path.exists()
     thread.join(timeout=2)
     assert not thread.is_alive()
     assert not [t for t in threading.enumerate() if t.name == "shardgen-lease" and t not in before]
+
+
+def test_a_dropped_lease_is_removed_off_the_thread_that_collects_it(tmp_path, monkeypatch):
+    """Garbage collection runs a dropped Lease's finalizer in whatever thread allocates at that
+    moment (a trainer's, inside a botocore call: seen with SHARDGEN_TEST_SHUFFLE=1): its removal,
+    a request with retries against a store that may be gone, runs in a thread of its own."""
+    removing, go, where = threading.Event(), threading.Event(), []
+
+    def slow_remove(self):
+        where.append(threading.current_thread().name)
+        removing.set()
+        go.wait(30)
+        self.path.unlink()
+
+    monkeypatch.setattr(lease_file.FileHeartbeat, "remove", slow_remove)
+    lease_ = Lease(tmp_path, refresh_s=60)
+    lease_.renew(1)
+    path = lease_.path
+    del lease_
+    started = time.monotonic()
+    gc.collect()
+    assert time.monotonic() - started < 5 and removing.wait(10) and path.exists()  # not waited for here
+    assert where == ["shardgen-lease-release"]
+    go.set()
+    deadline = time.monotonic() + 10
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not path.exists()
+
+
+def test_a_released_lease_is_not_removed_again_when_collected(tmp_path, monkeypatch):
+    """release() with the store gone fails its removal once (the lease ages out); collecting the
+    Lease later sends no second request. Renewed after release, it is placed again and removed again."""
+    calls = []
+
+    def gone(self):
+        calls.append(threading.current_thread().name)
+        raise OSError("the store is gone")
+
+    lease_ = Lease(tmp_path, refresh_s=60)
+    lease_.renew(1)
+    monkeypatch.setattr(lease_file.FileHeartbeat, "remove", gone)
+    lease_.release()
+    lease_.release()
+    assert len(calls) == 1
+    lease_.renew(2)  # placed again: the next release removes it again
+    lease_.release()
+    assert len(calls) == 2
+    del lease_
+    gc.collect()
+    time.sleep(0.3)  # a removal thread, had one been started, has called remove by now
+    assert len(calls) == 2 and not [t for t in threading.enumerate() if t.name == "shardgen-lease-release"]
 
 
 def test_a_lease_can_be_renewed_after_release(tmp_path):
