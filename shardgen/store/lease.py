@@ -23,6 +23,7 @@ lease waits for gc and its TTL.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -75,14 +76,36 @@ def _beat_until_gone(owner: weakref.ref, state: Heartbeat, stop: threading.Event
         state.beat()
 
 
+_RELEASING: set = set()  # dropped leases whose removal runs in a thread of its own (finished at exit)
+
+
+def _release_pending() -> None:
+    """At exit, the removals still under way or not yet started (daemon threads die with the
+    interpreter): each in place; ``placed`` keeps it to one request."""
+    for state in list(_RELEASING):
+        state.release()
+
+
+atexit.register(_release_pending)
+
+
+def _release(state: Heartbeat) -> None:
+    try:
+        state.release()
+    finally:
+        _RELEASING.discard(state)
+
+
 def _dropped(state: Heartbeat) -> None:
     """A Lease dropped without ``release()``: garbage collection runs this in whatever thread
     allocated at that moment, so the removal (a request with retries, 23 s with a store that is
-    gone) runs in a thread of its own; at interpreter exit, in place."""
-    if getattr(weakref.finalize, "_shutdown", False):
+    gone) runs in a thread of its own; at interpreter exit (weakref.finalize's exit hook runs
+    before it sets ``_shutdown``, after threading's shutdown), in place."""
+    if not threading.main_thread().is_alive():
         state.release()
         return
-    threading.Thread(target=state.release, name="shardgen-lease-release", daemon=True).start()
+    _RELEASING.add(state)
+    threading.Thread(target=_release, args=(state,), name="shardgen-lease-release", daemon=True).start()
 
 
 class Lease:

@@ -43,6 +43,7 @@ class Heartbeat:
         self.warned = False
         self.written: Optional[int] = None  # the generation the lease last said
         self.placed = False  # written since the last removal: release() has something to remove
+        self.pid = os.getpid()  # a forked child's finalizer must not remove its parent's live lease
 
     def text(self) -> bytes:
         """What the lease holds: the generation and who reads it."""
@@ -52,8 +53,9 @@ class Heartbeat:
     def write(self) -> bool:
         """Write the lease (again); False, with one warning, if it cannot be written."""
         try:
+            self.placed = True  # before: a write that fails after the store took it is still removed
             self.put(self.text())
-            self.written, self.placed = self.generation, True
+            self.written = self.generation
         except (OSError, ShardgenError) as exc:
             if not self.warned:
                 log.warning("%s: cannot write a %s (%s); %s", self.where, self.what, exc, self.unseen)
@@ -81,6 +83,8 @@ class Heartbeat:
         """Stop the heartbeat and remove the lease, once per placement: a Lease released and
         then garbage-collected sends no second request (a store that is gone would cost the
         collecting thread its whole retry budget again)."""
+        if os.getpid() != self.pid:  # a forked child (its lock may have been held at the fork)
+            return
         with self.lock:
             self.stop.set()
             self.generation = None

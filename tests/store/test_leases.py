@@ -245,6 +245,7 @@ def test_a_released_lease_is_not_removed_again_when_collected(tmp_path, monkeypa
         calls.append(threading.current_thread().name)
         raise OSError("the store is gone")
 
+    before = set(threading.enumerate())  # an earlier test's removal may still be retrying
     lease_ = Lease(tmp_path, refresh_s=60)
     lease_.renew(1)
     monkeypatch.setattr(lease_file.FileHeartbeat, "remove", gone)
@@ -257,7 +258,77 @@ def test_a_released_lease_is_not_removed_again_when_collected(tmp_path, monkeypa
     del lease_
     gc.collect()
     time.sleep(0.3)  # a removal thread, had one been started, has called remove by now
-    assert len(calls) == 2 and not [t for t in threading.enumerate() if t.name == "shardgen-lease-release"]
+    assert len(calls) == 2
+    assert not [t for t in threading.enumerate() if t.name == "shardgen-lease-release" and t not in before]
+
+
+_EXIT_SCRIPT = """
+import gc, sys, time
+from shardgen.store import lease_file
+from shardgen.store.lease import Lease
+real = lease_file.FileHeartbeat.remove
+def slow(self):  # an S3 DELETE or an NFS unlink takes a while
+    import threading
+    print("removed in", threading.current_thread().name, flush=True)
+    time.sleep(0.05)
+    real(self)
+lease_file.FileHeartbeat.remove = slow
+lease = Lease(sys.argv[1], refresh_s=60)
+lease.renew(1)
+if sys.argv[2] == "dropped":
+    del lease
+    gc.collect()  # its removal starts in a thread of its own, and the interpreter exits at once
+elif sys.argv[2] == "forked":
+    import os
+    pid = os.fork()
+    if pid == 0:  # the child drops the Lease it inherited, waits for any removal, exits normally
+        del lease
+        gc.collect()
+        time.sleep(0.5)
+        sys.exit(0)
+    os.waitpid(pid, 0)
+    print("parent's lease after the child:", sorted(p.name for p in lease.path.parent.iterdir()))
+    lease.release()
+"""
+
+
+@pytest.mark.parametrize("how", ["dropped", "held"])
+def test_a_lease_left_to_the_exit_is_removed_before_the_process_ends(tmp_path, how):
+    """Found in review: a Lease dropped just before exit (its removal in a daemon thread, killed
+    with the interpreter), or still held at exit (weakref.finalize's exit hook runs before it sets
+    ``_shutdown``: the "in place" branch never ran), left its lease behind when removing takes 50 ms."""
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path), how], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert not list((tmp_path / LEASE_DIR).iterdir()), r.stderr
+    if how == "held":  # at exit, in place (Python 3.12 refuses to start a thread then)
+        assert r.stdout.splitlines() == ["removed in MainThread"], r.stdout
+
+
+def test_a_forked_child_leaves_its_parents_lease_alone(tmp_path):
+    """A child forked from a reader inherits its Lease and, exiting normally, runs its finalizer:
+    it must not remove the parent's live lease (gc would not see the reader until its next beat)."""
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path), "forked"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "parent's lease after the child: ['" in r.stdout, r.stdout + r.stderr
+    assert not list((tmp_path / LEASE_DIR).iterdir())
+
+
+def test_a_write_the_store_took_before_failing_is_still_removed(tmp_path, monkeypatch):
+    """An S3 PUT applied whose response was lost raises, yet the lease is there: release() removes it."""
+    real = lease_file.atomic_write
+
+    def took_then_failed(path, data, **kw):
+        real(path, data, **kw)
+        raise OSError("connection reset")
+
+    lease_ = Lease(tmp_path, refresh_s=60)
+    monkeypatch.setattr(lease_file, "atomic_write", took_then_failed)
+    lease_.renew(1)
+    assert lease_.path.exists()
+    lease_.release()
+    assert not lease_.path.exists()
 
 
 def test_a_lease_can_be_renewed_after_release(tmp_path):
