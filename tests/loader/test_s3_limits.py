@@ -174,3 +174,33 @@ def test_epochs_at_the_least_limit_never_wait_for_room_the_next_epoch_holds(s3, 
     reader.join(30)
     assert done.is_set(), f"3 epochs at the least cache_limit did not end within 40 s ({len(seen)} done)"
     assert seen == [list(range(sum(COUNTS.values())))] * 3
+
+
+@pytest.mark.timeout(120)
+def test_the_next_epochs_feed_starts_only_once_this_epochs_has_fetched_all(s3, tmp_path, monkeypatch):
+    """The rule the test above depends on, checked at the moment it matters rather than through a wait
+    it causes (which load can hide): when a feed begins its first block, every feed made before it
+    (the epochs before) has fetched its last group, over three epochs at a limit."""
+    from loader.pipeline import feed as feed_module
+
+    feeds, early = [], []
+    real_init, real_block = feed_module.Feed.__init__, feed_module.Feed._block
+
+    def init(self, *a, **kw):
+        feeds.append(self)
+        real_init(self, *a, **kw)
+
+    def block(self, v, visit):
+        if v == 0:
+            early.extend(i for i, f in enumerate(feeds[:feeds.index(self)]) if not f.done_fetching.is_set())
+        return real_block(self, v, visit)
+
+    monkeypatch.setattr(feed_module.Feed, "__init__", init)
+    monkeypatch.setattr(feed_module.Feed, "_block", block)
+    url, limit = _store(s3, tmp_path)
+    with ShardIter(url, 8, cache_dir=tmp_path / "cache", cache_limit=limit, seed=3, native_batch=4,
+                   shuffle_buffer=160) as it:
+        for _ in range(3):
+            assert sorted(i for b in it for i in batch_ids(b)) == list(range(sum(COUNTS.values())))
+            it.reset()
+    assert len(feeds) >= 3 and early == [], f"feeds {early} had not fetched all when a later one began"
