@@ -9,7 +9,6 @@ reference this object, never the iterator, and garbage collection can release it
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Optional
 
 from loader.errors import LoaderError
@@ -19,18 +18,18 @@ from loader.pipeline.stream import EpochStream
 from loader.pipeline.zerocopy import lenders, sweep
 from loader.source.plan import EpochPlan, recheck
 from shardgen.format.schema import Schema
+from shardgen.offthread import OffThread
 from shardgen.store.lease import Lease
 
 __all__ = ["Epochs", "join_closing"]
 
-_CLOSING: set = set()  # close threads of dropped iterators still running (set.add: no lock taken in GC)
+_CLOSING = OffThread("shardgen-close")  # closes of dropped iterators
 
 
 def join_closing(timeout: float) -> None:
     """Wait for the close threads of dropped iterators (the exit hook: their native threads must be
     gone before MXNet's shutdown)."""
-    for thread in list(_CLOSING):
-        thread.join(timeout)
+    _CLOSING.join(timeout)
 
 
 def _closed_during_reset(plan: EpochPlan) -> LoaderError:
@@ -184,19 +183,9 @@ class Epochs:
         any allocation, with any of our locks held: this epochs' lock (``_half_way``), an arena's
         (``hand_out``), ``_HELD_LOCK``, a stream's condition. Closing there joins threads that wait
         for that very lock, so it closes from a thread of its own; only at interpreter exit
-        (``weakref.finalize`` running what is left, in the main thread, no lock held) in place."""
-        if getattr(weakref.finalize, "_shutdown", False):
-            self.close()
-            return
-        thread = threading.Thread(target=self._close_then_forget, name="shardgen-close", daemon=True)
-        _CLOSING.add(thread)
-        thread.start()
-
-    def _close_then_forget(self) -> None:
-        try:
-            self.close()
-        finally:
-            _CLOSING.discard(threading.current_thread())
+        (``weakref.finalize`` running what is left, in the main thread, no lock held) in place
+        (:class:`shardgen.offthread.OffThread`)."""
+        _CLOSING.run(self.close)
 
     def close(self) -> None:
         """An iterator's end (``close()``, its finalizer, the exit hook): every stream stops and is

@@ -34,6 +34,7 @@ from typing import Optional, Union
 
 from shardgen.errors import ShardgenError
 from shardgen.fsutil import HOST_TOKEN, pid_alive
+from shardgen.offthread import OffThread
 from shardgen.store import Store, open_store
 from shardgen.store.lease_file import Heartbeat, judge_lease
 from shardgen.store.naming import LEASE_DIR, lease_pid_of_this_host, new_lease_name
@@ -76,36 +77,10 @@ def _beat_until_gone(owner: weakref.ref, state: Heartbeat, stop: threading.Event
         state.beat()
 
 
-_RELEASING: set = set()  # dropped leases whose removal runs in a thread of its own (finished at exit)
-
-
-def _release_pending() -> None:
-    """At exit, the removals still under way or not yet started (daemon threads die with the
-    interpreter): each in place; ``placed`` keeps it to one request."""
-    for state in list(_RELEASING):
-        state.release()
-
-
-atexit.register(_release_pending)
-
-
-def _release(state: Heartbeat) -> None:
-    try:
-        state.release()
-    finally:
-        _RELEASING.discard(state)
-
-
-def _dropped(state: Heartbeat) -> None:
-    """A Lease dropped without ``release()``: garbage collection runs this in whatever thread
-    allocated at that moment, so the removal (a request with retries, 23 s with a store that is
-    gone) runs in a thread of its own; at interpreter exit (weakref.finalize's exit hook runs
-    before it sets ``_shutdown``, after threading's shutdown), in place."""
-    if not threading.main_thread().is_alive():
-        state.release()
-        return
-    _RELEASING.add(state)
-    threading.Thread(target=_release, args=(state,), name="shardgen-lease-release", daemon=True).start()
+# A Lease dropped without release(): its removal (a request with retries, 23 s with a store that is
+# gone) runs off the collecting thread; daemon threads die with the interpreter, so exit waits for it.
+_DROPPED = OffThread("shardgen-lease-release")
+atexit.register(_DROPPED.join)
 
 
 class Lease:
@@ -125,7 +100,7 @@ class Lease:
         self.path = Path(store.where(name))  # where the lease file is (a path, or the object's URL)
         self._state: Heartbeat = store.heartbeat(name)
         self._thread: Optional[threading.Thread] = None
-        weakref.finalize(self, _dropped, self._state)
+        weakref.finalize(self, _DROPPED.run, self._state.release)
 
     @property
     def generation(self) -> Optional[int]:

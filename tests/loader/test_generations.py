@@ -386,8 +386,11 @@ def test_the_finalizer_run_by_a_thread_holding_the_epochs_lock_closes_later(tmp_
     it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
     next(it)
     epochs = it.reader.epochs
-    with epochs.lock:
-        epochs.close_when_free()  # returns at once
+    with epochs.lock:  # held here; the finalizer runs in another thread so a wrong wait fails in 5 s, not never
+        finalizer = threading.Thread(target=epochs.close_when_free, daemon=True)
+        finalizer.start()
+        finalizer.join(5)
+        assert not finalizer.is_alive(), "close_when_free() waited for the epochs' lock"
         assert epochs.plan is not None
     deadline = time.monotonic() + 10
     while (epochs.plan is not None or epochs.stream is not None) and time.monotonic() < deadline:

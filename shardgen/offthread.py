@@ -1,0 +1,43 @@
+"""Work a finalizer hands off: garbage collection runs a finalizer in whatever thread allocates at
+that moment, possibly holding one of our locks, so work that waits (a request with retries, joining
+threads) runs in a thread of its own. At interpreter exit it runs in place: ``weakref.finalize``'s
+exit hook runs its finalizers after threading's shutdown (the main thread is no longer alive then)
+and before it sets its own ``_shutdown`` flag, and Python 3.12 starts no thread at that point.
+
+Users: a dropped reader lease's removal (:mod:`shardgen.store.lease`), a dropped iterator's close
+(:mod:`loader.pipeline.epochs`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+__all__ = ["OffThread"]
+
+
+class OffThread:
+    """Runs finalizers' work in daemon threads named ``name``; ``join`` waits for those under way."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.pending: set = set()  # threads under way (set.add: no lock taken inside a collection)
+
+    def run(self, work: Callable[[], object]) -> None:
+        if not threading.main_thread().is_alive():  # interpreter exit
+            work()
+            return
+        thread = threading.Thread(target=self._run, args=(work,), name=self.name, daemon=True)
+        self.pending.add(thread)
+        thread.start()
+
+    def _run(self, work: Callable[[], object]) -> None:
+        try:
+            work()
+        finally:
+            self.pending.discard(threading.current_thread())
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the work under way (daemon threads die with the interpreter: exit hooks call this)."""
+        for thread in list(self.pending):
+            thread.join(timeout)
