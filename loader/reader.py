@@ -21,7 +21,7 @@ from loader.checkpoint import check_state, state_of
 from loader.errors import LoaderError, StoreUnreachableError
 from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
-from loader.pipeline.memory import Arena, settle_allocator
+from loader.pipeline.memory import Arena
 from loader.pipeline.order import EpochOrder, Phase, slice_of
 from loader.pipeline.settings import check_memory
 from loader.pipeline.stream import order_spec, split_phase
@@ -58,7 +58,6 @@ class Reader:
         me = weakref.ref(self)  # threads reach the epochs, never the reader (its finalizer must run)
         self.epochs.on_ahead = lambda: (me() or _Gone)._ahead_opened()
         self._finalizer = weakref.finalize(self, _let_go, location, f"iter-{id(self)}", self.epochs)
-        settle_allocator()
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
         self.epochs.arena = Arena(self.schema, batch_floats(params), keep=2 * (params.prefetch_buffer + 4))
         try:

@@ -16,11 +16,19 @@ filling half way through), so the per-stream parts count twice:
   queueing up to 16 record batches of ``native_batch`` records in its own thread (fixed in MXNet
   1.9.1, whatever ``prefetch_buffer``);
 - caller batches: ``prefetch_buffer`` ready ones per stream, plus a few MXNet still holds.
+
+The process's allocator is left as it was found (no ``mallopt``): a process-wide policy is paid by
+the trainer's own code. What glibc keeps of the native iterators' freed memory is bounded, not a
+leak: each MXNet reader zero-fills 8 MiB input chunks, and once one mapped chunk is freed glibc
+serves them from its per-thread arenas and keeps up to twice that (its trim threshold) free at the
+top of each arena for the next reader to reuse. The process grows by that cache over its first
+epochs (110-150 MB on 2 cores), then stays flat. A process that wants flat RSS from the first
+epoch at the price of slower large allocations sets ``MALLOC_MMAP_THRESHOLD_=1048576`` at launch
+(docs/internals.md, "Memory").
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import threading
@@ -33,7 +41,7 @@ from loader.pipeline.shuffle_buffer import ShuffleBuffer, buffer_bytes, size_cla
 from loader.pipeline.zerocopy import Loan, lend
 from shardgen.format.schema import Schema
 
-__all__ = ["Arena", "settle_allocator", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "footprint",
+__all__ = ["Arena", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "footprint",
            "batch_buffers", "check_footprint", "format_bytes"]
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
@@ -42,29 +50,6 @@ STREAMS = 2  # epoch streams alive at once: this epoch's and the next one's, fil
 BLOCKS = 3  # a stream's blocks alive at once: the one handed out, the next (ready) and one loading
 BUFFERS = STREAMS * BLOCKS + 1  # and one more while a block outgrowing its buffer is copied into a larger one
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
-
-MMAP_THRESHOLD = 1 << 20  # blocks this large or larger get their own mapping, returned when freed
-_SETTLED = False
-
-
-def settle_allocator() -> bool:
-    """Fix glibc's mmap threshold at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``), once per process.
-
-    By default glibc raises the threshold to the size of any mapped block that is freed; MXNet's
-    native iterators, opened every epoch, allocate and free megabyte batches, so after a few epochs
-    those come from the heap and fragment it: RSS grew by 15-20% over 300 epochs after warm-up. A
-    fixed threshold keeps them mapped and returned (flat RSS). Skipped when the process set its own
-    (``MALLOC_MMAP_THRESHOLD_``) or ``SHARDGEN_KEEP_MALLOC=1``, and off glibc."""
-    global _SETTLED
-    if _SETTLED or os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("SHARDGEN_KEEP_MALLOC") == "1":
-        return False
-    _SETTLED = True
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
-
 
 def physical_memory() -> Optional[int]:
     try:
