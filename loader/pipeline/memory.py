@@ -21,8 +21,9 @@ The process's allocator is left as it was found (no ``mallopt``): a process-wide
 the trainer's own code. What glibc keeps of the native iterators' freed memory is bounded, not a
 leak: each MXNet reader zero-fills 8 MiB input chunks, and once one mapped chunk is freed glibc
 serves them from its per-thread arenas and keeps up to twice that (its trim threshold) free at the
-top of each arena for the next reader to reuse. The process grows by that cache over its first
-epochs (110-150 MB on 2 cores), then stays flat. A process that wants flat RSS from the first
+top of each arena for the next reader to reuse. The process grows by that cache (74-160 MB on 2
+cores, most of it over the first 50-100 epochs, slowly for several hundred more), not a leak:
+memory in use stays flat. A process that wants flat RSS from the first
 epoch at the price of slower large allocations sets ``MALLOC_MMAP_THRESHOLD_=1048576`` at launch
 (docs/internals.md, "Memory").
 """

@@ -1,4 +1,5 @@
-"""Long runs: memory stays flat over epochs, and buffer sizes are checked at construction."""
+"""Long runs: memory stays bounded over epochs (no leak, the allocator left as found), and buffer
+sizes are checked at construction."""
 
 import ctypes
 import datetime as dt
@@ -85,29 +86,31 @@ def _check_flat(samples: list, grown_at_most: float, why: str) -> None:
     assert grown < grown_at_most, f"RSS grew {grown:.0f} MB from the first epochs to the last ({why})"
 
 
-# What glibc may keep free for reuse in each of its arenas: twice the largest mapped block freed
-# (MXNet's zero-filled 8 MiB input chunks: 16 MiB); it makes at most 8 arenas per core.
-ARENA_CACHE_MB = 2 * 8 * 8 * (os.cpu_count() or 1)
+# What RSS may grow by over 300 epochs with the allocator as found: glibc keeps the readers' freed
+# 8 MiB chunks at its arenas' tops for the next ones (measured: 74-160 MB, rising slowly for
+# several hundred epochs, ~380 MB RSS at epochs 1000-2000 against ~220 at the first).
+ALLOCATOR_CACHE_MB = 200
 
 
+@pytest.mark.skipif(bool(os.environ.get("MALLOC_MMAP_THRESHOLD_")), reason="the process fixed glibc's threshold")
 def test_memory_stays_bounded_over_epochs_and_flat_once_warm(store, tmp_path):
-    """300 epochs, the process's allocator as found (the loader sets no ``mallopt``). Measured on 2
-    cores: +89-150 MB over the first ~50 epochs (glibc keeping the readers' freed chunks in its
-    arenas for the next ones), then flat within +-30 MB. A leak shows in the memory in use."""
-    _check_flat(_rss_over_epochs(store, tmp_path), ARENA_CACHE_MB, f"glibc's arenas keep at most {ARENA_CACHE_MB} MB")
+    """300 epochs, the process's allocator as found (the loader sets no ``mallopt``): RSS grows by
+    what glibc keeps for reuse (``ALLOCATOR_CACHE_MB``), moving by +-30 MB from one epoch to the
+    next; a leak shows in the memory in use."""
+    _check_flat(_rss_over_epochs(store, tmp_path), ALLOCATOR_CACHE_MB, "glibc keeps 74-160 MB for reuse")
 
 
 def test_memory_is_flat_from_the_first_epochs_with_a_fixed_mmap_threshold(store, tmp_path):
     """The documented way to flat RSS from the first epoch (docs/internals.md, "Memory"): glibc's own
     ``MALLOC_MMAP_THRESHOLD_`` at launch. Measured: 0-25 MB from the first epochs to the last (the
-    allocator as found: 107-150 MB, failing this bound)."""
+    allocator as found: 74-160 MB, failing this bound)."""
     code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_memory as t; "
             "from pathlib import Path; print(json.dumps(t._rss_over_epochs(Path(sys.argv[3]), Path(sys.argv[4]))))")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code, str(ROOT / "tests"), str(Path(__file__).parent), str(store),
                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    _check_flat(json.loads(out.stdout.splitlines()[-1]), 40, "the heap fragmenting: 107-150 without the threshold")
+    _check_flat(json.loads(out.stdout.splitlines()[-1]), 40, "the heap fragmenting: 74-160 without the threshold")
 
 
 class _MallInfo2(ctypes.Structure):
@@ -137,6 +140,7 @@ def _mapped_temporaries(times: int = 5) -> list:
     return out
 
 
+@pytest.mark.skipif(bool(os.environ.get("MALLOC_MMAP_THRESHOLD_")), reason="the process fixed glibc's threshold")
 def test_the_trainers_own_large_allocations_stay_as_fast_after_an_iterator_ran(store, tmp_path):
     """A library leaves its host's allocator as it found it. A fixed mmap threshold (the loader's
     ``mallopt(M_MMAP_THRESHOLD, 1 MiB)`` before) gave every batch-sized temporary of the trainer's
