@@ -9,7 +9,7 @@ import os
 import re
 import tempfile
 import threading
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import mxnet as mx
 import numpy as np
@@ -68,29 +68,53 @@ def free(native) -> None:
 
 def one_openmp_thread() -> None:
     """Parallel regions this thread starts without ``num_threads`` run on this thread alone (the
-    OpenMP ICV of the calling thread only: nothing else in the process changes).
-
-    ``ImageRecordIter``'s constructor runs a bare ``#pragma omp parallel`` (to read the number of
-    processors) in the thread that opens it: a team of one thread per core, whose idle workers then
-    spin-wait after every open (GOMP's default policy). Measured (demo store, 8 opens an epoch):
-    12% of the process's CPU; in order 1.41 -> 1.02-1.11 us of CPU per window. The decode regions
-    (``num_threads(preprocess_threads)``) run in the reader's own thread and are unchanged."""
+    OpenMP ICV of the calling thread only: nothing else in the process changes)."""
     with contextlib.suppress(AttributeError):  # an MXNet built without OpenMP
         _LIB.omp_set_num_threads(ctypes.c_int(1))
 
 
+def _in_a_thread_of_its_own(fn: Callable[[], object]) -> object:
+    """``fn()`` in a thread that ends with it (its OpenMP team ends with it: see ``open_record_iter``)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # raised in the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="shardgen-open", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def open_record_iter(source: ReaderSource, *, record_floats: int, batch_size: int, shuffle: bool, seed: int,
                      preprocess_threads: int, prefetch_buffer: int) -> mx.io.DataIter:
-    """MXNet's C++ record iterator over one reader's records; the whole sample rides in the header label."""
-    one_openmp_thread()
-    with quiet_native_info():
-        native = mx.io.ImageRecordIter(
-            path_imgrec=source.rec_paths, path_imgidx=str(source.index), data_shape=(1, 1, 1),
-            label_width=record_floats, batch_size=batch_size, shuffle=shuffle, seed=seed,
-            num_parts=source.num_parts, part_index=source.part_index, round_batch=False,
-            preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer)
-    native.__class__ = _Native
-    return native
+    """MXNet's C++ record iterator over one reader's records; the whole sample rides in the header label.
+
+    Its constructor runs two OpenMP regions in the thread that opens it: a bare ``omp parallel`` (to
+    read the number of processors: a team of one thread per core) and one of
+    ``num_threads(preprocess_threads)`` (capped by MXNet at about half the cores). An opening
+    thread keeps its team, whose idle workers spin-wait after every open (GOMP's default policy;
+    measured on the demo store, 8 opens an epoch: 12% of the process's CPU, in order 1.41 -> 1.02-1.11
+    us of CPU per window). So the opening thread runs bare regions alone (``one_openmp_thread``),
+    and with ``preprocess_threads`` > 1 the reader is opened in a thread of its own, whose team ends
+    with it. Decoding runs in the reader's own thread with ``preprocess_threads``."""
+    def construct() -> mx.io.DataIter:
+        one_openmp_thread()
+        with quiet_native_info():
+            native = mx.io.ImageRecordIter(
+                path_imgrec=source.rec_paths, path_imgidx=str(source.index), data_shape=(1, 1, 1),
+                label_width=record_floats, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                num_parts=source.num_parts, part_index=source.part_index, round_batch=False,
+                preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer)
+        native.__class__ = _Native
+        return native
+
+    return _in_a_thread_of_its_own(construct) if preprocess_threads > 1 else construct()
 
 
 def next_label(native: mx.io.DataIter) -> Optional[mx.nd.NDArray]:
