@@ -153,6 +153,8 @@ def targets(res: dict) -> list[dict]:
     if so:
         rows += [(f"soak: RSS growth % epochs 5 -> {so['epochs']} (reset every epoch, new date every "
                   f"{so['publish_every']})", so["rss_growth_pct"], "<=", 5.0),
+                 ("soak: memory in use (glibc) growth %, epochs 100 -> 300", so["in_use_growth_after_100_pct"], "<=",
+                  5.0),
                  ("soak: file descriptors added, epochs 100 -> 300", so["fds_delta"], "<=", 0),
                  ("soak: threads added, epochs 100 -> 300", so["threads_delta"], "<=", 0)]
     if "boundaries" in res:
@@ -322,8 +324,9 @@ def results_table(res: dict) -> str:
     if so:
         head = f"soak, {so['epochs']} epochs in {so['seconds']:.0f}s (planned {so['planned_mb']:.0f} MB): "
         lines += ["", head + "; ".join(
-            f"epoch {x['epoch']}: {x['rss_mb']:.0f} MB RSS, {x['fds']} fds, {x['threads']} threads, generation "
-            f"{x['generation']}" for x in so["samples"]) + " (fds, threads: the least of the last 30 epochs)"]
+            f"epoch {x['epoch']}: {x['rss_mb']:.0f} MB RSS, {x['in_use_mb']:.0f} MB in use, {x['fds']} fds, "
+            f"{x['threads']} threads, generation "
+            f"{x['generation']}" for x in so["samples"]) + " (in use, fds, threads: the least of the last 30 epochs)"]
     w = res["writer"]
     lines += ["", f"writer: shards {w['shard_no_fsync_mb_per_s']:,.0f} MB/s ({w['shard_mb_per_s']:,.0f} fsync'd, as "
               f"shipped), np.save {w['np_save_mb_per_s']:,.0f} MB/s (no fsync) -> {w['ratio_no_fsync']:.2f}x "

@@ -12,6 +12,7 @@ from typing import Callable
 
 from benchmarks.stores import LABELS, LAYOUTS, C, T, make_store, raw_rows
 from benchmarks.subproc import json_from_subprocess
+from loader.pipeline.memory import malloc_stats
 from loader.shard_iter import ShardIter
 from shardgen.process import sliding_windows
 from shardgen.produce.writer import write_shard
@@ -26,19 +27,21 @@ def rss_mb() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def _counts() -> tuple[int, int]:
-    """Descriptors and threads."""
-    return len(os.listdir("/proc/self/fd")), threading.active_count()
+def _counts() -> tuple[int, int, float]:
+    """Descriptors, threads and MB glibc has handed out (in use: what a leak grows; RSS also holds
+    what glibc keeps free for reuse)."""
+    stats = malloc_stats()
+    return len(os.listdir("/proc/self/fd")), threading.active_count(), (stats["in_use"] / 2**20 if stats else 0.0)
 
 
 def _sample(epoch: int, generation: int, recent: list) -> dict:
-    """RSS now; fds and threads as the least seen over the last 30 epochs (besides the plan's one
+    """RSS now; memory in use, fds and threads as the least seen over the last 30 epochs (besides the plan's one
     descriptor per shard, the native readers hold 1-2 more .rec files open as they go: 32-35 over
     120 epochs of 25 shards, 33 most of the time; over 10 epochs the least still moved by +-1-2
     between runs with no trend). At any one instant a plan
     switch or a native reader being opened holds a few more for a moment; a leak raises the least)."""
-    return {"epoch": epoch, "rss_mb": rss_mb(), "fds": min(f for f, _ in recent),
-            "threads": min(t for _, t in recent), "generation": generation}
+    return {"epoch": epoch, "rss_mb": rss_mb(), "in_use_mb": min(m for _, _, m in recent),
+            "fds": min(f for f, _, _ in recent), "threads": min(t for _, t, _ in recent), "generation": generation}
 
 
 def soak(workdir: Path, cache: Path, *, epochs: int = 300, publish_every: int = 10, windows: int = 50_000,
@@ -74,6 +77,7 @@ def soak(workdir: Path, cache: Path, *, epochs: int = 300, publish_every: int = 
     out["rss_growth_pct"] = 100 * (last["rss_mb"] - first["rss_mb"]) / first["rss_mb"]
     mid = out["samples"][1] if len(out["samples"]) > 2 else first
     out["rss_growth_after_100_pct"] = 100 * (last["rss_mb"] - mid["rss_mb"]) / mid["rss_mb"]
+    out["in_use_growth_after_100_pct"] = 100 * (last["in_use_mb"] - mid["in_use_mb"]) / max(mid["in_use_mb"], 1e-9)
     out["fds_delta"] = last["fds"] - mid["fds"]  # once running (epoch 100 on): no growth allowed
     out["threads_delta"] = last["threads"] - mid["threads"]
     return out

@@ -55,6 +55,8 @@ def test_quick_bench_writes_results(quick):
         assert cpu[name]["windows"] == res["settings"]["samples"], name  # one whole epoch measured (quick)
     loop = res["training_loop"]
     assert loop["ram_s"] > 0 and loop["thread_ratio"] > 0
+    soak = res["soak"]  # memory in use (glibc) beside RSS: what a leak grows, not the allocator's cache
+    assert all(0 < x["in_use_mb"] < x["rss_mb"] for x in soak["samples"]), soak["samples"]
     names = {t["name"] for t in res["targets"]}
     assert {"ShardIter stall % at 90% load (across epochs)", "ShardIter next() p99 ms at 50% load",
             "Gluon LSTM loop time: ShardIter / batches in RAM",

@@ -30,6 +30,7 @@ epoch at the price of slower large allocations sets ``MALLOC_MMAP_THRESHOLD_=104
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -42,7 +43,7 @@ from loader.pipeline.shuffle_buffer import ShuffleBuffer, buffer_bytes, size_cla
 from loader.pipeline.zerocopy import Loan, lend
 from shardgen.format.schema import Schema
 
-__all__ = ["Arena", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "footprint",
+__all__ = ["Arena", "malloc_stats", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "footprint",
            "batch_buffers", "check_footprint", "format_bytes"]
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
@@ -51,6 +52,24 @@ STREAMS = 2  # epoch streams alive at once: this epoch's and the next one's, fil
 BLOCKS = 3  # a stream's blocks alive at once: the one handed out, the next (ready) and one loading
 BUFFERS = STREAMS * BLOCKS + 1  # and one more while a block outgrowing its buffer is copied into a larger one
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_stats() -> Optional[dict]:
+    """glibc's ``mallinfo2()``: ``in_use`` (bytes handed out and not given back: what a leak grows,
+    while the memory glibc keeps free for reuse does not) and ``mapped_blocks`` (allocations with
+    a mapping of their own); None off glibc (2.33 or later)."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return {"in_use": info.uordblks + info.hblkhd, "mapped_blocks": info.hblks}
+
 
 def physical_memory() -> Optional[int]:
     try:

@@ -1,7 +1,6 @@
 """Long runs: memory stays bounded over epochs (no leak, the allocator left as found), and buffer
 sizes are checked at construction."""
 
-import ctypes
 import datetime as dt
 import json
 import os
@@ -16,7 +15,7 @@ import pytest
 from conftest import ROOT
 
 from loader import LoaderError, ShardIter
-from loader.pipeline.memory import physical_memory
+from loader.pipeline.memory import malloc_stats, physical_memory
 from loader.pipeline.shuffle_buffer import buffer_bytes
 from shardgen.format import LabelSpec, Layout, Schema
 from shardgen.process import sliding_windows
@@ -54,8 +53,7 @@ def _rss_mb() -> float:
 def _in_use_mb() -> float:
     """Bytes glibc has handed out and not had back (its arenas and mapped blocks): what a leak grows,
     and what memory it keeps free for reuse does not."""
-    info = _mallinfo()
-    return (info.uordblks + info.hblkhd) / 2**20
+    return malloc_stats()["in_use"] / 2**20
 
 
 def _rss_over_epochs(store, cache, epochs: int = 300) -> list:
@@ -113,19 +111,8 @@ def test_memory_is_flat_from_the_first_epochs_with_a_fixed_mmap_threshold(store,
     _check_flat(json.loads(out.stdout.splitlines()[-1]), 40, "the heap fragmenting: 74-160 without the threshold")
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _mallinfo() -> _MallInfo2:
-    libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype = _MallInfo2
-    return libc.mallinfo2()
-
-
 def _mapped_blocks() -> int:
-    return _mallinfo().hblks
+    return malloc_stats()["mapped_blocks"]
 
 
 def _mapped_temporaries(times: int = 5) -> list:

@@ -115,3 +115,45 @@ def test_a_record_of_another_date_than_the_order_expects_is_refused():
     buffer.put(0, payload, np.full(2, 19724, np.float32))
     with pytest.raises(LoaderError, match="changed under the reader"):
         buffer.put(2, payload, np.full(2, 19725, np.float32))
+
+
+def _items_one_piece_at_a_time(pieces, counts_of, slot, pack):
+    """The feed's mapping walked piece by piece, record by record (the definition)."""
+    codes, recs = [], []
+    for (k, lo, hi), counts in zip(pieces, counts_of):
+        r, first = 0, 0
+        while first + counts[r] <= lo:  # the record holding the piece's first sample
+            first += counts[r]
+            r += 1
+        r0 = r
+        while r < len(counts) and first < hi:
+            for item in range(max(lo - first, 0), min(hi - first, counts[r])):
+                codes.append(slot * pack + item)
+            first += counts[r]
+            r += 1
+            slot += 1
+        recs.append((k, r0, r, len(counts)))
+    return np.array(codes, np.int64), recs
+
+
+def test_the_feeds_one_pass_mapping_matches_a_record_by_record_walk():
+    """``group_items`` (one numpy pass over a group's pieces) gives every record its slot and
+    every item its code exactly as walking the pieces record by record does: random shards of
+    packed records (full and partial), random pieces, packs of 1, 4 and 64."""
+    from loader.pipeline.feed import group_items
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        pack = int(rng.choice([1, 4, 64]))
+        shards = [rng.integers(1, pack + 1, rng.integers(1, 12)) if rng.random() < 0.7
+                  else np.full(rng.integers(1, 12), pack) for _ in range(rng.integers(1, 8))]
+        pieces = []
+        for k in rng.permutation(len(shards))[:rng.integers(1, len(shards) + 1)]:
+            total = int(shards[k].sum())
+            lo = int(rng.integers(0, total))
+            pieces.append((int(k), lo, int(rng.integers(lo + 1, total + 1))))
+        counts_of = [shards[k] for k, _, _ in pieces]
+        slot = int(rng.integers(0, 50))
+        want_codes, want_recs = _items_one_piece_at_a_time(pieces, counts_of, slot, pack)
+        codes, recs = group_items(pieces, counts_of, slot, pack)
+        assert np.array_equal(codes, want_codes) and recs == want_recs, (pieces, slot, pack)
