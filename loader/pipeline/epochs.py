@@ -196,6 +196,8 @@ class Epochs:
                 lenders(-1)
             self.closed = True
             self.close_streams()
+            if self.arena is not None:
+                self.arena.new_blocks()  # the shuffle buffers it kept go now, not when the iterator is collected
             sweep()  # arrays the caller dropped since the producer's last lend: freed, loans given back let go
             if self.plan is not None:
                 self.plan.files.close()
