@@ -14,7 +14,6 @@ import mxnet as mx
 import numpy as np
 
 from benchmarks.stores import LAYOUTS, RUN_PACK, bench_cache, concat_store, evict, make_store
-from loader.pipeline.native import quiet_native_info
 from loader.shard_iter import ShardIter
 from shardgen.format import LabelSpec, Schema
 from shardgen.produce.writer import write_store
@@ -53,10 +52,9 @@ def cold_rate(store: Path, cache: Path, batch_size: int = 512) -> float:
 def stock_one_file(rec: str, idx: str, floats: int, seconds: float, batch_size: int = 512) -> dict:
     """Stock ``ImageRecordIter``, shuffled, one sample per record, one file: (open s, samples/s)."""
     t0 = time.perf_counter()
-    with quiet_native_info():  # MXNet's INFO line (the file and its decode threads)
-        it = mx.io.ImageRecordIter(path_imgrec=rec, path_imgidx=idx, data_shape=(1, 1, 1), label_width=floats,
-                                   batch_size=batch_size, shuffle=True, round_batch=False, preprocess_threads=4,
-                                   prefetch_buffer=4)
+    it = mx.io.ImageRecordIter(path_imgrec=rec, path_imgidx=idx, data_shape=(1, 1, 1), label_width=floats,
+                               batch_size=batch_size, shuffle=True, round_batch=False, preprocess_threads=4,
+                               prefetch_buffer=4, verbose=False)  # no INFO line (the file and its decode threads)
     opened = time.perf_counter() - t0
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -144,9 +142,9 @@ def open_reset(folder: Path, cache: Path, records: int, n_dates: int = 200) -> d
     paths = ";".join(str(store / s.rec) for s in Manifest.load(store / MANIFEST_NAME).shards)
     combined = folder / "many_comb.idx"
     shutil.copy(idx, combined)
-    with quiet_native_info():  # MXNet's INFO line lists every path
-        stock = mx.io.ImageRecordIter(path_imgrec=paths, path_imgidx=str(combined), data_shape=(1, 1, 1),
-                                      label_width=floats, batch_size=512, shuffle=True, round_batch=False)
+    stock = mx.io.ImageRecordIter(path_imgrec=paths, path_imgidx=str(combined), data_shape=(1, 1, 1),
+                                  label_width=floats, batch_size=512, shuffle=True, round_batch=False,
+                                  verbose=False)  # no INFO line (it lists every path)
     stock_open = time.perf_counter() - t0
     del stock
     return {"records": records, "open_s": opened, "reset_s": reset, "stock_open_s": stock_open,

@@ -1,15 +1,12 @@
-"""Plumbing around MXNet's native ``ImageRecordIter``: opening one for an epoch (quietly), opening
-the next one in the background, and taking just the label array of each batch."""
+"""Plumbing around MXNet's native ``ImageRecordIter``: opening one (quietly: ``verbose=False``, and
+leaving no OpenMP team behind), freeing it, and taking just the label array of each batch."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-import re
-import tempfile
 import threading
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import mxnet as mx
 import numpy as np
@@ -18,31 +15,6 @@ from mxnet.base import _LIB, check_call
 from loader.source.plan import ReaderSource
 
 __all__ = ["open_record_iter", "one_openmp_thread", "next_label", "copy_into", "free"]
-
-_CHATTER = re.compile(rb"ImageRecordIOParser2: .* threads for decoding")
-_STDERR_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def quiet_native_info() -> Iterator[None]:
-    """Drop the INFO line MXNet's C++ prints at each iterator creation; keep anything else."""
-    with _STDERR_LOCK:  # fd 2 is process-wide: one redirection at a time
-        try:
-            saved = os.dup(2)
-        except OSError:  # no stderr to guard
-            yield
-            return
-        with tempfile.TemporaryFile() as tmp:
-            os.dup2(tmp.fileno(), 2)
-            try:
-                yield
-            finally:
-                os.dup2(saved, 2)
-                os.close(saved)
-                tmp.seek(0)
-                rest = [ln for ln in tmp.read().splitlines(keepends=True) if not _CHATTER.search(ln)]
-                if rest:
-                    os.write(2, b"".join(rest))
 
 
 class _Native(mx.io.MXDataIter):
@@ -105,12 +77,12 @@ def open_record_iter(source: ReaderSource, *, record_floats: int, batch_size: in
     with it. Decoding runs in the reader's own thread with ``preprocess_threads``."""
     def construct() -> mx.io.DataIter:
         one_openmp_thread()
-        with quiet_native_info():
-            native = mx.io.ImageRecordIter(
-                path_imgrec=source.rec_paths, path_imgidx=str(source.index), data_shape=(1, 1, 1),
-                label_width=record_floats, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                num_parts=source.num_parts, part_index=source.part_index, round_batch=False,
-                preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer)
+        native = mx.io.ImageRecordIter(
+            path_imgrec=source.rec_paths, path_imgidx=str(source.index), data_shape=(1, 1, 1),
+            label_width=record_floats, batch_size=batch_size, shuffle=shuffle, seed=seed,
+            num_parts=source.num_parts, part_index=source.part_index, round_batch=False,
+            preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer,
+            verbose=False)  # no INFO line per open (it was caught by redirecting the process's stderr)
         native.__class__ = _Native
         return native
 

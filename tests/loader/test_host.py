@@ -68,3 +68,22 @@ def test_threads_that_open_native_readers_keep_no_openmp_team(tmp_path, eight_co
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout.split()[-1]) == 0, f"threads left behind by a thread that opened readers: {out.stdout}"
+
+
+def test_opening_a_native_reader_writes_nothing_to_stderr(tmp_path, capfd):
+    """MXNet logs an INFO line per ``ImageRecordIter`` (its files and decode threads): the loader
+    opens them with ``verbose=False``. (It used to catch the line by pointing the process's fd 2 at
+    a file during each open, swallowing for that moment what any other thread wrote there.)"""
+    from loader.pipeline.native import free, open_record_iter
+    from loader.source.plan import ReaderSource
+    from shardgen.store.manifest import Manifest
+
+    make_store(tmp_path / "s", {"2024-01-02": 300})
+    manifest = Manifest.load(tmp_path / "s" / "manifest.json")
+    entry = manifest.shards[0]
+    capfd.readouterr()
+    free(open_record_iter(ReaderSource(str(tmp_path / "s" / entry.rec), tmp_path / "s" / entry.idx, 1, 0),
+                          record_floats=manifest.schema.record_floats, batch_size=8, shuffle=False, seed=0,
+                          preprocess_threads=1, prefetch_buffer=1))
+    out, err = capfd.readouterr()
+    assert "ImageRecordIOParser2" not in err and not err.strip(), err
