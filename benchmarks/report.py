@@ -153,8 +153,6 @@ def targets(res: dict) -> list[dict]:
     if so:
         rows += [(f"soak: RSS growth % epochs 5 -> {so['epochs']} (reset every epoch, new date every "
                   f"{so['publish_every']})", so["rss_growth_pct"], "<=", 5.0),
-                 ("soak: memory in use (glibc) growth %, epochs 100 -> 300", so["in_use_growth_after_100_pct"], "<=",
-                  5.0),
                  ("soak: file descriptors added, epochs 100 -> 300", so["fds_delta"], "<=", 0),
                  ("soak: threads added, epochs 100 -> 300", so["threads_delta"], "<=", 0)]
     if "boundaries" in res:
