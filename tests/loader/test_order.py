@@ -139,16 +139,18 @@ def _items_one_piece_at_a_time(pieces, counts_of, slot, pack):
 def test_the_feeds_one_pass_mapping_matches_a_record_by_record_walk():
     """``group_items`` (one numpy pass over a group's pieces) gives every record its slot and
     every item its code exactly as walking the pieces record by record does: random shards of
-    packed records (full and partial), random pieces, packs of 1, 4 and 64."""
+    packed records (full, partial, some with no samples), random pieces (a shard twice in a group
+    too), packs of 1, 4 and 64; and an empty group is empty."""
     from loader.pipeline.feed import group_items
 
     rng = np.random.default_rng(0)
     for _ in range(2000):
         pack = int(rng.choice([1, 4, 64]))
-        shards = [rng.integers(1, pack + 1, rng.integers(1, 12)) if rng.random() < 0.7
+        shards = [rng.integers(0 if rng.random() < 0.3 else 1, pack + 1, rng.integers(1, 12)) if rng.random() < 0.7
                   else np.full(rng.integers(1, 12), pack) for _ in range(rng.integers(1, 8))]
+        shards = [c if c.sum() else np.append(c, 1) for c in shards]  # records with no samples, never a shard
         pieces = []
-        for k in rng.permutation(len(shards))[:rng.integers(1, len(shards) + 1)]:
+        for k in rng.integers(0, len(shards), rng.integers(1, len(shards) + 1)):  # a shard may come twice
             total = int(shards[k].sum())
             lo = int(rng.integers(0, total))
             pieces.append((int(k), lo, int(rng.integers(lo + 1, total + 1))))
@@ -157,3 +159,5 @@ def test_the_feeds_one_pass_mapping_matches_a_record_by_record_walk():
         want_codes, want_recs = _items_one_piece_at_a_time(pieces, counts_of, slot, pack)
         codes, recs = group_items(pieces, counts_of, slot, pack)
         assert np.array_equal(codes, want_codes) and recs == want_recs, (pieces, slot, pack)
+    codes, recs = group_items([], [], 7, 64)
+    assert len(codes) == 0 and recs == []
