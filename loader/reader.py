@@ -23,7 +23,8 @@ from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
 from loader.pipeline.memory import Arena
 from loader.pipeline.order import EpochOrder, Phase, slice_of
-from loader.pipeline.settings import check_memory
+from loader.pipeline.memory import BUFFERS, ONE_BLOCK_BUFFERS
+from loader.pipeline.settings import check_memory, one_block
 from loader.pipeline.stream import order_spec, split_phase
 from loader.source.generations import Choice
 from loader.source.location import Location
@@ -59,9 +60,11 @@ class Reader:
         self.epochs.on_ahead = lambda: (me() or _Gone)._ahead_opened()
         self._finalizer = weakref.finalize(self, _let_go, location, f"iter-{id(self)}", self.epochs)
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
-        self.epochs.arena = Arena(self.schema, batch_floats(params), keep=2 * (params.prefetch_buffer + 4))
+        selected = select_shards(manifest, self.dates)
+        self.epochs.arena = Arena(self.schema, batch_floats(params), keep=2 * (params.prefetch_buffer + 4),
+                                  buffers=_buffers(params, selected))
         try:
-            self._start(self._plan_for(manifest, select_shards(manifest, self.dates)))
+            self._start(self._plan_for(manifest, selected))
         except BaseException:
             self.close()
             raise
@@ -211,7 +214,7 @@ class Reader:
         before_end()
         self.end_epoch()
         if params.block != p.block:
-            self.epochs.arena.new_blocks()
+            self.epochs.arena.new_blocks(_buffers(params, shards))
         self.dates, self.memory, self.params = dates, memory, params
         if state.get("pinned") is not None:
             self.choice = Choice(pin=state["pinned"])
@@ -227,6 +230,11 @@ class Reader:
         self.location.release(f"iter-{id(self)}")
         self._finalizer.detach()
         self.epochs.close()
+
+
+def _buffers(params: StreamParams, shards: tuple) -> int:
+    """Shuffle buffers alive at most (``loader.pipeline.memory``)."""
+    return ONE_BLOCK_BUFFERS if one_block(params, shards) else BUFFERS
 
 
 class _Gone:

@@ -96,8 +96,9 @@ class ShardIter(mx.io.DataIter):
         if unknown or not self.label_names:
             raise LoaderError(f"label_names {list(self.label_names)!r}: choose among {known}")
         nb = int(native_batch) if native_batch is not None else default_native_batch(schema.pack)
-        records = buffer_records(schema, shuffle_buffer, nb)
         selected = select_shards(manifest_obj, normalize_dates(dates))
+        canonical = int(num_parts if canonical_parts is None else canonical_parts)
+        records = buffer_records(schema, shuffle_buffer, selected, canonical)
         params = StreamParams(
             schema=schema, batch_size=self.batch_size, shuffle=bool(shuffle), seed=int(seed),
             num_parts=int(num_parts), part_index=int(part_index), last_batch=last_batch,
@@ -105,7 +106,7 @@ class ShardIter(mx.io.DataIter):
             native_batch=nb, buffer_records=records,
             preprocess_threads=int(preprocess_threads), prefetch_buffer=int(prefetch_buffer),
             label_names=tuple(lab.name for lab in schema.labels if lab.name in self.label_names),
-            canonical_parts=int(num_parts if canonical_parts is None else canonical_parts),
+            canonical_parts=canonical,
             block=block_samples(records, selected, schema))
         memory = check_memory(params, shuffle_buffer, selected)
         self.reader = Reader(location, manifest_obj, params, choice=choice, dates=dates, verify=verify,

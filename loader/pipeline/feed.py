@@ -28,7 +28,7 @@ import numpy as np
 from loader.errors import LoaderError, as_loader_error
 from loader.pipeline.native import free
 from loader.pipeline.order import EpochOrder, Visit
-from loader.source.plan import EpochPlan, Read, reader_source
+from loader.source.plan import EpochPlan, Read
 from shardgen.format.schema import day_number
 
 __all__ = ["ReadItem", "BlockItem", "Feed", "MIN_READ_RECORDS", "group_items"]
@@ -232,7 +232,7 @@ class Feed:
                     try:
                         days = np.repeat(np.array([self._days[k] for k in read.shards], np.float32),
                                          [hi - lo for _, lo, hi in read.pieces])
-                        native = self._open_native(reader_source(plan, read), read.records)
+                        native = self._open_native(read)
                     except BaseException:
                         files.let_go(read.shards)
                         raise

@@ -64,11 +64,9 @@ class Blocks:
     def pace(self, v: int, fraction: float) -> None:
         """Load the first block after visit ``v`` not ready yet, up to ``fraction`` of it (the share
         of ``v`` already handed out), from reads that are open (never waits for the feed); never a
-        block past ``v + 2`` (what ``loader.pipeline.memory`` counts: three blocks a stream)."""
+        block past ``v + 1`` (what ``loader.pipeline.memory`` counts: two blocks a stream)."""
         w = v + 1
-        while self.ready(w):
-            w += 1
-        while w <= v + 2 and not self.halt.is_set() and not self.ready(w):
+        while w <= v + 1 and not self.halt.is_set() and not self.ready(w):
             if w in self.estimate and self.loaded.get(w, 0) >= fraction * self.estimate[w]:
                 return
             if not self.pump(wait=False, upto=w):  # reads of w and before only: never a block past it
@@ -139,7 +137,7 @@ class Blocks:
         native = item.native
         while native.iter_next():  # at its end MXNet 1.9.1's iterator holds no batch: freeing it leaks none
             pass
-        free(native)  # before its files go
+        self.feed.plan.files.park(native.key, native)  # to read again next epoch, or freed: before its files go
         self.feed.plan.files.let_go(item.read.shards)
 
     def release(self, v: int) -> None:

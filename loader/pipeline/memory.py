@@ -5,13 +5,14 @@ epoch instead of allocated anew.
 Two epoch streams are alive at once near an epoch's end (this one and the next one, which starts
 filling half way through), so the per-stream parts count twice:
 
-- shuffle buffers: ``shuffle_buffer`` records each, kept compact (a run's rows, not its windows):
-  a stream holds the block it hands out, the next one (ready, or loading) and one loading after it
+- shuffle buffers of one block each (kept compact: a run's rows, not its windows): a stream holds
+  the block it hands out and the next one, loading at the pace this one is handed out
   (``Blocks.pace`` reads no block past it); the next epoch's stream as many while this epoch ends;
-  one more while a block that outgrew its buffer is copied into a larger one (7 in all; measured:
-  6 at most). A buffer holds the most records a block can (``settings.block_records``: a block of
-  the sparsest shards), an eighth more than the average block at least;
-  kept buffers count in: the arena lets them go before the total would exceed that;
+  one more while a block that outgrew its buffer is copied into a larger one: 5 in all. When every
+  canonical part is one block (the default wherever the part fits, ``settings.buffer_records``) a
+  stream holds one: 3 in all. A buffer holds the most records a block can
+  (``settings.block_records``: a block of the sparsest shards), an eighth more than the average
+  block at least; kept buffers count in: the arena lets them go before the total would exceed that;
 - MXNet's native iterators: ``readers`` being read and ``readers`` opened ahead per stream, each
   queueing up to 16 record batches of ``native_batch`` records in its own thread (fixed in MXNet
   1.9.1, whatever ``prefetch_buffer``);
@@ -43,14 +44,15 @@ from loader.pipeline.shuffle_buffer import ShuffleBuffer, buffer_bytes, size_cla
 from loader.pipeline.zerocopy import Loan, lend
 from shardgen.format.schema import Schema
 
-__all__ = ["Arena", "malloc_stats", "NATIVE_QUEUE", "MEMORY_SHARE", "physical_memory", "footprint",
+__all__ = ["Arena", "malloc_stats", "NATIVE_QUEUE", "MEMORY_SHARE", "BUFFERS", "ONE_BLOCK_BUFFERS", "physical_memory", "footprint",
            "batch_buffers", "check_footprint", "format_bytes"]
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
-KEEP_BUFFERS = 6  # shuffle buffers an arena keeps for later blocks (full ones and the first, small ones)
+KEEP_BUFFERS = 4  # shuffle buffers an arena keeps for later blocks
 STREAMS = 2  # epoch streams alive at once: this epoch's and the next one's, filling while this one ends
-BLOCKS = 3  # a stream's blocks alive at once: the one handed out, the next (ready) and one loading
+BLOCKS = 2  # a stream's blocks alive at once: the one handed out and the next, loading
 BUFFERS = STREAMS * BLOCKS + 1  # and one more while a block outgrowing its buffer is copied into a larger one
+ONE_BLOCK_BUFFERS = STREAMS + 1  # when an epoch's part is one block
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
 
 class _MallInfo2(ctypes.Structure):
@@ -93,13 +95,13 @@ def batch_buffers(prefetch_buffer: int) -> int:
 
 
 def footprint(schema: Schema, *, buffer_records: int, block_records: int, native_batch: int, readers: int,
-              prefetch_buffer: int, batch_floats: int) -> dict:
+              prefetch_buffer: int, batch_floats: int, buffers: int = BUFFERS) -> dict:
     """Bytes each part of an iterator may hold at most, and their total. A shuffle buffer holds a
     block: ``buffer_records`` on average, ``block_records`` at most (``settings.block_records``: a
     block of sparse shards, or entering and leaving many shards inside records)."""
     capacity = max(size_class(buffer_records, buffer_records), block_records)
     parts = {
-        "shuffle buffers": BUFFERS * buffer_bytes(schema, capacity),
+        "shuffle buffers": buffers * buffer_bytes(schema, capacity),
         "native queues": 2 * 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
         "batch buffers": batch_buffers(prefetch_buffer) * 4 * batch_floats,
     }
@@ -125,8 +127,8 @@ class Arena:
     the process by megabytes per epoch (the allocator's heap fragments around 4-128 MB blocks), and
     freeing and faulting in a fresh 4 MB array per batch cost the caller's ``next()``."""
 
-    def __init__(self, schema: Schema, batch_floats: int, keep: int):
-        self.schema, self.batch_floats, self.keep = schema, batch_floats, keep
+    def __init__(self, schema: Schema, batch_floats: int, keep: int, buffers: int = BUFFERS):
+        self.schema, self.batch_floats, self.keep, self.buffers = schema, batch_floats, keep, buffers
         self._shuffle: list[ShuffleBuffer] = []
         self._out = self._largest = 0  # records of the buffers handed out; the largest buffer's
         self._batches: list[np.ndarray] = []
@@ -145,23 +147,25 @@ class Arena:
                 self._out += buffer.capacity
                 return buffer
             self._out += capacity  # a new one: kept ones go while in use and kept exceed the count
-            count = BUFFERS * self._largest
+            count = self.buffers * self._largest
             while self._shuffle and self._out + sum(b.capacity for b in self._shuffle) > count:
                 self._shuffle.pop(0)
         return ShuffleBuffer(self.schema, capacity)
 
-    def new_blocks(self) -> None:
-        """Blocks of another size from now on (a state's): kept buffers go, the largest is forgotten
-        (buffers still in use are not kept when given back unless they fit the new count)."""
+    def new_blocks(self, buffers: Optional[int] = None) -> None:
+        """Blocks of another size from now on (a state's; ``buffers`` of them alive at most): kept
+        buffers go, the largest is forgotten (buffers still in use are not kept when given back
+        unless they fit the new count)."""
         with self._lock:
             self._shuffle, self._largest = [], 0
+            self.buffers = self.buffers if buffers is None else buffers
 
     def give_back(self, buffer: ShuffleBuffer) -> None:
         """Keep ``buffer`` for a later block while the buffers in use and kept hold at most
-        ``BUFFERS`` of the largest (the footprint's count, see the module docstring)."""
+        ``buffers`` of the largest (the footprint's count, see the module docstring)."""
         with self._lock:
             self._out -= buffer.capacity
-            kept, room = [], BUFFERS * self._largest - self._out
+            kept, room = [], self.buffers * self._largest - self._out
             for b in reversed(self._shuffle + [buffer]):
                 if len(kept) < KEEP_BUFFERS and b.capacity <= room:
                     kept.append(b)

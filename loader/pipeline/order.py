@@ -12,15 +12,14 @@ of workers reading it.
    packed record (both sides read that record and each keeps its own samples).
 2. **Shards.** Each canonical part's shard pieces are permuted by ``(seed, epoch, c)`` and their
    samples laid end to end.
-3. **Blocks.** That sequence is cut into blocks: the first of ``block // RAMP`` samples, the
-   next one ``GROWTH`` times larger, then blocks of ``block`` samples (the first batch waits for a
-   few shards, not for a whole block; the ramp is 2% of a block, so it costs little mixing). A
-   canonical part shorter than ``block`` is cut as if ``block`` were its length (a ramp of the
-   nominal block covered 39% of a 100k-sample epoch: 0.82 of an exact shuffle's dates per
-   batch, 0.97 now), but its first block holds at least ``FIRST`` samples when the nominal
-   ramp does (a tiny epoch's first batch does not wait for all of it: its whole download).
-   Each block's samples are permuted by ``(seed, epoch, c, b)``.
-   A block's records are held in memory while it is read, so ``block`` is the shuffle buffer.
+3. **Blocks.** That sequence is cut into ``ceil(n / block)`` blocks of equal size (to a sample):
+   a canonical part that fits in ``block`` is one block, an exact shuffle of its samples, from the
+   first batch on (the first blocks used to ramp up from ``block / 256`` samples of one or two
+   shards, so an epoch's first batches came from one date). A block's pieces are read in store
+   order (so the reads of a one-block part are the same every epoch, and its native readers are
+   reused: ``loader.source.files.PlanFiles.park``), and its samples are permuted by
+   ``(seed, epoch, c, b)``. A block's records are held in memory while it is read, so ``block``
+   is the shuffle buffer.
 4. **The epoch** (``E``) is the canonical parts' orders end to end.
 
 Without ``shuffle`` nothing is permuted: ``E`` is the store order.
@@ -39,13 +38,9 @@ from typing import Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["RAMP", "GROWTH", "MAX_CANONICAL_PARTS", "OrderSpec", "Phase", "Block", "Visit", "EpochOrder",
+__all__ = ["MAX_CANONICAL_PARTS", "OrderSpec", "Phase", "Block", "Visit", "EpochOrder",
            "remainder", "slice_of", "cut", "count"]
 
-RAMP = 256  # the first block of a canonical part holds block // RAMP samples
-GROWTH = 4  # and the next one GROWTH times more; the ones after hold ``block`` (the ramp is 2% of a block)
-RAMP_BLOCKS = 2
-FIRST = 32  # samples the first block holds at least (unless the block itself is smaller): a few batches
 MAX_CANONICAL_PARTS = 1 << 16  # more ranges than workers anyone runs; the order's tables grow with it
 
 
@@ -74,7 +69,8 @@ class Phase(NamedTuple):
 
 class Block(NamedTuple):
     """Block ``b`` of canonical part ``c``: its shard pieces ``(shard, lo, hi)`` (samples of the
-    shard, in reading order) and the permutation of its samples (None: in order)."""
+    shard, in store order: the order they are read in) and the permutation of its samples (None:
+    in order)."""
 
     c: int
     b: int
@@ -188,6 +184,7 @@ class EpochOrder:
             if a < z:
                 out.append((k, lo + a, lo + z))
             i += 1
+        out.sort()
         perm = self._rng(c, 1, b).permutation(q1 - q0) if self.spec.shuffle else None
         return Block(c, b, tuple(out), perm)
 
@@ -214,11 +211,7 @@ class EpochOrder:
 
 
 def _block_bounds(n: int, block: int) -> np.ndarray:
-    """Where the blocks of a sequence of ``n`` samples start (and the last ends)."""
-    full = min(block, n)  # a part shorter than a block: its ramp is cut from its length (mixing),
-    bounds, at, size = [0], 0, max(1, full // RAMP, min(block // RAMP, FIRST))  # its first block not too small
-    while at < n:
-        at = min(n, at + size)
-        bounds.append(at)
-        size = min(full, size * GROWTH) if len(bounds) <= RAMP_BLOCKS else full
-    return np.array(bounds, np.int64)
+    """Where the blocks of a sequence of ``n`` samples start (and the last ends): as few blocks of at
+    most ``block`` samples as hold them, of equal size (a short last block would mix few dates)."""
+    blocks = max(1, -(-n // block))
+    return np.array([i * n // blocks for i in range(blocks + 1)], np.int64)

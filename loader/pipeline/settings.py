@@ -11,15 +11,18 @@ import numpy as np
 
 from loader.errors import LoaderError
 from loader.pipeline.batches import StreamParams, batch_floats, buffer_capacity
-from loader.pipeline.memory import check_footprint, footprint
+from loader.pipeline.memory import BUFFERS, ONE_BLOCK_BUFFERS, check_footprint, footprint
 from loader.pipeline.order import MAX_CANONICAL_PARTS
-from loader.pipeline.shuffle_buffer import buffer_bytes, default_capacity
+from loader.pipeline.shuffle_buffer import buffer_bytes
 from loader.sizes import parse_size
 from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema
 
 __all__ = ["check_arguments", "default_readers", "default_native_batch", "buffer_records", "block_samples",
-           "check_memory"]
+           "check_memory", "SHUFFLE_BYTES", "one_block"]
+
+SHUFFLE_BYTES = 1 << 30  # what an iterator's shuffle buffers hold together by default
+HEADROOM = 1.25  # a part chosen to be one block stays one while a rolling window grows by a quarter
 
 
 def check_arguments(*, batch_size: object, num_parts: object, part_index: object, preprocess_threads: object,
@@ -58,11 +61,16 @@ def default_native_batch(pack: int) -> int:
     return max(8, min(256, math.ceil(2048 / pack)))
 
 
-def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], native_batch: int) -> int:
-    """The shuffle buffer's capacity in records: ``shuffle_buffer`` records (an int), a size in
-    bytes (``"256MB"``), or the default (:func:`loader.pipeline.shuffle_buffer.default_capacity`)."""
+def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], shards: tuple, canonical_parts: int) -> int:
+    """The shuffle buffer's capacity in records (a block of the order): ``shuffle_buffer`` records
+    (an int), a size in bytes (``"256MB"``), or by default the whole canonical part (an exact
+    shuffle of it, with a quarter to spare) when the buffers alive then hold at most
+    ``SHUFFLE_BYTES``, else as large a block as ``SHUFFLE_BYTES`` holds with several blocks alive."""
     if shuffle_buffer is None:
-        return default_capacity(schema)
+        part = math.ceil(HEADROOM * sum(s.records for s in shards) / canonical_parts) + 2
+        if ONE_BLOCK_BUFFERS * buffer_bytes(schema, part) <= SHUFFLE_BYTES:
+            return part
+        return max(64, SHUFFLE_BYTES // (BUFFERS * buffer_bytes(schema, 1)))
     if isinstance(shuffle_buffer, (int, np.integer)) and not isinstance(shuffle_buffer, (bool, np.bool_)):
         if shuffle_buffer < 1:
             raise LoaderError(f"shuffle_buffer must be >= 1 record, got {shuffle_buffer!r}")
@@ -70,6 +78,11 @@ def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], native_b
     size = parse_size(shuffle_buffer, "shuffle_buffer",
                       "a record count (int) or a size with a unit such as '256MB' or '1GiB'")
     return max(1, size // buffer_bytes(schema, 1))
+
+
+def one_block(params: StreamParams, shards: tuple) -> bool:
+    """Every canonical part of ``shards`` is one block of the order (see ``order._block_bounds``)."""
+    return params.block >= -(-sum(s.samples for s in shards) // params.canonical_parts)
 
 
 def block_samples(records: int, shards: tuple, schema: Schema) -> int:
@@ -99,6 +112,7 @@ def check_memory(params: StreamParams, shuffle_buffer: object, shards: tuple) ->
     before anything is allocated if that is more than the machine can spare."""
     records = buffer_capacity(params)
     held = footprint(params.schema, buffer_records=records, block_records=block_records(params.block, shards),
+                     buffers=ONE_BLOCK_BUFFERS if one_block(params, shards) else BUFFERS,
                      native_batch=params.native_batch,
                      readers=params.readers, prefetch_buffer=params.prefetch_buffer,
                      batch_floats=batch_floats(params))

@@ -14,14 +14,7 @@ import numpy as np
 from loader.errors import LoaderError
 from shardgen.format.schema import Schema
 
-__all__ = ["ShuffleBuffer", "default_capacity", "buffer_bytes", "size_class"]
-
-DEFAULT_BYTES = 128 << 20  # default shuffle buffer size
-
-
-def default_capacity(schema: Schema, nbytes: int = DEFAULT_BYTES) -> int:
-    """Records a block's buffer holds by default: ``nbytes`` of payload (64 to 8192 records)."""
-    return max(64, min(8192, nbytes // (4 * schema.record_floats)))
+__all__ = ["ShuffleBuffer", "buffer_bytes", "size_class"]
 
 
 def size_class(records: int, nominal: int) -> int:

@@ -27,7 +27,7 @@ from loader.pipeline.loading import Blocks
 from loader.pipeline.memory import Arena
 from loader.pipeline.native import open_record_iter
 from loader.pipeline.order import EpochOrder, OrderSpec, Phase, count, cut, remainder, slice_of
-from loader.source.plan import EpochPlan, ReaderSource
+from loader.source.plan import EpochPlan, Read, reader_source
 
 BEHIND_S = 0.002  # how long a stream started behind the caller's next() waits before it starts
 
@@ -172,14 +172,24 @@ class EpochStream:
                     self._cond.wait(0.1)
         return True
 
-    def _open_native(self, source: ReaderSource, records: int):
+    def _open_native(self, read: Read):
+        """A native read of ``read``'s records: the plan's parked one that read them before
+        (``PlanFiles.park``, started again), or a new one."""
         p = self.params
+        key = (read.pieces, min(p.native_batch, read.records))
+        native = self.plan.files.unpark(key)
+        if native is not None:
+            native.reset()
+            return native
+        source = reader_source(self.plan, read)
         try:
-            return open_record_iter(source, record_floats=p.schema.record_floats,
-                                    batch_size=min(p.native_batch, records), shuffle=False, seed=0,
-                                    preprocess_threads=p.preprocess_threads, prefetch_buffer=1)
+            native = open_record_iter(source, record_floats=p.schema.record_floats, batch_size=key[1],
+                                      shuffle=False, seed=0, preprocess_threads=p.preprocess_threads,
+                                      prefetch_buffer=1)
         finally:
             shutil.rmtree(source.index.parent, ignore_errors=True)  # read at open
+        native.key = key
+        return native
 
     def _run(self) -> None:
         if self._behind:
