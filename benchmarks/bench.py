@@ -174,7 +174,7 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     if args.only == "cpu":
         _, _, specs = make_data(n)
         build(workdir / "store", RUNS_SCHEMA, specs, fsync=True)
-        res["cpu"] = cpu_suite(workdir / "store", cache, 60, 32, epochs=1 if args.quick else 4)
+        res["cpu"] = cpu_suite(workdir / "store", cache, 60, 32, epochs=1 if args.quick else 4, workdir=workdir)
         res["targets"] = targets(res)
         return
     if args.only == "objects":
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     res["stall_floor"] = stall_floor(x, labels, bs, res["loaders"]["ShardIter"], seconds)
     res["shardier_cold_epoch"] = cold_epoch(store, bs, cache)
     log("bench: CPU per window (fresh processes: the RAM gather floor, ShardIter, the trainer's own gather)")
-    res["cpu"] = cpu_suite(store, cache, 60, 32, epochs=1 if args.quick else 4)
+    res["cpu"] = cpu_suite(store, cache, 60, 32, epochs=1 if args.quick else 4, workdir=workdir)
     log("bench: the default content check (verify='crc') against verify='none'; the writer's CRCs")
     res["content"] = content_check(store, cache, repeats=1 if args.quick else 5, epochs=1 if args.quick else 5)
     res["content"]["writer"] = writer_checksums(workdir / "crc_store", RUNS_SCHEMA, list(make_data(n)[2]),

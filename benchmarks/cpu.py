@@ -3,8 +3,9 @@
 Each figure comes from a fresh interpreter (``cpu_in_subprocess``), so no other part of the bench
 has touched its allocator or threads:
 
-- the floor: gathering the same windows from RAM into a batch (``np.take(X, idx, out=batch)``) in
-  a process that never imported the loader, process CPU per window;
+- the floor: gathering the same windows from RAM with fancy indexing (``X[idx]``, a fresh batch: the
+  fastest gather numpy has here; ``np.take(X, idx, out=batch)`` is reported beside it, 1.3-1.5x
+  slower) in a process that never imported the loader, process CPU per window;
 - ShardIter shuffled and in order: process CPU per window over whole epochs (``reset()`` between),
   and the share of it spent in the producer threads (``shardgen-batches*``: Python, holding the GIL
   most of the time) read from ``/proc/self/task/*/stat``;
@@ -34,9 +35,10 @@ def _ram(t: int, c: int) -> np.ndarray:
     return np.random.default_rng(1).standard_normal((RAM_WINDOWS, t, c), dtype=np.float32)
 
 
-def _gather_us(x: np.ndarray, fresh: bool, reps: int = 60) -> float:
-    """Process CPU µs per window of ``reps`` batch gathers: into one batch (``fresh=False``, the
-    floor) or into a new array each time (``fresh=True``, a trainer's own code); best of 5."""
+def _gather_us(x: np.ndarray, fresh: bool, reps: int = 60, fancy: bool = False) -> float:
+    """Process CPU µs per window of ``reps`` batch gathers: ``x[idx]`` (``fancy``, the floor), into
+    one batch (``fresh=False``) or into a new array each time (``fresh=True``, a trainer's own
+    code); best of 5."""
     rng = np.random.default_rng(0)
     idxs = [rng.integers(0, len(x), BATCH) for _ in range(reps)]
     out = np.empty((BATCH,) + x.shape[1:], x.dtype)
@@ -44,7 +46,9 @@ def _gather_us(x: np.ndarray, fresh: bool, reps: int = 60) -> float:
     for _ in range(5):
         t0 = time.process_time()
         for idx in idxs:
-            if fresh:
+            if fancy:
+                x[idx]
+            elif fresh:
                 np.take(x, idx, axis=0).sum()
             else:
                 np.take(x, idx, axis=0, out=out)
@@ -116,7 +120,8 @@ def _loader(store: str, cache: str, epochs: int) -> dict:
 
 def _floor(t: int, c: int) -> dict:
     x = _ram(t, c)
-    return {"gather_us": _gather_us(x, fresh=False), "fresh_gather_us": _gather_us(x, fresh=True)}
+    return {"gather_us": _gather_us(x, fresh=False, fancy=True), "take_out_gather_us": _gather_us(x, fresh=False),
+            "fresh_gather_us": _gather_us(x, fresh=True)}
 
 
 def cpu_in_subprocess(kind: str, *args: object) -> dict:
@@ -125,11 +130,17 @@ def cpu_in_subprocess(kind: str, *args: object) -> dict:
                                 f"print(json.dumps(_{kind}(*{tuple(args)!r})))", f"cpu bench ({kind})", 1800)
 
 
-def cpu_suite(store: Path, cache: Path, t: int, c: int, *, epochs: int = 4) -> dict:
-    """The floor (a process without the loader) and the loader's figures, in one run."""
+def cpu_suite(store: Path, cache: Path, t: int, c: int, *, epochs: int = 4, workdir: Path = None) -> dict:
+    """The floor (a process without the loader), the loader's figures and the memmap loop
+    (:mod:`benchmarks.memmap`) beside ShardIter, in one run."""
+    from benchmarks.memmap import memmap_vs_shard_iter
+
     res = {"floor": cpu_in_subprocess("floor", t, c), **cpu_in_subprocess("loader", str(store), str(cache), epochs)}
+    res["memmap"] = memmap_vs_shard_iter(store, cache, (workdir or store.parent) / "memmap",
+                                         rounds=1 if epochs == 1 else 2)
     floor = res["floor"]["gather_us"]
     res["trainer_gather_ratio"] = res["trainer_gather_after_us"] / res["trainer_gather_before_us"]
     for name in ("shuffled", "in_order"):
         res[name]["floor_ratio"] = res[name]["cpu_us_per_window"] / floor
+        res[name]["memmap_ratio"] = res[name]["cpu_us_per_window"] / res["memmap"]["memmap"]["cpu_us_per_window"]
     return res

@@ -138,6 +138,7 @@ def targets(res: dict) -> list[dict]:
              rnd["dates_per_batch"] / rnd["exact_dates_per_batch"], ">=", 0.95),
             ("windows per run per batch / exact shuffle",
              rnd["windows_per_run_per_batch"] / rnd["exact_windows_per_run_per_batch"], "<=", 1.5),
+            *_mixing_targets(sc.get("mixing", {})),
             ("resume at 90%, 2M windows over 500 shards / (opening + reading to there)", sc["resume"]["ratio"], "<=",
              0.25),
             ("open at 2M records / stock open", sc["open_reset"]["open_ratio"], "<=", 2.0),
@@ -160,19 +161,43 @@ def targets(res: dict) -> list[dict]:
     return _judge(rows)
 
 
+def _mixing_targets(mx: dict) -> list[tuple]:
+    """Issue 53: dates per batch over the first 200 batches of every epoch / an exact shuffle's."""
+    rows = []
+    for name, (mean, least) in (("200", (0.95, 0.8)), ("2M", (0.9, 0.8)), ("12.5M", (0.0, 0.0))):
+        r = mx.get(name)
+        if r:
+            what = (f"{r['dates']} dates, {r['windows']:,} windows: dates per batch / exact, first 200 batches "
+                    "of each epoch")
+            rows += [(f"{what}, mean" + (" (reported)" if not mean else ""), r["mean"], ">=", mean),
+                     (f"{what}, least" + (" (reported)" if not least else ""), r["least"], ">=", least)]
+    return rows
+
+
 def _cpu_targets(cp: dict) -> list[tuple]:
     floor = cp["floor"]["gather_us"]
     return [("the trainer's own numpy gather after a ShardIter ran / before", cp["trainer_gather_ratio"], "<=", 1.1),
             ("ShardIter shuffled: process CPU per window / the RAM gather floor", cp["shuffled"]["floor_ratio"], "<=",
              2.0, f"the floor {floor:.2f} us"),
             ("ShardIter in order: process CPU per window / the RAM gather floor", cp["in_order"]["floor_ratio"], "<=",
-             1.3, f"the floor {floor:.2f} us")]
+             1.3, f"the floor {floor:.2f} us"),
+            ("ShardIter shuffled: process CPU per window / the memmap loop's (2 epochs from construction)",
+             cp["memmap"]["cpu_ratio"], "<=", 1.5),
+            ("ShardIter shuffled: samples/s / the memmap loop's (2 epochs from construction)",
+             cp["memmap"]["rate_ratio"], ">=", 0.75)]
 
 
 def _cpu_lines(cp: dict) -> list[str]:
     fl = cp["floor"]
-    out = ["", f"CPU per window (process CPU / windows, fresh processes): RAM gather floor {fl['gather_us']:.2f} us "
-           f"(into one batch; {fl['fresh_gather_us']:.2f} us into a new array each batch)"]
+    mm = cp["memmap"]
+    out = ["", f"CPU per window (process CPU / windows, fresh processes): RAM gather floor X[idx] "
+           f"{fl['gather_us']:.2f} us (np.take into one batch {fl['take_out_gather_us']:.2f} us; with .sum() into a "
+           f"new array {fl['fresh_gather_us']:.2f} us)",
+           f"  the memmap loop (every row in one memmap, X[starts[idx]] in a thread, zero-copy to MXNet), 2 epochs "
+           f"from construction: {mm['memmap']['samples_per_s']:,.0f} samples/s at "
+           f"{mm['memmap']['cpu_us_per_window']:.2f} us; ShardIter {mm['shard_iter']['samples_per_s']:,.0f} "
+           f"samples/s at {mm['shard_iter']['cpu_us_per_window']:.2f} us ({mm['rate_ratio']:.2f}x the rate, "
+           f"{mm['cpu_ratio']:.2f}x the CPU)"]
     for name in ("shuffled", "in_order"):
         r = cp[name]
         out.append(f"  ShardIter {name.replace('_', ' ')}: {r['cpu_us_per_window']:.2f} us ({r['floor_ratio']:.2f}x "
@@ -311,6 +336,10 @@ def results_table(res: dict) -> str:
             + f"; stock ImageRecordIter, one file: {sc['stock_one_file']['samples_per_s']:,.0f}")
         lines.append("readers: " + ", ".join(f"{n}: {v:,.0f}/s" for n, v in sc["readers"].items()))
         r = sc["randomness"]
+        for m in sc.get("mixing", {}).values():
+            lines.append(f"mixing, {m['dates']} dates / {m['windows']:,} windows: dates per batch / exact "
+                         f"({m['exact_dates_per_batch']:.1f}) over the first 200 batches of each epoch: mean "
+                         f"{m['mean']:.2f}, least {m['least']:.2f}; a block spans {m['dates_per_block']} dates")
         lines.append(f"dates per batch {r['dates_per_batch']:.1f} (exact shuffle {r['exact_dates_per_batch']:.1f}); "
                      f"windows per run per batch {r['windows_per_run_per_batch']:.2f} "
                      f"(exact {r['exact_windows_per_run_per_batch']:.2f})")

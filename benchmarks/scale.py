@@ -19,7 +19,9 @@ from shardgen.format import LabelSpec, Schema
 from shardgen.produce.writer import write_store
 from shardgen.store.manifest import MANIFEST_NAME, Manifest
 
-__all__ = ["shuffled_rate", "stock_one_file", "randomness", "scale_suite"]
+__all__ = ["shuffled_rate", "stock_one_file", "randomness", "mixing", "small_store", "scale_suite"]
+
+FIRST_BATCHES = 200  # dates per batch are judged over the first batches of every epoch (issue 53)
 
 def _drain(it: ShardIter, seconds: float, on_batch: Callable = lambda b: None) -> float:
     """Samples/s over whole epochs (at least one), every array waited on."""
@@ -96,6 +98,51 @@ def randomness(store: Path, cache: Path, per_date: int, batch_size: int = 512, s
     return {"dates_per_batch": float(np.mean(dates_seen)), "exact_dates_per_batch": float(np.mean(ex_dates)),
             "windows_per_run_per_batch": float(np.mean(per_run)),
             "exact_windows_per_run_per_batch": float(np.mean(ex_runs))}
+
+
+def mixing(store: Path, cache: Path, batch_size: int = 512, *, epochs: int = 2, seed: int = 0) -> dict:
+    """Distinct dates per batch over the first ``FIRST_BATCHES`` batches of each of ``epochs`` epochs
+    of ShardIter at its defaults (from construction), mean and least, against an exact per-window
+    shuffle of the same windows (its mean); and what ``it.memory`` says a block spans."""
+    seen: list = []
+    with ShardIter(store, batch_size, shuffle=True, seed=seed, cache_dir=cache) as it:
+        spans = it.stats["dates_per_block"]
+        for e in range(epochs):
+            if e:
+                it.reset()
+            for i, b in enumerate(it):
+                if i < FIRST_BATCHES:
+                    seen.append(len(np.unique(b.label[-1].asnumpy()[:batch_size - b.pad])))
+    m = Manifest.load(store / MANIFEST_NAME)
+    days = np.repeat(np.arange(len(m.shards)), [s.samples for s in m.shards])
+    perm = np.random.default_rng(seed).permutation(len(days))
+    exact = [len(np.unique(days[perm[i:i + batch_size]])) for i in range(0, min(len(perm) - batch_size + 1,
+                                                                               FIRST_BATCHES * batch_size), batch_size)]
+    ex = float(np.mean(exact))
+    return {"dates": len(m.shards), "windows": int(len(days)), "mean": float(np.mean(seen)) / ex,
+            "least": float(np.min(seen)) / ex, "exact_dates_per_batch": ex, "dates_per_block": spans}
+
+
+def small_store(folder: Path, n_dates: int, windows: int) -> Path:
+    """``windows`` stride-1 windows of 5 steps x 3 inputs over ``n_dates`` dates (layout runs): the
+    scale of a real store (2M windows, 500 dates) built in seconds."""
+    from shardgen.format import Layout
+    from shardgen.process import sliding_windows
+
+    if (folder / MANIFEST_NAME).exists():
+        return folder
+    schema = Schema.create(time_steps=5, num_inputs=3, data_name="seq_var", labels=[LabelSpec("a", 1)],
+                           layout=Layout("runs", RUN_PACK, 5 + RUN_PACK - 1))
+    per, rng = windows // n_dates, np.random.default_rng(0)
+
+    def specs():
+        for i in range(n_dates):
+            day = dt.date(2020, 1, 1) + dt.timedelta(days=i)
+            raw = rng.standard_normal((per + 4, 4), dtype=np.float32)
+            yield day, sliding_windows(raw, day, time_steps=5, num_inputs=3, labels=schema.labels[:-1]), None
+
+    write_store(folder, schema, specs(), fsync=False)
+    return folder
 
 
 def resume_cost(store: Path, cache: Path, batch_size: int = 512, at: float = 0.9) -> dict:
@@ -185,6 +232,14 @@ def scale_suite(workdir: Path, *, quick: bool, seconds: float, log: Callable[[st
     log("bench: readers, randomness, resume, open/reset")
     out["readers"] = {str(r): shuffled_rate(workdir / "shards_200", cache, seconds, readers=r) for r in (1, 2)}
     out["randomness"] = randomness(workdir / "shards_200", cache, total // 200)
+    log("bench: dates per batch over the first batches of each epoch (200 dates; 2M and 12.5M windows)")
+    out["mixing"] = {"200": mixing(workdir / "shards_200", cache)}
+    for name, n_dates, n in (("2M", 500, 2_000_000), ("12.5M", 2500, 12_500_000)):
+        if quick:
+            n_dates, n = n_dates // 10, n // 100
+        out["mixing"][name] = mixing(small_store(workdir / f"mix_{name}", n_dates, n), cache, epochs=1 if
+                                     name == "12.5M" else 2)
+        shutil.rmtree(workdir / f"mix_{name}", ignore_errors=True)
     log("bench: resume at 90% over 500 shards")
     make_store(workdir / "resume_500", LAYOUTS["runs"], 50 if quick else 500, 20_000 if quick else 2_000_000)
     out["resume"] = resume_cost(workdir / "resume_500", cache)

@@ -20,7 +20,7 @@ from shardgen.store.manifest import ShardEntry
 
 __all__ = ["STATE_VERSION", "state_of", "check_state"]
 
-STATE_VERSION = 4  # 4: the order is a value; a state lists the phases read (any num_parts resumes)
+STATE_VERSION = 5  # 4: the order is a value; a state lists the phases read; 5: blocks without a ramp, of equal size
 MUST_MATCH = ("seed", "shuffle")
 
 
@@ -71,6 +71,12 @@ def check_state(reader: Any, state: dict) -> None:
                           f"Start epoch {state.get('epoch')} again (a new ShardIter, then reset() "
                           f"{state.get('epoch')} times) or go on with the next one; states saved from now on "
                           f"resume exactly")
+    if version == 4:
+        raise LoaderError(f"state_dict version 4 was saved by a loader whose epochs began with small blocks of one or "
+                          f"two dates (2026-12-06): this one cuts its order into equal blocks, so that state's place "
+                          f"is not in this order. Start epoch {state.get('epoch')} again (a new ShardIter, then "
+                          f"reset() {state.get('epoch')} times) or go on with the next one; states saved from now "
+                          f"on resume exactly")
     if version != STATE_VERSION:
         raise LoaderError(f"state_dict version {version!r}, expected {STATE_VERSION}")
     try:

@@ -21,9 +21,8 @@ from loader.checkpoint import check_state, state_of
 from loader.errors import LoaderError, StoreUnreachableError
 from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
-from loader.pipeline.memory import Arena
+from loader.pipeline.memory import BUFFERS, ONE_BLOCK_BUFFERS, Arena
 from loader.pipeline.order import EpochOrder, Phase, slice_of
-from loader.pipeline.memory import BUFFERS, ONE_BLOCK_BUFFERS
 from loader.pipeline.settings import check_memory, one_block
 from loader.pipeline.stream import order_spec, split_phase
 from loader.source.generations import Choice
@@ -79,6 +78,15 @@ class Reader:
     def readers(self) -> int:
         """Native iterators reading this part (fewer than asked when the plan is small)."""
         return self.epochs.stream.readers if self.epochs.stream else 0
+
+    @property
+    def dates_per_block(self) -> Optional[int]:
+        """The fewest shards (dates) a block of this epoch's order that this part reads spans."""
+        stream = self.epochs.stream
+        if stream is None or not stream.visits:
+            return None
+        order = stream.order
+        return min(len({k for k, _, _ in order.block(v.c, v.b).pieces}) for v in stream.visits)
 
     @property
     def running(self) -> bool:

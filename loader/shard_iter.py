@@ -245,9 +245,12 @@ class ShardIter(mx.io.DataIter):
         """This epoch so far: samples/s, payload MB/s and the data-stall fraction; ``last_epoch``:
         the same figures of the last epoch that ended (``history[-1]``, None before), which is what
         is left to read after ``Module.fit``: it resets the iterator at the end of every epoch.
-        ``downloaded_bytes``: what this process fetched from an object store so far (0 for a folder)."""
+        ``downloaded_bytes``: what this process fetched from an object store so far (0 for a folder);
+        ``dates_per_block``: the fewest dates a block of this epoch's order spans (a batch mixes the
+        dates of its block: when it is far below the dates read, raise ``shuffle_buffer``)."""
         return {**self._epoch_stats(), "last_epoch": dict(self.history[-1]) if self.history else None,
-                "downloaded_bytes": self.reader.location.downloaded_bytes}
+                "downloaded_bytes": self.reader.location.downloaded_bytes,
+                "dates_per_block": self.reader.dates_per_block}
 
     def _epoch_stats(self) -> dict:
         wall = (self._epoch_t1 or 0) - (self._epoch_t0 or 0)

@@ -13,12 +13,10 @@ import threading
 import time
 from typing import Callable, Optional
 
-import numpy as np
-
 from loader.errors import LoaderError
 from loader.pipeline.feed import BlockItem, Feed, ReadItem
 from loader.pipeline.memory import Arena
-from loader.pipeline.native import copy_into, free, next_label
+from loader.pipeline.native import free, label_view, next_label
 from loader.pipeline.shuffle_buffer import size_class
 
 __all__ = ["Blocks", "YIELD_S"]
@@ -27,10 +25,10 @@ YIELD_S = 0.0005  # how long the next epoch's stream naps while the current one 
 
 
 class _Active:
-    __slots__ = ("item", "left", "scratch")
+    __slots__ = ("item", "left")
 
-    def __init__(self, item: ReadItem, scratch: np.ndarray):
-        self.item, self.left, self.scratch = item, item.read.records, scratch
+    def __init__(self, item: ReadItem):
+        self.item, self.left = item, item.read.records
 
 
 class Blocks:
@@ -103,7 +101,7 @@ class Blocks:
         if label is None:
             raise LoaderError(f"MXNet's reader ended {a.left} records early (shards "
                               f"{sorted(set(a.item.read.shards))} of block {a.item.visit})")
-        rows = copy_into(label, a.scratch)[:a.left]
+        rows = label_view(label)[:a.left]  # MXNet's memory: copied once, into the block's buffer
         done = a.item.read.records - a.left
         v = a.item.visit
         self._buffer(v, a.item.read.slot + done + len(rows)).put(a.item.read.slot + done, rows,
@@ -117,8 +115,7 @@ class Blocks:
 
     def _activate(self, item: ReadItem) -> None:
         self.estimate.setdefault(item.visit, item.estimate)
-        scratch = np.empty((min(self.native_batch, item.read.records), self.floats), np.float32)
-        self.active.append(_Active(item, scratch))
+        self.active.append(_Active(item))
 
     def _buffer(self, v: int, records: int):
         """Visit ``v``'s buffer, holding at least ``records`` slots (grown, rarely, when a block holds

@@ -44,8 +44,8 @@ from loader.pipeline.shuffle_buffer import ShuffleBuffer, buffer_bytes, size_cla
 from loader.pipeline.zerocopy import Loan, lend
 from shardgen.format.schema import Schema
 
-__all__ = ["Arena", "malloc_stats", "NATIVE_QUEUE", "MEMORY_SHARE", "BUFFERS", "ONE_BLOCK_BUFFERS", "physical_memory", "footprint",
-           "batch_buffers", "check_footprint", "format_bytes"]
+__all__ = ["Arena", "malloc_stats", "NATIVE_QUEUE", "MEMORY_SHARE", "BUFFERS", "ONE_BLOCK_BUFFERS",
+           "physical_memory", "footprint", "batch_buffers", "check_footprint", "format_bytes"]
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
 KEEP_BUFFERS = 4  # shuffle buffers an arena keeps for later blocks

@@ -14,7 +14,7 @@ from mxnet.base import _LIB, check_call
 
 from loader.source.plan import ReaderSource
 
-__all__ = ["open_record_iter", "one_openmp_thread", "next_label", "copy_into", "free"]
+__all__ = ["open_record_iter", "one_openmp_thread", "next_label", "label_view", "free"]
 
 
 class _Native(mx.io.MXDataIter):
@@ -98,11 +98,14 @@ def next_label(native: mx.io.DataIter) -> Optional[mx.nd.NDArray]:
     return native.getlabel() if native.iter_next() else None
 
 
-def copy_into(array: mx.nd.NDArray, out: np.ndarray) -> np.ndarray:
-    """``array.asnumpy()`` into ``out``, a float32 buffer reused batch after batch (a fresh array of
-    a megabyte or more per batch churned the allocator), as a view of ``array``'s shape."""
-    n = array.size
-    if n > out.size or array.dtype != np.float32:
-        raise ValueError(f"an array of {n} {array.dtype} does not fit a buffer of {out.size} float32")
-    check_call(_LIB.MXNDArraySyncCopyToCPU(array.handle, out.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(n)))
-    return out.reshape(-1)[:n].reshape(array.shape)
+def label_view(array: mx.nd.NDArray) -> np.ndarray:
+    """A numpy view of a native batch's label array, over MXNet's own memory (no copy): what the
+    shuffle buffer copies each record from, once (``ShuffleBuffer.put``). Valid until the native
+    iterator's next batch; the array must be float32 on the CPU, as an ``ImageRecordIter``'s is."""
+    if array.dtype != np.float32 or array.context.device_type not in ("cpu", "cpu_pinned"):
+        raise ValueError(f"a native label batch must be float32 on the CPU, got {array.dtype} on {array.context}")
+    array.wait_to_read()
+    ptr = ctypes.c_void_p()
+    check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(ptr)))
+    n = int(np.prod(array.shape))
+    return np.frombuffer((ctypes.c_float * n).from_address(ptr.value), np.float32).reshape(array.shape)

@@ -94,7 +94,7 @@ class EpochStream:
         bs = params.batch_size
         self._last_real = math.ceil(self.samples / bs) - 1  # batches after it (if any) are all filler
         self._from = min(skip, max(self._last_real, 0)) if self.batches else 0  # first batch assembled
-        self._visits = list(self.order.visits(cut(self._mine, self._from * bs, self.samples)))
+        self.visits = list(self.order.visits(cut(self._mine, self._from * bs, self.samples)))
         self._ready: collections.deque = collections.deque()
         self._cond = threading.Condition()
         # Batches ready for the caller. The producer refills only when the queue falls to its low
@@ -106,7 +106,7 @@ class EpochStream:
         self._x_shape = (bs, sc.time_steps, sc.num_inputs)
         self._x_size = int(np.prod(self._x_shape))
         self._views = batch_views(params)
-        self.feed = Feed(plan, self.order, self._visits, pack=sc.pack, readers=self.readers, cap=cap,
+        self.feed = Feed(plan, self.order, self.visits, pack=sc.pack, readers=self.readers, cap=cap,
                          open_native=self._open_native, ahead=self.readers, start=gate)
         self._blocks = Blocks(self.feed, arena, readers=self.readers, native_batch=params.native_batch,
                               record_floats=sc.record_floats, nominal=params.buffer_records, halt=self._halt,
@@ -119,7 +119,7 @@ class EpochStream:
     def started(self) -> None:
         """Until the first read is open: what stops the epoch from starting (the store out of reach,
         a shard refused) is raised here, by ``ShardIter()`` or ``reset()``, not by the first ``next()``."""
-        if self._visits:
+        if self.visits:
             self.feed.wait_first()
 
     def get(self) -> tuple[list, int]:
@@ -227,7 +227,7 @@ class EpochStream:
     def _produce(self) -> None:
         p, blocks = self.params, self._blocks
         bs = p.batch_size
-        vi, u = 0, (self._visits[0].u0 if self._visits else 0)
+        vi, u = 0, (self.visits[0].u0 if self.visits else 0)
         saved = None
         for index in range(self._from, self.batches):
             if self._halt.is_set():
@@ -245,14 +245,14 @@ class EpochStream:
                 continue
             pieces, need = [], valid
             while need:
-                visit = self._visits[vi]
+                visit = self.visits[vi]
                 blocks.load(vi)
                 take = min(need, visit.u1 - u)
                 pieces.append((vi, blocks.emit[vi][u:u + take]))
                 u += take
                 need -= take
-                if u == visit.u1 and vi + 1 < len(self._visits):
-                    vi, u = vi + 1, self._visits[vi + 1].u0
+                if u == visit.u1 and vi + 1 < len(self.visits):
+                    vi, u = vi + 1, self.visits[vi + 1].u0
             flat = self._arena.batch()
             x = flat[:self._x_size].reshape(self._x_shape)
             labels = np.empty((valid, p.schema.label_floats), np.float32)
@@ -263,14 +263,14 @@ class EpochStream:
                 _, labels[at:at + n], days[at:at + n] = blocks.buffers[v].gather(codes, out=x[at:at + n])
                 at += n
             for v in {v for v, _ in pieces}:
-                if v < vi or (v == vi and u == self._visits[v].u1):
+                if v < vi or (v == vi and u == self.visits[v].u1):
                     blocks.release(v)
             if index == self._last_real and self.batches - 1 > self._last_real:
                 fill_batch(p, self._views, flat, x, labels, days)
                 saved = flat.copy()  # what the filler batches after it repeat
             if index >= self._skip and not self._offer((self._arrays(flat, x, labels, days), valid)):
                 return
-            visit = self._visits[vi]
+            visit = self.visits[vi]
             blocks.pace(vi, (u - visit.u0) / max(1, visit.u1 - visit.u0))
 
     def _arrays(self, flat: np.ndarray, x: np.ndarray, labels: np.ndarray, days: np.ndarray) -> list:

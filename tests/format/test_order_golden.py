@@ -1,7 +1,8 @@
 """The same seed reads the same batches, release after release: every layout, 1, 2 and 3 parts,
-two epochs, shuffled (two seeds) and in order, against digests recorded when the order became a
-value (2026-12-06, loader.pipeline.order; the in-order digests are unchanged since the restructuring
-of 2026-12-05) in tests/format/golden_batches.json. A change that moves a single sample, pad or
+two epochs, shuffled (two seeds) and in order, against digests in tests/format/golden_batches.json:
+the shuffled ones recorded when an epoch's blocks stopped ramping up (2026-12-06, state version 5:
+equal blocks, read in store order; the order became a value earlier that day), the in-order ones
+unchanged since the restructuring of 2026-12-05. A change that moves a single sample, pad or
 label fails here; one that changes the order on purpose records new digests and says so."""
 
 import hashlib

@@ -280,7 +280,7 @@ def test_what_is_not_a_state_is_one_loader_error(store, tmp_path, bad):
         assert it.next().data[0].shape[0] == B
 
 
-@pytest.mark.parametrize("version", [1, 5, None, "4"])
+@pytest.mark.parametrize("version", [1, 6, None, "5"])
 def test_a_state_of_another_version_is_refused_naming_it(store, tmp_path, version):
     from loader.checkpoint import STATE_VERSION, _digest
 
@@ -289,6 +289,19 @@ def test_a_state_of_another_version_is_refused_naming_it(store, tmp_path, versio
         state = {**it.state_dict(), "version": version}
         with pytest.raises(LoaderError, match=f"state_dict version {version!r}, expected {STATE_VERSION}"):
             it.load_state_dict({**state, "sha256": _digest(state)})
+
+
+def test_a_state_of_the_order_with_a_ramp_is_refused_saying_what_to_do(store, tmp_path):
+    """Version 4 states were saved while an epoch's first blocks ramped up (2026-12-06): their place
+    is not in today's order, and the message says how to go on."""
+    from loader.checkpoint import _digest
+
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        it.next()
+        state = {**it.state_dict(), "version": 4}
+        with pytest.raises(LoaderError, match="version 4 .* equal blocks.*Start epoch 0 again"):
+            it.load_state_dict({**state, "sha256": _digest(state)})
+        assert it.next().data[0].shape[0] == B
 
 
 def test_a_state_the_new_parts_cannot_split_is_refused_before_the_epoch_is_let_go(store, tmp_path):

@@ -791,8 +791,9 @@ def test_a_killed_trainers_lease_is_removed_by_the_next_trainer_on_the_host(s3, 
 
 @pytest.mark.timeout(90)  # a feed that deadlocks fails here, not at the suite's limit
 def test_the_first_batch_comes_while_the_rest_of_the_epoch_is_still_downloading(s3, tmp_path, monkeypatch):
-    """Every download after the first two is held back until the first batches are read: the
-    iterator opens and yields batches from each reader's first segment (one shard each)."""
+    """Every download after the first two is held back until the first batches are read: with
+    blocks of at most two shards (``shuffle_buffer``: the default block is the whole part, which the
+    first batch waits for), the iterator yields the first block's batches while the rest waits."""
     from shardgen.store.objstore import ObjectStore
 
     _, url = store_with(s3, tmp_path, MANY)
@@ -806,7 +807,7 @@ def test_the_first_batch_comes_while_the_rest_of_the_epoch_is_still_downloading(
         return real(store, name)
 
     monkeypatch.setattr(ObjectStore, "chunks", chunks)
-    kw = dict(seed=4, native_batch=4, readers=2)  # the default buffer holds the whole epoch: it must not wait to fill
+    kw = dict(seed=4, native_batch=4, readers=2, shuffle_buffer=32)  # blocks of 30 windows: 2 shards at most
     try:
         with ShardIter(url, 8, cache_dir=tmp_path / "cache", **kw) as it:
             first = [batch_ids(it.next()) for _ in range(2)]
