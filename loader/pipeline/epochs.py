@@ -82,6 +82,7 @@ class Epochs:
                 raise
             self.plan = plan
             if previous is not None and previous.folder != plan.folder:
+                self.arena.drop_whole()  # a block of the old plan's files
                 previous.files.close()
             self.lease.renew(plan.generation)
             self.stream = stream
@@ -140,10 +141,12 @@ class Epochs:
             try:
                 changed = recheck(plan, schema, verify)
             except BaseException:
-                self._drop_ahead()
+                changed = True
                 raise
-            if changed:
-                self._drop_ahead()
+            finally:
+                if changed:  # the block kept whole, and the next epoch's stream, may hold what changed
+                    self._drop_ahead()
+                    self.arena.drop_whole()
 
     def _drop_ahead(self) -> None:
         """Close the next epoch's stream, if one started (under ``lock``)."""

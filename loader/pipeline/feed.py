@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 
 from loader.errors import LoaderError, as_loader_error
+from loader.pipeline.memory import Arena
 from loader.pipeline.native import free
 from loader.pipeline.order import EpochOrder, Visit
 from loader.source.plan import EpochPlan, Read
@@ -48,6 +49,9 @@ class BlockItem(NamedTuple):
     visit: int
     records: int
     emit: np.ndarray  # item codes, in the block's order
+    key: Optional[tuple] = None  # a canonical part's only block: kept whole for the next epoch (``Arena.whole``)
+    codes: Optional[np.ndarray] = None  # its codes in slot order
+    buffer: object = None  # the kept buffer that already holds it (nothing to read)
 
 
 def _group(pieces: tuple, sizes: list, cap: Optional[int]) -> list:
@@ -120,8 +124,10 @@ class Feed:
     """Reads (``ReadItem``) and blocks (``BlockItem``) of ``visits``, in order, then None."""
 
     def __init__(self, plan: EpochPlan, order: EpochOrder, visits: list[Visit], *, pack: int, readers: int,
-                 cap: Optional[int], open_native: Callable, ahead: int, start: Optional[threading.Event] = None):
+                 cap: Optional[int], open_native: Callable, ahead: int, start: Optional[threading.Event] = None,
+                 arena: Optional[Arena] = None):
         self.plan, self.order, self.visits, self.pack = plan, order, visits, pack
+        self._arena = arena  # where a block kept whole for the next epoch is (``Arena.whole``)
         self.readers, self.cap, self.ahead, self._open_native = readers, cap, ahead, open_native
         self._start = start  # set when this feed may begin fetching (the epoch before it has fetched all)
         self.done_fetching = threading.Event()
@@ -181,6 +187,8 @@ class Feed:
             if isinstance(item, ReadItem):
                 free(item.native)
                 self.plan.files.let_go(item.read.shards)
+            elif isinstance(item, BlockItem) and item.buffer is not None:
+                self._arena.give_back(item.buffer)
 
     # -- the feed thread --------------------------------------------------------------------------
 
@@ -215,6 +223,17 @@ class Feed:
     def _block(self, v: int, visit: Visit) -> bool:
         block = self.order.block(visit.c, visit.b)
         plan, files = self.plan, self.plan.files
+        key = None  # a canonical part's only block, of files held open: the next epoch holds the same
+        if files.keep and self._arena is not None and len(self.order.canonical(visit.c)[2]) == 2:
+            key = (plan.folder, block.pieces)
+            kept = self._arena.whole(key)
+            if kept is not None:
+                buffer, records, codes = kept
+                emit = codes if block.perm is None else codes[block.perm]
+                if not self._put(BlockItem(v, records, emit, buffer=buffer)):
+                    self._arena.give_back(buffer)
+                    return False
+                return True
         sizes = [s.bytes for s in plan.shards]
         estimate = sum(math.ceil((hi - lo) * plan.shards[k].records / max(1, plan.shards[k].samples)) + 2
                        for k, lo, hi in block.pieces)
@@ -242,7 +261,6 @@ class Feed:
                         return False
             finally:
                 files.let_go(shards)
-        emit = np.concatenate(codes) if codes else np.zeros(0, np.int64)
-        if block.perm is not None:
-            emit = emit[block.perm]
-        return self._put(BlockItem(v, slot, emit))
+        codes = np.concatenate(codes) if codes else np.zeros(0, np.int64)
+        emit = codes if block.perm is None else codes[block.perm]
+        return self._put(BlockItem(v, slot, emit, key, codes))

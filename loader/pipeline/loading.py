@@ -43,6 +43,7 @@ class Blocks:
         self.loaded: dict = {}  # visit -> records put so far
         self.estimate: dict = {}  # visit -> records its block is expected to hold
         self.emit: dict = {}  # visit -> its block's item codes in order (the block's reads all taken)
+        self.whole: dict = {}  # visit -> its BlockItem, to keep once read (a canonical part's only block)
         self.active: list[_Active] = []
         self.ended = False
         self._turn = 0
@@ -52,12 +53,16 @@ class Blocks:
 
     def load(self, v: int) -> None:
         """Until visit ``v``'s block is ready (blocking on the feed when nothing else can move),
-        reading only reads of ``v`` and the blocks before it."""
+        reading only reads of ``v`` and the blocks before it. A canonical part's only block, once
+        read, is kept whole for the next epoch (``Arena.keep_whole``)."""
         while not self.ready(v):
             if self.halt.is_set():
                 raise LoaderError("the iterator was closed (or reset) while a block was read")
             if not self.pump(wait=True, upto=v) and self.ended and not self.ready(v):
                 raise LoaderError(f"the feed ended before block {v} of this stream was read")
+        item = self.whole.pop(v, None)
+        if item is not None and v in self.buffers:
+            self.arena.keep_whole(item.key, self.buffers[v], item.records, item.codes)
 
     def pace(self, v: int, fraction: float) -> None:
         """Load the first block after visit ``v`` not ready yet, up to ``fraction`` of it (the share
@@ -85,6 +90,10 @@ class Blocks:
                 self.ended = True
             elif isinstance(item, BlockItem):
                 self.emit[item.visit] = item.emit
+                if item.buffer is not None:  # kept whole from an epoch before: nothing to read
+                    self.buffers[item.visit] = item.buffer
+                elif item.key is not None:
+                    self.whole[item.visit] = item
             else:
                 self._activate(item)
             if upto is not None and self.ready(upto):

@@ -134,6 +134,35 @@ class Arena:
         self._batches: list[np.ndarray] = []
         self._loans: dict[int, Loan] = {}  # buffer address -> its loan (kept buffers only)
         self._lock = threading.Lock()
+        self._refs: dict[int, int] = {}  # id(buffer) -> holders, for buffers held by more than their stream
+        self._whole: Optional[tuple] = None  # (key, buffer, records, codes): a part's one block, read
+
+    def keep_whole(self, key: tuple, buffer: ShuffleBuffer, records: int, codes: np.ndarray) -> None:
+        """Keep the block just read, a canonical part's only block: the next epoch of the same files
+        holds the same records in the same slots, so it gathers from this buffer instead of reading
+        them again (``whole``). The previous one kept is let go."""
+        with self._lock:
+            self._refs[id(buffer)] = self._refs.get(id(buffer), 1) + 1
+            old, self._whole = self._whole, (key, buffer, records, codes)
+        if old is not None:
+            self.give_back(old[1])
+
+    def whole(self, key: tuple) -> Optional[tuple]:
+        """``(buffer, records, codes)`` of the block kept for ``key``, with a hold taken (let go
+        by ``give_back``), or None."""
+        with self._lock:
+            if self._whole is None or self._whole[0] != key:
+                return None
+            buffer = self._whole[1]
+            self._refs[id(buffer)] += 1
+            return self._whole[1:]
+
+    def drop_whole(self) -> None:
+        """Let go of the block kept (its files changed, or another plan is read)."""
+        with self._lock:
+            old, self._whole = self._whole, None
+        if old is not None:
+            self.give_back(old[1])
 
     def shuffle_buffer(self, capacity: int) -> ShuffleBuffer:
         """The smallest kept buffer of at least ``capacity`` records (``size_class`` keeps the sizes
@@ -156,6 +185,7 @@ class Arena:
         """Blocks of another size from now on (a state's; ``buffers`` of them alive at most): kept
         buffers go, the largest is forgotten (buffers still in use are not kept when given back
         unless they fit the new count)."""
+        self.drop_whole()
         with self._lock:
             self._shuffle, self._largest = [], 0
             self.buffers = self.buffers if buffers is None else buffers
@@ -164,6 +194,10 @@ class Arena:
         """Keep ``buffer`` for a later block while the buffers in use and kept hold at most
         ``buffers`` of the largest (the footprint's count, see the module docstring)."""
         with self._lock:
+            held = self._refs.pop(id(buffer), 1) - 1
+            if held > 0:  # kept as a whole block, or read by another stream too
+                self._refs[id(buffer)] = held
+                return
             self._out -= buffer.capacity
             kept, room = [], self.buffers * self._largest - self._out
             for b in reversed(self._shuffle + [buffer]):

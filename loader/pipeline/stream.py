@@ -107,7 +107,7 @@ class EpochStream:
         self._x_size = int(np.prod(self._x_shape))
         self._views = batch_views(params)
         self.feed = Feed(plan, self.order, self.visits, pack=sc.pack, readers=self.readers, cap=cap,
-                         open_native=self._open_native, ahead=self.readers, start=gate)
+                         open_native=self._open_native, ahead=self.readers, start=gate, arena=arena)
         self._blocks = Blocks(self.feed, arena, readers=self.readers, native_batch=params.native_batch,
                               record_floats=sc.record_floats, nominal=params.buffer_records, halt=self._halt,
                               yield_to=(lambda: yield_to(self)) if yield_to is not None else None)
