@@ -24,6 +24,7 @@ from shardgen.store.manifest import Manifest, ShardEntry
 
 __all__ = ["PlanFiles", "recheck", "identity", "IDLE"]
 
+_PROC_FD = os.path.isdir("/proc/self/fd")  # MXNet opens a checked file through its descriptor
 IDLE = 4  # native reads a plan keeps read to their end, to read again (``PlanFiles.park``)
 
 
@@ -101,15 +102,13 @@ class PlanFiles:
         try:
             seen = identity(fd, self.verify)
             frames = _check(self.location, store, fd, s, self.schema, self.verify)
-            target = Path("/proc/self/fd") / str(fd)
-            if not target.parent.is_dir():  # pragma: no cover - no procfs
-                target = store / s.rec
+            target = f"/proc/self/fd/{fd}" if _PROC_FD else str(store / s.rec)
             with self.lock:  # a link let go of in another thread is removed under this lock too
-                link = self.folder / f"{k:06d}"
+                link = f"{self.folder}/{k:06d}"
                 with contextlib.suppress(FileNotFoundError):
                     shutil.rmtree(link)
-                link.mkdir()  # one link per folder: dmlc lists a path's folder to find it
-                os.symlink(target, link / "s.rec")
+                os.mkdir(link)  # one link per folder: dmlc lists a path's folder to find it
+                os.symlink(target, f"{link}/s.rec")
                 self.fds[k], self.frames[k], self.checked[fd] = fd, frames, seen
         except OSError as exc:
             os.close(fd)

@@ -1,0 +1,158 @@
+"""The reading path (issue 53): what a one-block part reads each epoch, what it keeps, and how its
+batches mix dates from the first one on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from conftest import batch_ids, make_store
+
+import loader.pipeline.loading as loading
+import loader.pipeline.stream as stream
+from loader import ShardIter
+from loader.pipeline.shuffle_buffer import buffer_bytes
+from loader.source.files import IDLE
+
+DATES = {f"2024-02-{d:02d}": 30 + d for d in range(1, 29)}  # 28 dates, 1,246 windows
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Native opens and native batches read, counted."""
+    seen = {"opens": 0, "batches": 0}
+    real_open, real_next = stream.open_record_iter, loading.next_label
+
+    def open_record_iter(*a, **kw):
+        seen["opens"] += 1
+        return real_open(*a, **kw)
+
+    def next_label(native):
+        label = real_next(native)
+        seen["batches"] += label is not None
+        return label
+
+    monkeypatch.setattr(stream, "open_record_iter", open_record_iter)
+    monkeypatch.setattr(loading, "next_label", next_label)
+    return seen
+
+
+def _epoch(it) -> list:
+    return [i for b in it for i in batch_ids(b)]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_one_block_part_is_read_once_and_later_epochs_gather_from_the_block_kept(tmp_path, counted, shuffle):
+    make_store(tmp_path / "s", DATES)
+    with ShardIter(tmp_path / "s", 16, shuffle=shuffle, seed=3, cache_dir=tmp_path / "c", native_batch=8) as it:
+        first = _epoch(it)
+        assert counted["opens"] >= 1 and counted["batches"] >= sum(DATES.values()) // 8
+        counted.update(opens=0, batches=0)
+        later = []
+        for _ in range(3):
+            it.reset()
+            later.append(_epoch(it))
+        assert counted == {"opens": 0, "batches": 0}, "later epochs of the same files read nothing natively"
+    n = sum(DATES.values())
+    for ids in [first] + later:
+        assert sorted(ids) == list(range(n))
+    if shuffle:
+        assert len({tuple(ids) for ids in [first] + later}) == 4, "a new order every epoch"
+    # the same batches as an iterator that read every epoch natively (a state resumed at epoch 3's start)
+    with ShardIter(tmp_path / "s", 16, shuffle=shuffle, seed=3, cache_dir=tmp_path / "d", native_batch=8) as it:
+        for _ in range(3):
+            it.reset()
+        assert _epoch(it) == later[-1]
+
+
+def test_a_file_changed_between_epochs_is_read_again_not_served_from_the_block_kept(tmp_path, counted):
+    """A shard rewritten in place with other (sound) windows: reset() finds the change, lets the
+    kept block and the native reads go, and the next epoch reads the files as they are now."""
+    import os
+
+    make_store(tmp_path / "s", {"2024-01-02": 40, "2024-01-03": 40})
+    make_store(tmp_path / "t", {"2024-01-02": 40, "2024-01-03": 40}, base_id=1000)
+    with ShardIter(tmp_path / "s", 8, seed=1, cache_dir=tmp_path / "c") as it:
+        assert sorted(_epoch(it)) == list(range(80))
+        rec = next((tmp_path / "s").glob("2024-01-03.rec"))
+        same = (tmp_path / "t" / rec.name).read_bytes()
+        with open(rec, "r+b") as fh:  # in place, the same size: the plan's descriptor sees it
+            fh.write(same)
+        os.utime(rec, ns=(1, 1))
+        counted.update(opens=0, batches=0)
+        it.reset()
+        got = sorted(_epoch(it))
+        assert counted["opens"] >= 1, "read again"
+    assert got == list(range(40)) + list(range(1040, 1080))
+
+
+def test_native_reads_are_kept_only_while_the_plan_holds_its_files(tmp_path, counted):
+    """Parked reads (``PlanFiles.park``) reopen their files by path: never kept under a cache_limit
+    (whose files may be let go), at most IDLE per plan, all freed when the iterator closes."""
+    make_store(tmp_path / "s", DATES)
+    with ShardIter(tmp_path / "s", 16, seed=3, cache_dir=tmp_path / "c", shuffle_buffer=200, native_batch=8) as it:
+        for _ in range(3):
+            _epoch(it)
+            files = it.reader.plan.files
+            assert len(files.idle) <= IDLE
+            it.reset()
+        assert files.idle, "several blocks: reads read to their end are parked"
+    assert not files.idle, "freed at close"
+
+
+def test_every_batch_mixes_the_dates_of_the_part_from_the_first_one(tmp_path):
+    """The default block is the whole part: even the first batches of an epoch span as many dates
+    as an exact shuffle's (they came from one date while blocks ramped up)."""
+    per, n_dates = 25, 60
+    make_store(tmp_path / "s", {f"2023-{1 + d // 28:02d}-{1 + d % 28:02d}": per for d in range(n_dates)})
+    with ShardIter(tmp_path / "s", 64, seed=0, cache_dir=tmp_path / "c", label_names=["date"]) as it:
+        assert it.stats["dates_per_block"] == n_dates
+        one = buffer_bytes(it.schema, it.reader.plan.records)  # the part's records
+        held = it.memory["shuffle buffers"]
+        assert held % 3 == 0 and one <= held // 3 <= 2 * one, "three buffers of the part (this and the next epoch's)"
+        for epoch in range(2):
+            if epoch:
+                it.reset()
+            spans = [len(np.unique(b.label[0].asnumpy()[:64 - b.pad])) for b in it][:-1]
+            days = np.repeat(np.arange(n_dates), per)[np.random.default_rng(epoch).permutation(n_dates * per)]
+            exact = np.mean([len(np.unique(days[i:i + 64])) for i in range(0, len(days) - 63, 64)])
+            assert min(spans[:5]) >= 0.8 * exact and np.mean(spans) >= 0.95 * exact, (spans[:5], exact)
+
+
+def test_a_part_larger_than_its_block_says_how_few_dates_a_block_spans(tmp_path):
+    make_store(tmp_path / "s", DATES)
+    with ShardIter(tmp_path / "s", 16, seed=3, cache_dir=tmp_path / "c", shuffle_buffer=300) as it:
+        assert it.stats["dates_per_block"] < len(DATES) // 3
+        assert sorted(_epoch(it)) == list(range(sum(DATES.values())))
+
+
+def test_the_default_block_is_the_whole_part_with_room_to_grow_unless_it_does_not_fit(tmp_path):
+    from loader.pipeline.memory import BUFFERS, ONE_BLOCK_BUFFERS
+    from loader.pipeline.settings import SHUFFLE_BYTES, buffer_records
+    from shardgen.store.manifest import Manifest
+
+    make_store(tmp_path / "s", DATES)
+    m = Manifest.load(tmp_path / "s" / "manifest.json")
+    records = sum(s.records for s in m.shards)
+    assert buffer_records(m.schema, None, m.shards, 1) >= 1.25 * records, "a rolling window may grow a quarter"
+    assert buffer_records(m.schema, None, m.shards, 4) >= 1.25 * records / 4
+    assert buffer_records(m.schema, 100, m.shards, 1) == 100
+    big = tuple(dataclasses.replace(s, records=s.records * 10**6) for s in m.shards)
+    per = buffer_bytes(m.schema, 1)
+    assert ONE_BLOCK_BUFFERS * per * sum(s.records for s in big) > SHUFFLE_BYTES
+    assert buffer_records(m.schema, None, big, 1) == SHUFFLE_BYTES // (BUFFERS * per), "blocks of what 1 GiB holds"
+
+
+def test_no_native_read_is_kept_under_a_cache_limit(tmp_path, s3):
+    """Under a cache_limit a file no read uses is let go (and its descriptor number reused): a read
+    kept to be started again would reopen another file through /proc/self/fd."""
+    from test_s3_loader import upload_store
+
+    make_store(tmp_path / "s", DATES)
+    url = upload_store(s3, tmp_path / "s", "store")
+    with ShardIter(url, 16, seed=3, cache_dir=tmp_path / "c", cache_limit="1MB", shuffle_buffer=200) as it:
+        for _ in range(2):
+            assert sorted(_epoch(it)) == list(range(sum(DATES.values())))
+            assert not it.reader.plan.files.idle
+            it.reset()
