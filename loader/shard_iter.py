@@ -56,8 +56,8 @@ class ShardIter(mx.io.DataIter):
     reads it (once per file version), ``"frame"`` the framing only, ``"sha256"`` also the whole
     file against the manifest, ``"none"`` trusts the files.
     ``readers``: native iterators per part (each with its own I/O thread; default 2).
-    ``shuffle_buffer``: what is held for mixing, as a number of *records* (an int) or a size
-    in bytes (a string such as ``"256MB"`` or ``"1GiB"``; default 128 MB).
+    ``shuffle_buffer``: the block mixed in memory, as a number of *records* (an int) or a size
+    in bytes (``"256MB"``, ``"1GiB"``; default: the whole part, where it fits in 1 GiB).
     ``native_batch``: records per native batch. ``prefetch_buffer``: caller batches assembled
     ahead. ``canonical_parts``: the order's part count (default ``num_parts``; see
     :mod:`loader.pipeline.order`): a state saved on any number of parts resumes on any other.
@@ -245,9 +245,8 @@ class ShardIter(mx.io.DataIter):
         """This epoch so far: samples/s, payload MB/s and the data-stall fraction; ``last_epoch``:
         the same figures of the last epoch that ended (``history[-1]``, None before), which is what
         is left to read after ``Module.fit``: it resets the iterator at the end of every epoch.
-        ``downloaded_bytes``: what this process fetched from an object store so far (0 for a folder);
-        ``dates_per_block``: the fewest dates a block of this epoch's order spans (a batch mixes the
-        dates of its block: when it is far below the dates read, raise ``shuffle_buffer``)."""
+        ``downloaded_bytes``: fetched from an object store so far; ``dates_per_block``: the fewest
+        dates a block of this epoch spans (far below the dates read: raise ``shuffle_buffer``)."""
         return {**self._epoch_stats(), "last_epoch": dict(self.history[-1]) if self.history else None,
                 "downloaded_bytes": self.reader.location.downloaded_bytes,
                 "dates_per_block": self.reader.dates_per_block}

@@ -10,7 +10,7 @@ import numpy as np
 
 from shardgen.format.schema import Schema
 
-__all__ = ["StreamParams", "batch_floats", "buffer_capacity", "batch_views", "fill_batch"]
+__all__ = ["StreamParams", "batch_floats", "batch_views", "fill_batch"]
 
 
 @dataclass(frozen=True)
@@ -38,11 +38,6 @@ def batch_floats(p: StreamParams) -> int:
     """Floats in one caller batch: x and the labels asked for (one buffer, see ``Arena``)."""
     s = p.schema
     return p.batch_size * (s.x_floats + sum(lab.width for lab in s.labels if lab.name in p.label_names))
-
-
-def buffer_capacity(p: StreamParams) -> int:
-    """Records in a full block's shuffle buffer."""
-    return p.buffer_records
 
 
 def batch_views(p: StreamParams) -> list[tuple[int, int, tuple]]:

@@ -83,7 +83,7 @@ class Epochs:
                 raise
             self.plan = plan
             if previous is not None and previous.folder != plan.folder:
-                self.arena.drop_whole()  # a block of the old plan's files
+                self.arena.drop_whole(previous.folder)  # the old plan's (the new stream may have kept its own)
                 # No stream reads it any more: its files and folder go in a thread of their own
                 # (400 shards: 126 ms of rmtree and closes the caller's reset() waited for).
                 self.old_plans.run(previous.files.close)
@@ -205,7 +205,7 @@ class Epochs:
             if self.arena is not None:
                 self.arena.new_blocks()  # the shuffle buffers it kept go now, not when the iterator is collected
             sweep()  # arrays the caller dropped since the producer's last lend: freed, loans given back let go
-            self.old_plans.join(60)  # plans left at a reset() (their parked native reads) are closed
+            self.old_plans.join(60)  # plans left at a reset() are closed
             if self.plan is not None:
                 self.plan.files.close()
                 self.plan = None

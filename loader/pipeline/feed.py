@@ -223,8 +223,8 @@ class Feed:
     def _block(self, v: int, visit: Visit) -> bool:
         block = self.order.block(visit.c, visit.b)
         plan, files = self.plan, self.plan.files
-        key = None  # a canonical part's only block, of files held open: the next epoch holds the same
-        if files.keep and self._arena is not None and len(self.order.canonical(visit.c)[2]) == 2:
+        key = None  # a canonical part's only block: the next epoch of the same plan holds the same records
+        if self._arena is not None and len(self.order.canonical(visit.c)[2]) == 2:
             key = (plan.folder, block.pieces)
             kept = self._arena.whole(key)
             if kept is not None:

@@ -34,10 +34,9 @@ class _Active:
 class Blocks:
     """Shuffle buffers of the visits being read, filled from the feed's reads."""
 
-    def __init__(self, feed: Feed, arena: Arena, *, readers: int, native_batch: int, record_floats: int,
-                 nominal: int, halt: threading.Event, yield_to: Optional[Callable[[], bool]] = None):
+    def __init__(self, feed: Feed, arena: Arena, *, readers: int, nominal: int, halt: threading.Event,
+                 yield_to: Optional[Callable[[], bool]] = None):
         self.feed, self.arena, self.readers, self.nominal = feed, arena, readers, nominal
-        self.native_batch, self.floats = native_batch, record_floats
         self.halt, self.yield_to = halt, yield_to
         self.buffers: dict = {}  # visit -> ShuffleBuffer
         self.loaded: dict = {}  # visit -> records put so far
@@ -69,7 +68,7 @@ class Blocks:
         of ``v`` already handed out), from reads that are open (never waits for the feed); never a
         block past ``v + 1`` (what ``loader.pipeline.memory`` counts: two blocks a stream)."""
         w = v + 1
-        while w <= v + 1 and not self.halt.is_set() and not self.ready(w):
+        while not self.halt.is_set() and not self.ready(w):
             if w in self.estimate and self.loaded.get(w, 0) >= fraction * self.estimate[w]:
                 return
             if not self.pump(wait=False, upto=w):  # reads of w and before only: never a block past it
@@ -143,7 +142,7 @@ class Blocks:
         native = item.native
         while native.iter_next():  # at its end MXNet 1.9.1's iterator holds no batch: freeing it leaks none
             pass
-        self.feed.plan.files.park(native.key, native)  # to read again next epoch, or freed: before its files go
+        free(native)  # before its files go
         self.feed.plan.files.let_go(item.read.shards)
 
     def release(self, v: int) -> None:

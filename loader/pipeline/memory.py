@@ -157,9 +157,12 @@ class Arena:
             self._refs[id(buffer)] += 1
             return self._whole[1:]
 
-    def drop_whole(self) -> None:
-        """Let go of the block kept (its files changed, or another plan is read)."""
+    def drop_whole(self, folder: Optional[object] = None) -> None:
+        """Let go of the block kept (its files changed; or, for ``folder``, the block of that plan's
+        files, as another plan is read)."""
         with self._lock:
+            if folder is not None and (self._whole is None or self._whole[0][0] != folder):
+                return
             old, self._whole = self._whole, None
         if old is not None:
             self.give_back(old[1])

@@ -104,7 +104,7 @@ def label_view(array: mx.nd.NDArray) -> np.ndarray:
     iterator's next batch; the array must be float32 on the CPU, as an ``ImageRecordIter``'s is."""
     if array.dtype != np.float32 or array.context.device_type not in ("cpu", "cpu_pinned"):
         raise ValueError(f"a native label batch must be float32 on the CPU, got {array.dtype} on {array.context}")
-    array.wait_to_read()
+    array.wait_to_read()  # MXNet 1.9.1's reader writes its batches outside the engine: a guard, not a wait
     ptr = ctypes.c_void_p()
     check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(ptr)))
     n = int(np.prod(array.shape))

@@ -16,8 +16,9 @@ of workers reading it.
    a canonical part that fits in ``block`` is one block, an exact shuffle of its samples, from the
    first batch on (the first blocks used to ramp up from ``block / 256`` samples of one or two
    shards, so an epoch's first batches came from one date). A block's pieces are read in store
-   order (so the reads of a one-block part are the same every epoch, and its native readers are
-   reused: ``loader.source.files.PlanFiles.park``), and its samples are permuted by
+   order (so a one-block part holds the same records in the same slots every epoch, and its next
+   epoch gathers from the block kept whole: ``loader.pipeline.memory.Arena.keep_whole``), and its
+   samples are permuted by
    ``(seed, epoch, c, b)``. A block's records are held in memory while it is read, so ``block``
    is the shuffle buffer.
 4. **The epoch** (``E``) is the canonical parts' orders end to end.

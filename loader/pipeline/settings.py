@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from loader.errors import LoaderError
-from loader.pipeline.batches import StreamParams, batch_floats, buffer_capacity
+from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.memory import BUFFERS, ONE_BLOCK_BUFFERS, check_footprint, footprint
 from loader.pipeline.order import MAX_CANONICAL_PARTS
 from loader.pipeline.shuffle_buffer import buffer_bytes
@@ -110,7 +110,7 @@ def block_records(block: int, shards: tuple) -> int:
 def check_memory(params: StreamParams, shuffle_buffer: object, shards: tuple) -> dict:
     """What ``params`` would hold reading ``shards`` (``loader.pipeline.memory``); LoaderError
     before anything is allocated if that is more than the machine can spare."""
-    records = buffer_capacity(params)
+    records = params.buffer_records
     held = footprint(params.schema, buffer_records=records, block_records=block_records(params.block, shards),
                      buffers=ONE_BLOCK_BUFFERS if one_block(params, shards) else BUFFERS,
                      native_batch=params.native_batch,

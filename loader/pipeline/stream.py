@@ -108,8 +108,7 @@ class EpochStream:
         self._views = batch_views(params)
         self.feed = Feed(plan, self.order, self.visits, pack=sc.pack, readers=self.readers, cap=cap,
                          open_native=self._open_native, ahead=self.readers, start=gate, arena=arena)
-        self._blocks = Blocks(self.feed, arena, readers=self.readers, native_batch=params.native_batch,
-                              record_floats=sc.record_floats, nominal=params.buffer_records, halt=self._halt,
+        self._blocks = Blocks(self.feed, arena, readers=self.readers, nominal=params.buffer_records, halt=self._halt,
                               yield_to=(lambda: yield_to(self)) if yield_to is not None else None)
         self._thread = threading.Thread(target=self._run, name="shardgen-batches", daemon=True)
         self._thread.start()
@@ -173,23 +172,14 @@ class EpochStream:
         return True
 
     def _open_native(self, read: Read):
-        """A native read of ``read``'s records: the plan's parked one that read them before
-        (``PlanFiles.park``, started again), or a new one."""
         p = self.params
-        key = (read.pieces, min(p.native_batch, read.records))
-        native = self.plan.files.unpark(key)
-        if native is not None:
-            native.reset()
-            return native
         source = reader_source(self.plan, read)
         try:
-            native = open_record_iter(source, record_floats=p.schema.record_floats, batch_size=key[1],
-                                      shuffle=False, seed=0, preprocess_threads=p.preprocess_threads,
-                                      prefetch_buffer=1)
+            return open_record_iter(source, record_floats=p.schema.record_floats,
+                                    batch_size=min(p.native_batch, read.records), shuffle=False, seed=0,
+                                    preprocess_threads=p.preprocess_threads, prefetch_buffer=1)
         finally:
             shutil.rmtree(source.index.parent, ignore_errors=True)  # read at open
-        native.key = key
-        return native
 
     def _run(self) -> None:
         if self._behind:

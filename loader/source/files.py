@@ -22,10 +22,9 @@ from shardgen.errors import ShardError
 from shardgen.format.check import REBUILD, check_shard
 from shardgen.store.manifest import Manifest, ShardEntry
 
-__all__ = ["PlanFiles", "recheck", "identity", "IDLE"]
+__all__ = ["PlanFiles", "recheck", "identity"]
 
 _PROC_FD = os.path.isdir("/proc/self/fd")  # MXNet opens a checked file through its descriptor
-IDLE = 4  # native reads a plan keeps read to their end, to read again (``PlanFiles.park``)
 
 
 class PlanFiles:
@@ -43,35 +42,6 @@ class PlanFiles:
         self.checked: dict = {}  # fd -> its file's identity (stat, verify) when recheck() last found it good
         self.lock = threading.Lock()
         self.fetch_lock = threading.Lock()
-        self.idle: list = []  # (key, native): native reads read to their end, kept to be read again (``park``)
-
-    def park(self, key: tuple, native: Any) -> None:
-        """Keep a native read that was read to its end, to read the same records again (``unpark``):
-        a one-block epoch reads the same records every epoch, and an open costs MXNet's 8 MiB
-        zero-filled input chunks, its threads and page faults. Only while files stay open (``keep``:
-        MXNet reopens them through ``/proc/self/fd``); at most ``IDLE`` are kept."""
-        with self.lock:
-            if self.keep and self.folder is not None:
-                self.idle.append((key, native))
-                native = self.idle.pop(0)[1] if len(self.idle) > IDLE else None
-        if native is not None:
-            native.free()
-
-    def unpark(self, key: tuple) -> Any:
-        """A parked native read of ``key``, or None."""
-        with self.lock:
-            for i, (k, native) in enumerate(self.idle):
-                if k == key:
-                    del self.idle[i]
-                    return native
-        return None
-
-    def drop_idle(self) -> None:
-        """Free the parked native reads (before their files are closed, or after they changed)."""
-        with self.lock:
-            idle, self.idle = self.idle, []
-        for _, native in idle:
-            native.free()
 
     def ensure(self, ks: Sequence[int], *, use: bool = True, halt: Optional[threading.Event] = None) -> None:
         """Shards ``ks`` fetched (an object store; ``halt``: waiting for room in a cache under
@@ -146,7 +116,6 @@ class PlanFiles:
     def forget(self, k: int) -> bool:
         """Close shard ``k``'s file if no read uses it (found damaged: the next ``ensure`` opens it
         anew, fetched again); False if a read still does."""
-        self.drop_idle()  # before a descriptor they read through is closed (and its number reused)
         with self.lock:
             if self.fds[k] < 0 or self.users[k] > 0:
                 return self.fds[k] < 0
@@ -156,7 +125,6 @@ class PlanFiles:
         return True
 
     def close(self) -> None:
-        self.drop_idle()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             with contextlib.suppress(OSError):  # this process's folder, once it holds no plan (``_make_folder``)
@@ -199,8 +167,6 @@ def recheck(plan: Any, schema: Any, verify: str) -> bool:
             raise LoaderError(_told(str(exc), advice)) from None
         changed = True
         files.checked[fd] = seen
-    if changed:
-        files.drop_idle()  # they may have read the file while it changed
     return changed
 
 

@@ -13,7 +13,6 @@ import loader.pipeline.loading as loading
 import loader.pipeline.stream as stream
 from loader import ShardIter
 from loader.pipeline.shuffle_buffer import buffer_bytes
-from loader.source.files import IDLE
 
 DATES = {f"2024-02-{d:02d}": 30 + d for d in range(1, 29)}  # 28 dates, 1,246 windows
 
@@ -87,20 +86,6 @@ def test_a_file_changed_between_epochs_is_read_again_not_served_from_the_block_k
     assert got == list(range(40)) + list(range(1040, 1080))
 
 
-def test_native_reads_are_kept_only_while_the_plan_holds_its_files(tmp_path, counted):
-    """Parked reads (``PlanFiles.park``) reopen their files by path: never kept under a cache_limit
-    (whose files may be let go), at most IDLE per plan, all freed when the iterator closes."""
-    make_store(tmp_path / "s", DATES)
-    with ShardIter(tmp_path / "s", 16, seed=3, cache_dir=tmp_path / "c", shuffle_buffer=200, native_batch=8) as it:
-        for _ in range(3):
-            _epoch(it)
-            files = it.reader.plan.files
-            assert len(files.idle) <= IDLE
-            it.reset()
-        assert files.idle, "several blocks: reads read to their end are parked"
-    assert not files.idle, "freed at close"
-
-
 def test_every_batch_mixes_the_dates_of_the_part_from_the_first_one(tmp_path):
     """The default block is the whole part: even the first batches of an epoch span as many dates
     as an exact shuffle's (they came from one date while blocks ramped up)."""
@@ -144,15 +129,39 @@ def test_the_default_block_is_the_whole_part_with_room_to_grow_unless_it_does_no
     assert buffer_records(m.schema, None, big, 1) == SHUFFLE_BYTES // (BUFFERS * per), "blocks of what 1 GiB holds"
 
 
-def test_no_native_read_is_kept_under_a_cache_limit(tmp_path, s3):
-    """Under a cache_limit a file no read uses is let go (and its descriptor number reused): a read
-    kept to be started again would reopen another file through /proc/self/fd."""
+def test_under_a_cache_limit_the_block_kept_whole_spares_the_next_epochs_downloads(tmp_path, s3, counted):
+    """The kept block is in memory, not in the cache: later epochs of the same generation read and
+    download nothing, while the cache stays under its limit."""
     from test_s3_loader import upload_store
 
     make_store(tmp_path / "s", DATES)
     url = upload_store(s3, tmp_path / "s", "store")
-    with ShardIter(url, 16, seed=3, cache_dir=tmp_path / "c", cache_limit="1MB", shuffle_buffer=200) as it:
-        for _ in range(2):
-            assert sorted(_epoch(it)) == list(range(sum(DATES.values())))
-            assert not it.reader.plan.files.idle
-            it.reset()
+    with ShardIter(url, 16, seed=3, cache_dir=tmp_path / "c", cache_limit="60KB") as it:
+        first = _epoch(it)
+        fetched = it.stats["downloaded_bytes"]
+        assert fetched >= it.reader.plan.records, "the first epoch downloads the part"
+        counted.update(opens=0, batches=0)
+        it.reset()
+        again = _epoch(it)
+        assert counted == {"opens": 0, "batches": 0} and it.stats["downloaded_bytes"] == fetched
+    assert sorted(first) == sorted(again) == list(range(sum(DATES.values()))) and first != again
+
+
+def test_a_new_generation_lets_the_old_plans_kept_block_go(tmp_path):
+    """The block kept whole belongs to a plan: after a reset() onto other shards only the new
+    plan's block is kept (the old one held a buffer no stream could use). A window grown by a
+    quarter is still one block (the default block's headroom)."""
+    four = {f"2024-01-0{d}": 40 for d in range(2, 6)}
+    make_store(tmp_path / "s", four)
+    with ShardIter(tmp_path / "s", 8, seed=1, cache_dir=tmp_path / "c") as it:
+        _epoch(it)
+        old = it.plan.folder
+        assert it.reader.epochs.arena._whole[0][0] == old
+        make_store(tmp_path / "s", {**four, "2024-01-08": 40})
+        it.reset()
+        assert it.plan.folder != old
+        whole = it.reader.epochs.arena._whole
+        assert whole is None or whole[0][0] == it.plan.folder
+        assert sorted(_epoch(it)) == list(range(200))
+        assert it.stats["dates_per_block"] == 5
+        assert it.reader.epochs.arena._whole[0][0] == it.plan.folder
