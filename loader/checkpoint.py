@@ -71,13 +71,13 @@ def check_state(reader: Any, state: dict) -> None:
                           f"Start epoch {state.get('epoch')} again (a new ShardIter, then reset() "
                           f"{state.get('epoch')} times) or go on with the next one; states saved from now on "
                           f"resume exactly")
-    if version == 4:
+    if version == 4 and state.get("shuffle") is not False:  # in order, version 4's order is today's
         raise LoaderError(f"state_dict version 4 was saved by a loader whose epochs began with small blocks of one or "
                           f"two dates (2026-12-06): this one cuts its order into equal blocks, so that state's place "
                           f"is not in this order. Start epoch {state.get('epoch')} again (a new ShardIter, then "
                           f"reset() {state.get('epoch')} times) or go on with the next one; states saved from now "
                           f"on resume exactly")
-    if version != STATE_VERSION:
+    if version not in (4, STATE_VERSION):
         raise LoaderError(f"state_dict version {version!r}, expected {STATE_VERSION}")
     try:
         sound = state.get("sha256") == _digest(state)

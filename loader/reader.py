@@ -83,10 +83,7 @@ class Reader:
     def dates_per_block(self) -> Optional[int]:
         """The fewest shards (dates) a block of this epoch's order that this part reads spans."""
         stream = self.epochs.stream
-        if stream is None or not stream.visits:
-            return None
-        order = stream.order
-        return min(len({k for k, _, _ in order.block(v.c, v.b).pieces}) for v in stream.visits)
+        return stream.dates_per_block if stream is not None else None
 
     @property
     def running(self) -> bool:
@@ -218,7 +215,11 @@ class Reader:
         # resumes (an empty part), and the state's shards (opened and checked for a folder).
         split_phase(params, sum(s.samples for s in shards), phases, int(state["generation"]))
         manifest = self.location.manifest()
-        plan = self.plan if shards == self.plan.shards else self._plan_for(manifest, shards)
+        if shards == self.plan.shards:  # the files read now: checked again if they changed (found by review:
+            plan = self.plan  # the block kept whole from before a rewrite was served)
+            self.epochs.recheck(plan, self.schema, self.verify)
+        else:
+            plan = self._plan_for(manifest, shards)
         before_end()
         self.end_epoch()
         if params.block != p.block:

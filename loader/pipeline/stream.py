@@ -12,6 +12,7 @@ records get there. The thread holds no reference to the ``ShardIter`` that owns 
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import shutil
 import threading
@@ -139,6 +140,12 @@ class EpochStream:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    @functools.cached_property
+    def dates_per_block(self) -> Optional[int]:
+        """The fewest shards a block of this stream spans (computed once: ``it.stats`` asks)."""
+        pieces = {(v.c, v.b): self.order.block(v.c, v.b).pieces for v in self.visits}
+        return min((len({k for k, _, _ in p}) for p in pieces.values()), default=None)
 
     def short(self) -> bool:
         """Its producer is still assembling and the caller's queue is at its low mark or below."""

@@ -340,7 +340,9 @@ def test_the_next_epoch_is_started_by_the_producer_thread_not_in_next(tmp_path, 
         for _ in range(3):
             assert sorted(i for b in it for i in batch_ids(b)) == list(range(800))
             it.reset()
-    assert [e for e, _ in started] == [0, 1, 2, 3]
+    # epoch 3's own producer may be half way before close(), starting epoch 4's (its block is kept whole:
+    # nothing to read, so it gets there fast)
+    assert [e for e, _ in started][:4] == [0, 1, 2, 3] and len(started) <= 5
 
 
 def test_the_next_epoch_fills_only_while_the_current_one_is_not_short(tmp_path, monkeypatch):

@@ -165,3 +165,42 @@ def test_a_new_generation_lets_the_old_plans_kept_block_go(tmp_path):
         assert sorted(_epoch(it)) == list(range(200))
         assert it.stats["dates_per_block"] == 5
         assert it.reader.epochs.arena._whole[0][0] == it.plan.folder
+
+
+def test_a_state_loaded_after_a_shard_changed_in_place_reads_the_files_as_they_are(tmp_path):
+    """load_state_dict() on the files read now checks them again (found by review): the block
+    kept whole from before the rewrite is let go, and the batches are those a fresh iterator
+    resuming the same state reads."""
+    import os
+
+    counts = {"2024-01-02": 40, "2024-01-03": 40, "2024-01-04": 40}
+    make_store(tmp_path / "s", counts)
+    make_store(tmp_path / "t", counts, base_id=1000)
+    with ShardIter(tmp_path / "s", 8, seed=2, cache_dir=tmp_path / "c") as it:
+        it.next(), it.next()
+        state = it.state_dict()
+        _epoch(it)
+        rec = tmp_path / "s" / "2024-01-03.rec"
+        with open(rec, "r+b") as fh:
+            fh.write((tmp_path / "t" / rec.name).read_bytes())
+        os.utime(rec, ns=(1, 1))
+        it.load_state_dict(state)
+        got = _epoch(it)
+    with ShardIter(tmp_path / "s", 8, seed=2, cache_dir=tmp_path / "d") as fresh:
+        fresh.load_state_dict(state)
+        assert got == _epoch(fresh)
+    assert any(i >= 1000 for i in got)
+
+
+def test_an_in_order_state_of_version_4_resumes_its_order_is_todays(tmp_path):
+    from loader.checkpoint import _digest
+
+    make_store(tmp_path / "s", DATES)
+    with ShardIter(tmp_path / "s", 16, shuffle=False, cache_dir=tmp_path / "c") as it:
+        for _ in range(5):
+            it.next()
+        state = {**it.state_dict(), "version": 4}
+        want = _epoch(it)
+    with ShardIter(tmp_path / "s", 16, shuffle=False, cache_dir=tmp_path / "d") as it:
+        it.load_state_dict({**state, "sha256": _digest(state)})
+        assert _epoch(it) == want
