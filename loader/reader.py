@@ -130,7 +130,7 @@ class Reader:
     def _start_next(self, plan: EpochPlan, current: EpochPlan) -> None:
         if plan.folder == current.folder:
             self.epochs.recheck(plan, self.schema, self.verify)
-        self._start(plan, epoch=self.epoch + 1)
+        self._start(plan, epoch=self.epoch + 1, wait=False)
 
     def _next_plan(self, manifest: Manifest, current: EpochPlan) -> EpochPlan:
         shards = select_shards(manifest, self.dates)
@@ -163,12 +163,15 @@ class Reader:
         mine = slice_of([(0, order.total)], self.params.num_parts, self.params.part_index)
         return tuple(shards[k] for k in sorted(order.shards_of(mine)))
 
-    def _start(self, plan: EpochPlan, *, phases: tuple = (), skip: int = 0, epoch: Optional[int] = None) -> None:
+    def _start(self, plan: EpochPlan, *, phases: tuple = (), skip: int = 0, epoch: Optional[int] = None,
+               wait: bool = True) -> None:
         """Make ``plan`` this reader's, reading ``epoch`` (default: the current one) after ``phases``
         and ``skip`` batches of this phase. Nothing changes if the epoch cannot start (e.g. a part
-        smaller than a batch): the error is raised and the plan's files are let go."""
+        smaller than a batch): the error is raised and the plan's files are let go. ``wait=False``
+        (``reset()``): a plan whose files were all opened and checked when it was made does not wait
+        for its first native read to open (a failure there is raised by the next ``next()``)."""
         epoch = self.epoch if epoch is None else epoch
-        stream = self.epochs.start(plan, epoch, self.params, phases, skip)
+        stream = self.epochs.start(plan, epoch, self.params, phases, skip, wait=wait or not plan.files.eager)
         self.epoch, self.phases = epoch, tuple(phases)
         self.part_samples, self.batches = stream.samples, stream.batches
         self.cursor = skip

@@ -53,8 +53,8 @@ class Epochs:
         self.old_plans = OffThread("shardgen-old-plan")  # a plan left at reset() closes off the caller's thread
         lenders(+1)
 
-    def start(self, plan: EpochPlan, epoch: int, params: StreamParams, phases: tuple = (), skip: int = 0
-              ) -> EpochStream:
+    def start(self, plan: EpochPlan, epoch: int, params: StreamParams, phases: tuple = (), skip: int = 0,
+              wait: bool = True) -> EpochStream:
         """Make ``plan`` current and return the stream reading ``epoch`` of it: the one already
         filling ahead if it reads the same plan and epoch from its start, else a new one. Nothing
         changes if the epoch cannot start (e.g. a part smaller than a batch): the error is raised
@@ -74,7 +74,8 @@ class Epochs:
             try:
                 stream = ahead if ahead is not None else EpochStream(
                     plan, epoch, params, self.arena, phases=phases, skip=skip, cap=self.cap, on_half=self._half_way)
-                stream.started()  # streamed from an object store: its first segments are here
+                if wait:
+                    stream.started()  # its first read is open (from an object store: its first files are here)
             except BaseException:
                 if stream is not None:
                     stream.close()

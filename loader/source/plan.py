@@ -117,7 +117,7 @@ def reader_source(plan: EpochPlan, read: Read) -> ReaderSource:
     except OSError as exc:
         raise LoaderError(f"{index}: cannot write a reader's index ({exc.strerror}); pass cache_dir= a "
                           "writable folder with room (or set XDG_CACHE_HOME)") from None
-    rec_paths = ";".join(str(plan.folder / f"{k:06d}" / "s.rec") for k in read.shards)
+    rec_paths = ";".join(f"{files.links[k]}/s.rec" for k in read.shards)
     return ReaderSource(rec_paths, index, parts, 0)
 
 
@@ -197,6 +197,7 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
         files.folder = folder
         if eager:
             files.ensure(range(len(shards)), use=False)
+            files.eager = True
     except BaseException:
         files.close()
         raise

@@ -108,9 +108,24 @@ class ShardEntry:
 
     @classmethod
     def from_json(cls, obj: dict) -> ShardEntry:
-        return cls(str(obj["date"]), str(obj["rec"]), str(obj["idx"]), int(obj["records"]),
-                   int(obj["bytes"]), str(obj["sha256"]), int(obj.get("windows", 0)),
-                   None if obj.get("distinct") is None else bool(obj["distinct"]), str(obj.get("checksum", "")))
+        try:  # a new generation lists all but a few of the entries parsed before: taken as they were
+            key = tuple((k, type(v), v) for k, v in obj.items())
+            hit = _PARSED.get(key)
+        except (TypeError, AttributeError):  # not a flat dict: parsed (and refused) below
+            key = hit = None
+        if hit is not None:
+            return hit
+        entry = cls(str(obj["date"]), str(obj["rec"]), str(obj["idx"]), int(obj["records"]),
+                    int(obj["bytes"]), str(obj["sha256"]), int(obj.get("windows", 0)),
+                    None if obj.get("distinct") is None else bool(obj["distinct"]), str(obj.get("checksum", "")))
+        if key is not None:
+            if len(_PARSED) >= 1 << 16:
+                _PARSED.clear()
+            _PARSED[key] = entry
+        return entry
+
+
+_PARSED: dict = {}  # ShardEntry.from_json's: an entry's JSON items (with their types) -> the entry
 
 
 @dataclass(frozen=True)

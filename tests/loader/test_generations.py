@@ -302,10 +302,14 @@ def test_new_generations_mid_epoch_let_the_old_plans_go_once_their_readers_end(t
             ids = sorted(i for b in it for i in batch_ids(b))
             assert ids == list(range(sum(counts.values())))
             it.reset()
+        def plans() -> list:  # ("fd" holds the links to the open files, shared by the plans)
+            return [p for p in mine.iterdir() if p.is_dir() and p.name != "fd"]
+
         deadline = time.monotonic() + 10
-        while len([p for p in mine.iterdir() if p.is_dir()]) > 1 and time.monotonic() < deadline:
+        while len(plans()) > 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len([p for p in mine.iterdir() if p.is_dir()]) == 1  # this plan's only
+        assert len(plans()) == 1  # this plan's only
+        assert len(list((mine / "fd").iterdir())) == len(counts), "a link for each file the plan reads, no more"
     assert not mine.exists() or not [p for p in mine.iterdir() if p.is_dir()]
     assert len(os.listdir("/proc/self/fd")) <= before
     assert not [t.name for t in set(threading.enumerate()) - threads_before
