@@ -204,3 +204,24 @@ def test_an_in_order_state_of_version_4_resumes_its_order_is_todays(tmp_path):
     with ShardIter(tmp_path / "s", 16, shuffle=False, cache_dir=tmp_path / "d") as it:
         it.load_state_dict({**state, "sha256": _digest(state)})
         assert _epoch(it) == want
+
+
+def test_a_file_damaged_in_place_is_caught_by_the_next_generations_plan_too(tmp_path):
+    """A new generation's plan takes the files it shares with the plan before from it: one that
+    changed since it was found good (a payload bit flipped: MXNet would read it without a word)
+    is checked again, and the reset() onto the new generation says which record is damaged."""
+    from test_damage import flip, make
+
+    from loader import LoaderError
+    from shardgen.store.manifest import Manifest
+
+    make(tmp_path / "s", dates=4)
+    m = Manifest.load(tmp_path / "s" / "manifest.json")
+    with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c") as it:
+        _epoch(it)
+        flip(tmp_path / "s" / m.shards[2].rec, m.schema.record_bytes * 3 + 8 + 24 + 4 * m.schema.data_slice.start)
+        shards = list(m.shards)
+        from shardgen.store.publish import publish
+        publish(tmp_path / "s", m.schema, 0, shards[1:])  # a new generation: the first date retired
+        with pytest.raises(LoaderError, match=f"record 3 of {m.shards[2].date} is damaged"):
+            it.reset()
