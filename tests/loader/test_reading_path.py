@@ -214,14 +214,14 @@ def test_a_file_damaged_in_place_is_caught_by_the_next_generations_plan_too(tmp_
 
     from loader import LoaderError
     from shardgen.store.manifest import Manifest
+    from shardgen.store.publish import publish
 
     make(tmp_path / "s", dates=4)
     m = Manifest.load(tmp_path / "s" / "manifest.json")
     with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c") as it:
         _epoch(it)
         flip(tmp_path / "s" / m.shards[2].rec, m.schema.record_bytes * 3 + 8 + 24 + 4 * m.schema.data_slice.start)
-        shards = list(m.shards)
-        from shardgen.store.publish import publish
-        publish(tmp_path / "s", m.schema, 0, shards[1:])  # a new generation: the first date retired
+        publish(tmp_path / "s", m.schema, 3, [])  # a new generation: the window of 3 retires the first date
+        assert len(Manifest.load(tmp_path / "s" / "manifest.json").shards) == 3
         with pytest.raises(LoaderError, match=f"record 3 of {m.shards[2].date} is damaged"):
             it.reset()
