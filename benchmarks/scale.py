@@ -111,8 +111,8 @@ def mixing(store: Path, cache: Path, batch_size: int = 512, *, epochs: int = 2, 
             if e:
                 it.reset()
             for i, b in enumerate(it):
-                if i < FIRST_BATCHES:
-                    seen.append(len(np.unique(b.label[-1].asnumpy()[:batch_size - b.pad])))
+                if i < FIRST_BATCHES and not b.pad:  # full batches, as the exact shuffle's are
+                    seen.append(len(np.unique(b.label[-1].asnumpy())))
     m = Manifest.load(store / MANIFEST_NAME)
     days = np.repeat(np.arange(len(m.shards)), [s.samples for s in m.shards])
     perm = np.random.default_rng(seed).permutation(len(days))

@@ -24,7 +24,7 @@ import numpy as np
 from loader.errors import LoaderError, as_loader_error
 from loader.pipeline.batches import StreamParams, batch_views, fill_batch
 from loader.pipeline.feed import Feed
-from loader.pipeline.loading import Blocks
+from loader.pipeline.loading import YIELD_S, Blocks
 from loader.pipeline.memory import Arena
 from loader.pipeline.native import open_record_iter
 from loader.pipeline.order import EpochOrder, OrderSpec, Phase, count, cut, remainder, slice_of
@@ -231,6 +231,8 @@ class EpochStream:
         for index in range(self._from, self.batches):
             if self._halt.is_set():
                 return
+            while self._yield_to is not None and self._yield_to(self) and not self._halt.is_set():
+                time.sleep(YIELD_S)  # the next epoch's gathers wait while this epoch's stream runs short
             if index >= self.batches // 2 and not self.past_half:
                 self.past_half = True  # (``on_half`` may ask again at the next batch)
                 if self._on_half is not None:
