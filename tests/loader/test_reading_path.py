@@ -225,3 +225,32 @@ def test_a_file_damaged_in_place_is_caught_by_the_next_generations_plan_too(tmp_
         assert len(Manifest.load(tmp_path / "s" / "manifest.json").shards) == 3
         with pytest.raises(LoaderError, match=f"record 3 of {m.shards[2].date} is damaged"):
             it.reset()
+
+
+def test_the_next_epoch_gathers_from_the_kept_block_only_while_this_one_is_not_short(tmp_path, monkeypatch):
+    """With the block kept whole the next epoch's stream reads nothing natively: it naps before
+    each batch it gathers while the current stream is short (at 90% load its gathers took the GIL
+    from the current stream's refills)."""
+    import time
+
+    from loader.pipeline.stream import EpochStream
+
+    short = [True]
+    monkeypatch.setattr(EpochStream, "short", lambda self: short[0])
+    make_store(tmp_path / "s", DATES)
+    with ShardIter(tmp_path / "s", 8, seed=3, cache_dir=tmp_path / "c") as it:
+        seen = [i for _, b in zip(range(it.batches_per_epoch // 2 + 2), it) for i in batch_ids(b)]
+        ahead = it.reader.epochs.ahead
+        assert ahead is not None
+        time.sleep(0.3)
+        assert not ahead._ready, "gathered while the current stream was short"
+        short[0] = False
+        deadline = time.monotonic() + 10
+        while not ahead._ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ahead._ready
+        rest = [i for b in it for i in batch_ids(b)]
+        assert sorted(seen + rest) == list(range(sum(DATES.values())))
+        it.reset()
+        assert it.reader.epochs.stream is ahead
+        assert sorted(_epoch(it)) == list(range(sum(DATES.values())))
