@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -130,7 +131,7 @@ def cpu_in_subprocess(kind: str, *args: object) -> dict:
                                 f"print(json.dumps(_{kind}(*{tuple(args)!r})))", f"cpu bench ({kind})", 1800)
 
 
-def cpu_suite(store: Path, cache: Path, t: int, c: int, *, epochs: int = 4, workdir: Path = None) -> dict:
+def cpu_suite(store: Path, cache: Path, t: int, c: int, *, epochs: int = 4, workdir: Optional[Path] = None) -> dict:
     """The floor (a process without the loader), the loader's figures and the memmap loop
     (:mod:`benchmarks.memmap`) beside ShardIter, in one run."""
     from benchmarks.memmap import memmap_vs_shard_iter
@@ -142,5 +143,4 @@ def cpu_suite(store: Path, cache: Path, t: int, c: int, *, epochs: int = 4, work
     res["trainer_gather_ratio"] = res["trainer_gather_after_us"] / res["trainer_gather_before_us"]
     for name in ("shuffled", "in_order"):
         res[name]["floor_ratio"] = res[name]["cpu_us_per_window"] / floor
-        res[name]["memmap_ratio"] = res[name]["cpu_us_per_window"] / res["memmap"]["memmap"]["cpu_us_per_window"]
     return res

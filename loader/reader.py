@@ -21,9 +21,9 @@ from loader.checkpoint import check_state, state_of
 from loader.errors import LoaderError, StoreUnreachableError
 from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
-from loader.pipeline.memory import BUFFERS, ONE_BLOCK_BUFFERS, Arena
+from loader.pipeline.memory import Arena
 from loader.pipeline.order import EpochOrder, Phase, slice_of
-from loader.pipeline.settings import check_memory, one_block
+from loader.pipeline.settings import buffers_alive, check_memory
 from loader.pipeline.stream import order_spec, split_phase
 from loader.source.generations import Choice
 from loader.source.location import Location
@@ -61,7 +61,7 @@ class Reader:
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
         selected = select_shards(manifest, self.dates)
         self.epochs.arena = Arena(self.schema, batch_floats(params), keep=2 * (params.prefetch_buffer + 4),
-                                  buffers=_buffers(params, selected))
+                                  buffers=buffers_alive(params, selected))
         try:
             self._start(self._plan_for(manifest, selected))
         except BaseException:
@@ -226,7 +226,7 @@ class Reader:
         before_end()
         self.end_epoch()
         if params.block != p.block:
-            self.epochs.arena.new_blocks(_buffers(params, shards))
+            self.epochs.arena.new_blocks(buffers_alive(params, shards))
         self.dates, self.memory, self.params = dates, memory, params
         if state.get("pinned") is not None:
             self.choice = Choice(pin=state["pinned"])
@@ -242,11 +242,6 @@ class Reader:
         self.location.release(f"iter-{id(self)}")
         self._finalizer.detach()
         self.epochs.close()
-
-
-def _buffers(params: StreamParams, shards: tuple) -> int:
-    """Shuffle buffers alive at most (``loader.pipeline.memory``)."""
-    return ONE_BLOCK_BUFFERS if one_block(params, shards) else BUFFERS
 
 
 class _Gone:

@@ -153,9 +153,9 @@ class Arena:
         with self._lock:
             if self._whole is None or self._whole[0] != key:
                 return None
-            buffer = self._whole[1]
+            _, buffer, records, codes = self._whole
             self._refs[id(buffer)] += 1
-            return self._whole[1:]
+            return buffer, records, codes
 
     def drop_whole(self, folder: Optional[object] = None) -> None:
         """Let go of the block kept (its files changed; or, for ``folder``, the block of that plan's

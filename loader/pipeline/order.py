@@ -18,9 +18,8 @@ of workers reading it.
    shards, so an epoch's first batches came from one date). A block's pieces are read in store
    order (so a one-block part holds the same records in the same slots every epoch, and its next
    epoch gathers from the block kept whole: ``loader.pipeline.memory.Arena.keep_whole``), and its
-   samples are permuted by
-   ``(seed, epoch, c, b)``. A block's records are held in memory while it is read, so ``block``
-   is the shuffle buffer.
+   samples are permuted by ``(seed, epoch, c, b)``. A block's records are held in memory while it
+   is read, so ``block`` is the shuffle buffer.
 4. **The epoch** (``E``) is the canonical parts' orders end to end.
 
 Without ``shuffle`` nothing is permuted: ``E`` is the store order.

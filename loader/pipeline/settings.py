@@ -19,7 +19,7 @@ from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema
 
 __all__ = ["check_arguments", "default_readers", "default_native_batch", "buffer_records", "block_samples",
-           "check_memory", "SHUFFLE_BYTES", "one_block"]
+           "check_memory", "SHUFFLE_BYTES", "buffers_alive"]
 
 SHUFFLE_BYTES = 1 << 30  # what an iterator's shuffle buffers hold together by default
 HEADROOM = 1.25  # a part chosen to be one block stays one while a rolling window grows by a quarter
@@ -80,9 +80,11 @@ def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], shards: 
     return max(1, size // buffer_bytes(schema, 1))
 
 
-def one_block(params: StreamParams, shards: tuple) -> bool:
-    """Every canonical part of ``shards`` is one block of the order (see ``order._block_bounds``)."""
-    return params.block >= -(-sum(s.samples for s in shards) // params.canonical_parts)
+def buffers_alive(params: StreamParams, shards: tuple) -> int:
+    """Shuffle buffers alive at most (``loader.pipeline.memory``): fewer when every canonical part
+    of ``shards`` is one block of the order (see ``order._block_bounds``)."""
+    one_block = params.block >= -(-sum(s.samples for s in shards) // params.canonical_parts)
+    return ONE_BLOCK_BUFFERS if one_block else BUFFERS
 
 
 def block_samples(records: int, shards: tuple, schema: Schema) -> int:
@@ -112,7 +114,7 @@ def check_memory(params: StreamParams, shuffle_buffer: object, shards: tuple) ->
     before anything is allocated if that is more than the machine can spare."""
     records = params.buffer_records
     held = footprint(params.schema, buffer_records=records, block_records=block_records(params.block, shards),
-                     buffers=ONE_BLOCK_BUFFERS if one_block(params, shards) else BUFFERS,
+                     buffers=buffers_alive(params, shards),
                      native_batch=params.native_batch,
                      readers=params.readers, prefetch_buffer=params.prefetch_buffer,
                      batch_floats=batch_floats(params))

@@ -89,13 +89,14 @@ class PlanFiles:
         if held is None:
             return False
         fd, frames, link, seen = held
-        if identity(fd, self.verify) != seen:
+        now = identity(fd, self.verify)  # before the check: a change during it is checked next time
+        if now != seen:
             try:
                 frames = _check(self.location, self._store, fd, self.shards[k], self.schema, self.verify)
             except BaseException:
                 _release(key)
                 raise
-            seen = _HELD[key][3] = identity(fd, self.verify)
+            seen = _found_good(key, now)
         with self.lock:
             self.fds[k], self.frames[k], self.links[k], self.keys[k], self.checked[fd] = fd, frames, link, key, seen
         return True
@@ -145,10 +146,7 @@ class PlanFiles:
         fd, key, link = self.fds[k], self.keys[k], self.links[k]
         self.checked.pop(fd, None)
         self.fds[k], self.frames[k], self.links[k], self.keys[k] = -1, None, None, None
-        if key is None:
-            _close(fd, link)
-        else:
-            _release(key)
+        _drop(fd, key, link)
 
     def forget(self, k: int) -> bool:
         """Close shard ``k``'s file if no read uses it (found damaged: the next ``ensure`` opens it
@@ -173,7 +171,7 @@ class PlanFiles:
             self.frames = [None] * len(self.fds)
         for k, fd in enumerate(fds):
             if fd >= 0:
-                _close(fd, links[k]) if keys[k] is None else _release(keys[k])
+                _drop(fd, keys[k], links[k])
                 if not self.keep:
                     self.location.unpin(self.shards[k])
 
@@ -199,6 +197,21 @@ def _adopt(key: Optional[tuple]) -> Optional[tuple]:
             return None
         held[4] += 1
         return tuple(held[:4])
+
+
+def _found_good(key: tuple, seen: tuple) -> tuple:
+    """The shared file ``key`` was found good as it was at ``seen`` (its ``identity``)."""
+    with _HELD_LOCK:
+        _HELD[key][3] = seen
+    return seen
+
+
+def _drop(fd: int, key: Optional[tuple], link: Optional[str]) -> None:
+    """A plan lets go of a file: closed at once if not shared (``key`` None), else one hold released."""
+    if key is None:
+        _close(fd, link)
+    else:
+        _release(key)
 
 
 def _release(key: tuple) -> None:
@@ -248,8 +261,7 @@ def recheck(plan: Any, schema: Any, verify: str) -> bool:
         changed = True
         files.checked[fd] = seen
         if files.keys[k] is not None:  # what a later plan sharing it compares with
-            with _HELD_LOCK:
-                _HELD[files.keys[k]][3] = seen
+            _found_good(files.keys[k], seen)
     return changed
 
 
