@@ -67,7 +67,7 @@ class Epochs:
             previous = self.plan
             ahead, self.ahead = self.ahead, None
             if ahead is not None and (ahead.plan.folder != plan.folder or ahead.epoch != epoch or skip or phases
-                                      or ahead.params != params):
+                                      or ahead.params != params or ahead.failed):  # (reset() may not wait to see)
                 ahead.close()  # reads files of the old plan: gone before its files are let go
                 ahead = None
             stream = None

@@ -87,6 +87,7 @@ class EpochStream:
         self._behind, self._on_half, self._yield_to = behind, on_half, yield_to
         self._producing = True  # the producer thread has batches left to assemble
         self.past_half = False  # the producer thread has been half way (and called on_half)
+        self.failed = False  # its producer stopped on an error (the next get() raises it)
         self.order = EpochOrder(plan.sample_counts, order_spec(params), epoch)
         rest, self.part_samples, self.batches = split_phase(params, self.order.total, self.phases, plan.generation)
         self._mine = slice_of(rest, params.num_parts, params.part_index)
@@ -198,6 +199,7 @@ class EpochStream:
         try:
             self._produce()
         except BaseException as exc:  # handed to the caller's next()
+            self.failed = True
             self._offer(as_loader_error(exc, self.plan))
         finally:
             self._shutdown()

@@ -254,3 +254,40 @@ def test_the_next_epoch_gathers_from_the_kept_block_only_while_this_one_is_not_s
         it.reset()
         assert it.reader.epochs.stream is ahead
         assert sorted(_epoch(it)) == list(range(sum(DATES.values())))
+
+
+def test_a_native_open_failing_after_a_new_generation_is_raised_by_the_next_next(tmp_path, monkeypatch):
+    """reset() onto a store folder's new plan does not wait for its first native read to open
+    (docs/internals.md, "Plan"): an MXNet error there is a LoaderError naming its reason, from the
+    next() that needs the batch; the iterator goes on after a reset() once the reader opens."""
+    import mxnet as mx
+
+    from loader import LoaderError
+
+    make_store(tmp_path / "s", {"2024-01-02": 40, "2024-01-03": 40})
+    with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c") as it:
+        _epoch(it)
+        make_store(tmp_path / "s", {"2024-01-02": 40, "2024-01-03": 40, "2024-01-04": 40})
+        real = stream.open_record_iter
+
+        def failing(*_a, **_k):
+            raise mx.base.MXNetError("Traceback (most recent call last):\nMXNetError: Check failed: injected")
+
+        monkeypatch.setattr(stream, "open_record_iter", failing)
+        it.reset()  # returns: the plan's files were all checked
+        with pytest.raises(LoaderError, match="Check failed: injected"):
+            it.next()
+        # The failed stream may have begun the next epoch's (it "ended" before half way): that one
+        # fails too, and a reset() must not take it (it would not wait to see). Made sure of here.
+        import time
+
+        epochs = it.reader.epochs
+        with epochs.lock:
+            epochs._open_ahead(epochs.stream.epoch + 1, epochs.stream.params, behind=False)
+        assert epochs.ahead is not None
+        deadline = time.monotonic() + 20
+        while (ahead := it.reader.epochs.ahead) is not None and not ahead.failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        monkeypatch.setattr(stream, "open_record_iter", real)
+        it.reset()
+        assert sorted(_epoch(it)) == list(range(120))
