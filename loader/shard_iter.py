@@ -12,6 +12,7 @@ the iterator is belongs to its :class:`loader.reader.Reader`.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Optional, Sequence
 
@@ -19,11 +20,12 @@ import mxnet as mx
 
 from loader.errors import LoaderError
 from loader.lifecycle import report_rank, track
-from loader.pipeline.batches import StreamParams
+from loader.pipeline.batches import StreamParams, asked_labels
 from loader.pipeline.settings import (
     block_samples,
     buffer_records,
     check_arguments,
+    check_label_names,
     check_memory,
     default_native_batch,
     default_readers,
@@ -34,6 +36,13 @@ from loader.source.location import Location, resolve
 from loader.source.selection import DateRange, normalize_dates, select_shards
 
 __all__ = ["ShardIter"]
+
+
+def _prefetching() -> bool:
+    """Whether ``next()`` was called by MXNet's ``PrefetchingIter`` thread (its ``prefetch_func``, which
+    takes only StopIteration as an end: anything else kills the thread and leaves the wrapper waiting)."""
+    caller = sys._getframe(2).f_code  # prefetch_func -> ShardIter.next -> here
+    return caller.co_name == "prefetch_func" and caller.co_filename.endswith(os.path.join("mxnet", "io", "io.py"))
 
 
 def _setting(name: str) -> property:
@@ -91,10 +100,7 @@ class ShardIter(mx.io.DataIter):
         manifest_obj = choice.manifest(location)
         schema = manifest_obj.schema
         known = [lab.name for lab in schema.labels]
-        self.label_names = tuple(known if label_names is None else label_names)
-        unknown = [n for n in self.label_names if n not in known]
-        if unknown or not self.label_names:
-            raise LoaderError(f"label_names {list(self.label_names)!r}: choose among {known}")
+        self.label_names = check_label_names(label_names, known)
         nb = int(native_batch) if native_batch is not None else default_native_batch(schema.pack)
         selected = select_shards(manifest_obj, normalize_dates(dates))
         canonical = int(num_parts if canonical_parts is None else canonical_parts)
@@ -105,7 +111,7 @@ class ShardIter(mx.io.DataIter):
             readers=default_readers() if readers is None else int(readers),
             native_batch=nb, buffer_records=records,
             preprocess_threads=int(preprocess_threads), prefetch_buffer=int(prefetch_buffer),
-            label_names=tuple(lab.name for lab in schema.labels if lab.name in self.label_names),
+            label_names=self.label_names,
             canonical_parts=canonical,
             block=block_samples(records, selected, schema))
         memory = check_memory(params, shuffle_buffer, selected)
@@ -146,7 +152,7 @@ class ShardIter(mx.io.DataIter):
         self._provide_data = [mx.io.DataDesc(s.data_name, (b, s.time_steps, s.num_inputs), layout="NTC")]
         self._provide_label = [mx.io.DataDesc(lab.name, (b,), layout="N") if lab.width == 1
                                else mx.io.DataDesc(lab.name, (b, lab.width), layout="NC")
-                               for lab in self.schema.labels if lab.name in self.label_names]
+                               for lab in asked_labels(self.reader.params)]
 
     def reset(self) -> None:
         """Start the next epoch on the newest manifest generation."""
@@ -162,8 +168,15 @@ class ShardIter(mx.io.DataIter):
             raise StopIteration
         if self._epoch_t0 is None:
             self._epoch_t0 = t0
+        if self._closed and _prefetching():
+            raise StopIteration  # MXNet's PrefetchingIter asks a batch ahead from its own thread: close() ends it
         self._check_open()
-        arrays, pad = reader.take()
+        try:
+            arrays, pad = reader.take()
+        except LoaderError:
+            if self._closed and _prefetching():  # closed while its thread waited for this batch
+                raise StopIteration from None
+            raise
         self._batches += 1
         self._samples += self.batch_size - pad  # pad is 0 with last_batch="discard"
         t1 = time.perf_counter()
@@ -288,7 +301,10 @@ class ShardIter(mx.io.DataIter):
 
     def close(self) -> None:
         """Stop the native threads, let go of the files and drop the reader lease now rather than
-        at garbage collection. Safe to call more than once, and after an error."""
+        at garbage collection. Safe to call more than once, and after an error. A ``next()`` waiting
+        in another thread, or called afterwards, is a LoaderError (an epoch is never cut short
+        silently), except from MXNet's ``PrefetchingIter``, whose thread asks for a batch ahead: there
+        it is the end of the data, so that thread ends without a traceback and the wrapper stops."""
         if self._closed:
             return
         self._closed = True

@@ -36,8 +36,13 @@ class StreamParams:
 
 def batch_floats(p: StreamParams) -> int:
     """Floats in one caller batch: x and the labels asked for (one buffer, see ``Arena``)."""
-    s = p.schema
-    return p.batch_size * (s.x_floats + sum(lab.width for lab in s.labels if lab.name in p.label_names))
+    return p.batch_size * (p.schema.x_floats + sum(lab.width for lab in asked_labels(p)))
+
+
+def asked_labels(p: StreamParams) -> list:
+    """The schema's ``LabelSpec`` of each label asked for, in the order ``label_names`` asks."""
+    by_name = {lab.name: lab for lab in p.schema.labels}
+    return [by_name[name] for name in p.label_names]
 
 
 def batch_views(p: StreamParams) -> list[tuple[int, int, tuple]]:
@@ -46,10 +51,9 @@ def batch_views(p: StreamParams) -> list[tuple[int, int, tuple]]:
     x_shape = (b, s.time_steps, s.num_inputs)
     pos = int(np.prod(x_shape))
     views = [(0, pos, x_shape)]
-    for lab in s.labels:
-        if lab.name in p.label_names:
-            views.append((pos, pos + b * lab.width, (b,) if lab.width == 1 else (b, lab.width)))
-            pos += b * lab.width
+    for lab in asked_labels(p):
+        views.append((pos, pos + b * lab.width, (b,) if lab.width == 1 else (b, lab.width)))
+        pos += b * lab.width
     return views
 
 
@@ -64,12 +68,11 @@ def fill_batch(p: StreamParams, views: list, flat: np.ndarray, x: np.ndarray, la
         fill = np.arange(b) % n
         x[n:] = x[fill[n:]]
         labels, days = labels[fill], days[fill]
-    rest, col = iter(views[1:]), 0
+    column, col = {}, 0  # each user label's first column in ``labels`` (the schema's order; "date" is last)
     for lab in s.labels[:-1]:
-        if lab.name in p.label_names:
-            a, z, _shape = next(rest)
-            flat[a:z].reshape(b, lab.width)[...] = labels[:, col:col + lab.width]
-        col += lab.width
-    if "date" in p.label_names:
-        a, z, _shape = next(rest)
-        flat[a:z] = days
+        column[lab.name], col = col, col + lab.width
+    for (a, z, _shape), lab in zip(views[1:], asked_labels(p)):
+        if lab.name == "date":
+            flat[a:z] = days
+        else:
+            flat[a:z].reshape(b, lab.width)[...] = labels[:, column[lab.name]:column[lab.name] + lab.width]

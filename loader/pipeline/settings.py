@@ -5,7 +5,7 @@ they hold in memory. Defaults are the ones ``make bench`` measured best here
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -18,8 +18,8 @@ from loader.sizes import parse_size
 from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema
 
-__all__ = ["check_arguments", "default_readers", "default_native_batch", "buffer_records", "block_samples",
-           "check_memory", "SHUFFLE_BYTES", "buffers_alive"]
+__all__ = ["check_arguments", "check_label_names", "default_readers", "default_native_batch", "buffer_records",
+           "block_samples", "check_memory", "SHUFFLE_BYTES", "buffers_alive"]
 
 SHUFFLE_BYTES = 1 << 30  # what an iterator's shuffle buffers hold together by default
 HEADROOM = 1.25  # a part chosen to be one block stays one while a rolling window grows by a quarter
@@ -48,6 +48,27 @@ def check_arguments(*, batch_size: object, num_parts: object, part_index: object
         raise LoaderError(f"seed must be an integer in [0, 2^31), got {seed!r}")
     if verify not in VERIFY_MODES:
         raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+
+
+def check_label_names(label_names: object, known: Sequence[str]) -> tuple[str, ...]:
+    """The labels asked for, in the order asked (``known``, the schema's, when None); LoaderError
+    for a bare string, an unknown or repeated name, or none at all."""
+    if label_names is None:
+        return tuple(known)
+    if isinstance(label_names, (str, bytes)):
+        raise LoaderError(f"label_names must be a list of names, got the string {label_names!r} "
+                          f"(write [{label_names!r}]); choose among {list(known)}")
+    try:
+        names = tuple(label_names)
+    except TypeError:
+        raise LoaderError(f"label_names must be a list of names, got {label_names!r}") from None
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise LoaderError(f"label_names {list(names)!r}: choose among {list(known)}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise LoaderError(f"label_names {list(names)!r}: {', '.join(map(repr, repeated))} asked more than once")
+    return names
 
 
 def default_readers() -> int:

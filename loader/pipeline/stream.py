@@ -56,10 +56,14 @@ def epoch_batches(p: StreamParams, part_samples: Sequence[int], generation: int,
     smallest, bs = min(part_samples), p.batch_size
     if not any(part_samples) or (resumed and p.last_batch == "discard" and smallest < bs):
         return 0  # a state saved at the epoch's very end
-    which = list(part_samples).index(smallest)
+    # name this worker's part when it is the one (else the first): a user sees their own part_index
+    which = p.part_index if part_samples[p.part_index] == smallest else list(part_samples).index(smallest)
     if smallest == 0:
-        raise LoaderError(f"part {which} of {p.num_parts} would be empty: {left} samples of generation {generation} "
-                          "are left to read, fewer than parts; use fewer parts (or resume from the next epoch)")
+        empty = sum(1 for n in part_samples if n == 0)
+        mine = "" if which == p.part_index else f"; this one, part_index {p.part_index}, is not"
+        raise LoaderError(f"part {which} of {p.num_parts} would be empty ({empty} of the {p.num_parts} parts{mine}): "
+                          f"{left} samples of generation {generation} are left to read, too few for every part; use "
+                          "fewer parts (or resume from the next epoch)")
     if p.last_batch == "pad":
         return math.ceil(max(part_samples) / bs)
     if smallest < bs:

@@ -173,7 +173,10 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
         raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
     store = location.store.resolve()
     if not shards:
-        raise LoaderError(f"{location.manifest_path}: no shards selected (generation {manifest.generation})")
+        span = (f"its {len(manifest.shards)} dates run from {manifest.shards[0].date} to {manifest.shards[-1].date}"
+                if manifest.shards else "it lists no shard (run `shardgen build`)")
+        raise LoaderError(f"{location.manifest_path}: no shards selected in generation {manifest.generation} "
+                          f"({span}; check `dates`)")
     _notice_old_shards(location, shards, verify)
     eager = not location.downloads if eager is None else eager
     plans = location.plans.resolve()

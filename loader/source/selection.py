@@ -71,6 +71,9 @@ def normalize_dates(dates: DateRange) -> Optional[tuple]:
     if isinstance(dates, str) or len(dates) != 2:
         raise LoaderError(f"dates must be a (start, end) pair, got {dates!r}")
     bounds = (_bound(dates[0], "start"), _bound(dates[1], "end"))
+    if None not in bounds and bounds[0] > bounds[1]:
+        raise LoaderError(f"dates ({bounds[0]}, {bounds[1]}): the start is after the end; dates are (start, end), "
+                          "both included")
     return tuple(None if b is None else b.isoformat() for b in bounds)
 
 

@@ -16,7 +16,7 @@ checksums (their manifest entry has no ``checksum``) are checked by frame only.
 every record is sound is the manifest's error, and is said so.
 
 The published shard is described by any object with ``date`` (ISO), ``records``, ``bytes``,
-``sha256`` and ``windows`` (0: unknown), such as the manifest's ``ShardEntry``.
+``sha256`` and ``windows`` (0: one per record), such as the manifest's ``ShardEntry``.
 """
 
 from __future__ import annotations
@@ -327,9 +327,10 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: Published, schema:
     if problem is not None:
         raise ShardError(f"{rec_path}: record {problem[0]} of {entry.date} is damaged ({problem[1]}); {REBUILD}")
     frames = ShardFrames(offsets, *found)
-    if entry.windows and frames.samples != entry.windows:
+    expected = entry.windows or entry.records  # no count: one window per record (format 1)
+    if frames.samples != expected:
         raise ShardError(f"{rec_path}: {frames.samples} windows in the records, the manifest says "
-                         f"{entry.windows} ({entry.date})")
+                         f"{expected} ({entry.date})")
     with _CACHE_LOCK:
         _CACHE[key] = frames
     return frames

@@ -86,6 +86,8 @@ class ShardEntry:
             check_name(name, f"shard {self.date}")
         if self.records < 1 or self.bytes < 1:
             raise ValueError(f"shard {self.date}: records and bytes must be >= 1")
+        if self.windows < 0:
+            raise ValueError(f"shard {self.date}: windows must be >= 0, got {self.windows}")
 
     @property
     def samples(self) -> int:
@@ -211,7 +213,7 @@ class Manifest:
         if obj.get("format") not in READABLE_FORMATS:
             raise ManifestError(f"{where}: format {obj.get('format')!r}, expected one of {READABLE_FORMATS}")
         try:
-            return cls(
+            manifest = cls(
                 schema=Schema.from_json(obj["schema"]),
                 window=int(obj["window"]),
                 generation=int(obj["generation"]),
@@ -223,22 +225,34 @@ class Manifest:
             raise ManifestError(f"{where}: refused: {exc}") from None
         except (KeyError, TypeError) as exc:
             raise ManifestError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
+        manifest.check_counts(where)
+        return manifest
+
+    def check_counts(self, where: str) -> None:
+        """ManifestError unless every shard states how many windows it holds: a packed layout's entry
+        must carry ``windows`` (>= 1; a reader cannot count them from ``records``), a one-sample-per-record
+        entry may leave it out but not contradict ``records``."""
+        packed = self.schema.layout.kind != "samples"
+        for s in self.shards:
+            if packed and s.windows < 1:
+                raise ManifestError(f"{where}: refused: shard {s.date} ({s.rec}) gives no window count "
+                                    f"(\"windows\": {s.windows or 'missing'}); the {self.schema.layout.kind!r} "
+                                    "layout packs several windows in a record, so it must be >= 1")
+            if not packed and s.windows and s.windows != s.records:
+                raise ManifestError(f"{where}: refused: shard {s.date} ({s.rec}) says {s.windows} windows in "
+                                    f"{s.records} records; the 'samples' layout holds one window per record")
 
     @classmethod
     def load(cls, path: Path) -> Manifest:
         """Read a manifest; ManifestError names the file and what is wrong."""
         path = Path(path)
         try:
-            text = path.read_text()
+            data = path.read_bytes()
         except FileNotFoundError:
             raise ManifestError(f"{path}: no manifest (run `shardgen build` first)") from None
         except OSError as exc:
             raise ManifestError(f"{path}: cannot read ({exc.strerror})") from None
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_json(obj, where=str(path))
+        return cls.parse(data, str(path))  # a byte that is not UTF-8 is "not valid JSON", naming the file
 
     def dumps(self) -> bytes:
         """The bytes of ``manifest.json`` and of a snapshot."""

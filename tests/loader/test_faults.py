@@ -83,7 +83,7 @@ def test_a_failed_reset_leaves_a_clear_error_and_recovers(tmp_path):
 
 def test_fewer_records_than_parts_says_so(tmp_path):
     make_store(tmp_path / "s", {"2024-01-02": 1})
-    with pytest.raises(LoaderError, match="part 0 of 2 would be empty.*1 samples.*fewer than parts"):
+    with pytest.raises(LoaderError, match="part 0 of 2 would be empty.*1 samples.*too few for every part"):
         ShardIter(tmp_path / "s", 1, num_parts=2, part_index=0, cache_dir=tmp_path / "c")
 
 

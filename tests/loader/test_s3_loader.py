@@ -318,7 +318,7 @@ def test_the_server_dying_mid_epoch_names_the_object_and_a_saved_state_resumes_o
 
 @pytest.mark.timeout(90)  # a feed that deadlocks fails here, not at the suite's limit
 def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_resumes(s3, tmp_path):
-    """cache_limit a third of the part: segments download ahead and are evicted once read; every
+    """cache_limit a third of the part: groups download ahead and are evicted once read; every
     window once per epoch, the files on disk (temp files too) never above the limit, and a saved
     state resumes exactly. A shard larger than the limit is refused, saying what is needed."""
 
@@ -365,6 +365,8 @@ def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_r
     for epoch in epochs:
         assert sorted(i for ids, _ in epoch for i in ids) == list(range(sum(counts.values())))
     assert epochs[0] != epochs[1]
+    with ShardIter(local, 8, seed=2, shuffle_buffer=16, native_batch=4) as it:  # the folder, readers=2, no limit
+        assert [read_epoch(it), (it.reset(), read_epoch(it))[1]] == epochs  # the same order (docs/s3.md, "Order")
     assert 0 < peak[0] <= limit, (peak, snap)
     assert downloads > len(counts)  # the second epoch fetched again what the first evicted
     with ShardIter(url, 8, cache_dir=cache, **kw) as it:
