@@ -155,31 +155,39 @@ def test_an_empty_part_message_names_the_part_asked_for(tmp_path):
 
 
 _PREFETCH = textwrap.dedent("""
-    import sys, threading, time
+    import os, sys, threading, time
     import mxnet as mx
     from loader import LoaderError, ShardIter
+    when = sys.argv[3]
     it = ShardIter(sys.argv[1], 4, cache_dir=sys.argv[2])
-    closed, calls, real = threading.Event(), [], it.reader.take
-    def take():  # "blocked": the prefetch thread's third batch waits inside next() until close()
+    inside, closed, calls, real = threading.Event(), threading.Event(), [], it.reader.take
+    def take():  # "blocked": the prefetch thread's second batch waits inside next() until close()
         calls.append(1)
-        if sys.argv[3] == "blocked" and len(calls) == 3:
+        if when == "blocked" and len(calls) == 2:
+            inside.set()
             closed.wait(10)
-            time.sleep(0.2)
         return real()
     it.reader.take = take
     p = mx.io.PrefetchingIter(it)
-    for i, b in enumerate(p):
-        if i == 1:
-            break
+    if when == "after":  # the prefetch thread gets the GIL only once close() blocks: after it began
+        sys.setswitchinterval(100)
+    assert p.iter_next()  # batch 0 taken: the prefetch thread asks for batch 1
+    if when == "blocked":
+        assert inside.wait(10)
     it.close()
+    sys.setswitchinterval(0.005)
     closed.set()
-    time.sleep(0.5)  # the prefetch thread asks for (or waits for) the next batch now
+    time.sleep(0.5)
     try:
         it.next()
     except LoaderError as exc:
         print("after close:", exc)
-    print("wrapper:", p.iter_next())  # the wrapper ends; it does not wait for a thread that died
-    print("done")
+    ended = []
+    waiter = threading.Thread(target=lambda: ended.append(p.iter_next()), daemon=True)
+    waiter.start()
+    waiter.join(10)
+    print("wrapper:", ended[0] if ended else "still waiting after 10 s", "calls:", len(calls), flush=True)
+    os._exit(0)  # PrefetchingIter.__del__ would join a thread that died
 """)
 
 
@@ -197,7 +205,8 @@ def test_closing_under_prefetching_iter_leaves_no_traceback(tmp_path, when):
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr and "Exception in thread" not in out.stderr, out.stderr
     assert "after close:" in out.stdout and "this ShardIter is closed" in out.stdout, out.stdout
-    assert "wrapper: False" in out.stdout and "done" in out.stdout, out.stdout
+    # "after": the thread never reached the reader; "blocked": it was inside it when close() came
+    assert f"wrapper: False calls: {1 if when == 'after' else 2}" in out.stdout, out.stdout
 
 
 def test_module_fit_with_labels_in_another_order(tmp_path):
@@ -214,3 +223,14 @@ def test_module_fit_with_labels_in_another_order(tmp_path):
         mod.fit(it, num_epoch=1, optimizer_params={"learning_rate": 1e-6})
         assert [d.name for d in it.provide_label] == ["b", "a"]
         assert [lab.shape for lab in mod._exec_group.label_arrays[0][0][1:2]] == [(8, 2)]
+
+
+def test_a_negative_window_count_is_refused_wherever_an_entry_is_read():
+    """From a manifest (above) and from anything else that builds an entry (a saved state's shards)."""
+    from shardgen.store.manifest import ShardEntry
+
+    entry = {"date": "2024-01-02", "rec": "2024-01-02.rec", "idx": "2024-01-02.idx", "records": 5, "bytes": 100,
+             "sha256": "0" * 64, "windows": -3}
+    with pytest.raises(ValueError, match="shard 2024-01-02: windows must be >= 0, got -3"):
+        ShardEntry.from_json(entry)
+    assert ShardEntry.from_json({**entry, "windows": 9}).samples == 9
