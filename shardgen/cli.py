@@ -1,7 +1,9 @@
 """``shardgen build|watch|status|verify|gc``: parses arguments and delegates to the library.
 
-Exit codes: 0 all went well, 1 some work failed (the rest is kept and published), 2 usage or
-config error. Errors are one line each on stderr; results go to stdout.
+Exit codes (docs/config.md's table): 0 all went well, 1 some work or check failed (the rest is kept
+and published), 2 usage or config error, 3 the environment failed (the store cannot be reached or
+its bucket does not exist, the credentials are refused, the disk is full). Errors are one line each
+on stderr; results go to stdout.
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="shardgen",
         description="Run a data generator per date and publish its windows as MXNet RecordIO shards "
                     "listed in a rolling manifest, for loader.ShardIter.",
-        epilog="Exit codes: 0 success, 1 some dates/shards failed, 2 usage or config error.")
+        epilog="Exit codes: 0 success; 1 some dates or shards failed (verify, status: a published file is "
+               "damaged; status: the watcher reports failing dates); 2 usage or config error; 3 the environment "
+               "failed (the store cannot be reached or its bucket does not exist, the credentials are refused, "
+               "the disk is full); 130/143 interrupted by SIGINT/SIGTERM.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     b = sub.add_parser("build", parents=[common], help="generate, process and publish a range of dates",
                        description="Generate, process and shard every configured date not yet published, "
