@@ -1,7 +1,9 @@
 """``shardgen build|watch|status|verify|gc``: parses arguments and delegates to the library.
 
-Exit codes: 0 all went well, 1 some work failed (the rest is kept and published), 2 usage or
-config error. Errors are one line each on stderr; results go to stdout.
+Exit codes (docs/config.md's table): 0 all went well, 1 some work or check failed (the rest is kept
+and published), 2 usage or config error, 3 the environment failed (the store cannot be reached or
+its bucket does not exist, the credentials are refused, the disk is full). Errors are one line each
+on stderr; results go to stdout.
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="shardgen",
         description="Run a data generator per date and publish its windows as MXNet RecordIO shards "
                     "listed in a rolling manifest, for loader.ShardIter.",
-        epilog="Exit codes: 0 success, 1 some dates/shards failed, 2 usage or config error.")
+        epilog="Exit codes: 0 success; 1 some dates or shards failed (verify, status: a published file is "
+               "damaged; status: the watcher reports failing dates); 2 usage or config error; 3 the environment "
+               "failed (the store cannot be reached or its bucket does not exist, the credentials are refused, "
+               "the disk is full); 130/143 interrupted by SIGINT/SIGTERM.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     b = sub.add_parser("build", parents=[common], help="generate, process and publish a range of dates",
                        description="Generate, process and shard every configured date not yet published, "
@@ -113,12 +118,15 @@ def _parser() -> argparse.ArgumentParser:
                        description="Generation, shards, windows, bytes per window, date range, window, age, "
                                    "the generation snapshots kept, whether a watcher is alive (pid, host, "
                                    "heartbeat age), and every date it is failing on (last error, attempts, "
-                                   "next retry).")
+                                   "next retry). Exit 1 while dates fail, or when the newest generation "
+                                   "snapshot is damaged.")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
-    sub.add_parser("verify", parents=[common], help="check every published shard",
-                   description="Check size, sha256, index and record framing of every published shard "
-                                   "(also those only kept snapshots list): no published file may have "
-                                   "changed since publication.")
+    sub.add_parser("verify", parents=[common], help="check every published file",
+                   description="Check every file the store publishes: manifest.json, the kept generation "
+                               "snapshots (the newest must hold what manifest.json holds), and the .rec "
+                               "(size, sha256, record framing), .idx (byte for byte) and sidecar of every "
+                               "shard they list: no published file may have changed since publication. "
+                               "Exit 1 naming each damaged file.")
     return p
 
 
@@ -211,20 +219,25 @@ def _cmd_status(args: argparse.Namespace) -> int:
     raw = [d for d in cfg.raw_files() if d <= today]  # a file for a later date is no input yet (watch warns)
     info["newest_raw"] = max(raw).isoformat() if raw else None
     info["raw_lag_days"] = (today - max(raw)).days if raw else None
-    code = 1 if info["failing"] else 0  # a cron monitor: 1 while the watcher reports failing dates
+    # a cron monitor: 1 while the watcher reports failing dates, or the newest snapshot is damaged
+    code = 1 if info["failing"] or info["snapshot_problem"] else 0
+    if info["snapshot_problem"]:
+        print(f"shardgen: error: {info['snapshot_problem']}", file=sys.stderr)
     if args.json:
         print(dumps(info))
         return code
     mb = info["bytes"] / 1e6
+    per = f"{info['bytes_per_window']} bytes per window, " if info["windows"] else ""
     print(f"{info['manifest']}: generation {info['generation']}, {info['shards']} shards, "
-          f"{info['windows']} windows, {mb:.1f} MB ({info['bytes_per_window']} bytes per window, layout "
-          f"{info['layout']['kind']})")
-    print(f"dates {info['first_date']} .. {info['last_date']} (lag {info['lag_days']} days), "
-          f"window {info['window']}, retired {info['retired']}, updated {info['age_s']}s ago")
+          f"{info['windows']} windows, {mb:.1f} MB ({per}layout {info['layout']['kind']})")
+    dates = (f"dates {info['first_date']} .. {info['last_date']} (lag {info['lag_days']} days)" if info["shards"]
+             else "no dates")
+    print(f"{dates}, window {info['window']}, retired {info['retired']}, updated {info['age_s']}s ago")
     snaps = info["snapshots"]
     print(f"snapshots kept: {len(snaps)}" + (f" (generations {', '.join(map(str, snaps))})" if snaps else "")
           + f", format {info['format']}")
-    print(f"newest raw file {info['newest_raw']} (lag {info['raw_lag_days']} days)")
+    print(f"newest raw file {info['newest_raw']} (lag {info['raw_lag_days']} days)" if info["newest_raw"]
+          else "no raw file")
     w = info["watcher"]
     if info["watch_updated"] or w["pid"] is not None:
         who = f"pid {w['pid']} on {w['host']}, " if w["pid"] is not None else ""
@@ -243,7 +256,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     manifest, problems = verify_store(cfg.store.open())
     for date, problem in problems:
-        print(f"shardgen: error: {date}: {problem}", file=sys.stderr)
+        print(f"shardgen: error: {problem}" if date == "-" else f"shardgen: error: {date}: {problem}", file=sys.stderr)
     print(f"verified {len(manifest.shards)} shards of generation {manifest.generation}: "
           f"{len(problems)} bad")
     old = [e.date for e in manifest.shards if not has_checksums(e)]

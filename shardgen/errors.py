@@ -49,13 +49,14 @@ EXIT_ENVIRONMENT = 3  # the CLI's exit code when the environment failed (see ``i
 
 
 def is_environment(exc: BaseException) -> bool:
-    """A failure of the environment, not of a date or the config: the store cannot be reached or
-    refuses the credentials, or the disk is full (the CLI exits ``EXIT_ENVIRONMENT``)."""
+    """A failure of the environment, not of a date or the config: the store cannot be reached (its
+    endpoint is down, or its bucket does not exist) or refuses the credentials, or the disk is full
+    (the CLI exits ``EXIT_ENVIRONMENT``)."""
     import errno
 
-    from shardgen.store.objurl import CredentialsRefused, StoreUnreachable
+    from shardgen.store.objurl import CredentialsRefused, NoSuchStore, StoreUnreachable
 
-    if isinstance(exc, (StoreUnreachable, CredentialsRefused)):
+    if isinstance(exc, (StoreUnreachable, CredentialsRefused, NoSuchStore)):
         return True
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True

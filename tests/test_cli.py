@@ -156,6 +156,9 @@ def test_schema_change_on_existing_store_is_refused(cfg_dir):
 def test_help_describes_commands():
     r = shardgen_cli("--help")
     assert r.returncode == 0 and "build" in r.stdout and "Exit codes" in r.stdout
+    said = " ".join(r.stdout.split())
+    for code in ("0 success", "1 some dates or shards failed", "2 usage or config error", "3 the environment failed"):
+        assert code in said, (code, said)  # docs/config.md's table (issue 54: 3 was missing)
     r = shardgen_cli("build", "--help")
     assert "--force" in r.stdout and "--jobs" in r.stdout
 
@@ -262,7 +265,8 @@ def test_gc_from_cron_removes_the_raw_files_the_watcher_would(cfg_dir, keep_raw)
 
 def test_exit_codes_follow_the_table(s3, tmp_path, monkeypatch):
     """docs/config.md's table, for every command (issue 44): 3 when the environment fails (the store
-    cannot be reached, or refuses the credentials), 2 for a config error, 1 for failed dates."""
+    cannot be reached, its bucket does not exist, or it refuses the credentials), 2 for a config
+    error, 1 for failed dates."""
     cfg = write_config(tmp_path / "p")
     cfg.write_text(cfg.read_text().replace('dir = "shards"', 'dir = "s3://data/store"'))
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
@@ -277,6 +281,12 @@ def test_exit_codes_follow_the_table(s3, tmp_path, monkeypatch):
         r = shardgen_cli(command, "-c", cfg)
         assert r.returncode == 3, (command, r.stderr[-800:])
         assert "cannot reach" in r.stderr
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.env()["AWS_ENDPOINT_URL"])
+    cfg.write_text(cfg.read_text().replace("s3://data/store", "s3://nosuchbucket/store"))
+    for command in ("build", "status", "gc", "verify"):  # issue 54: a missing bucket was 1 for build and status
+        r = shardgen_cli(command, "-c", cfg)
+        assert r.returncode == 3, (command, r.stdout, r.stderr[-800:])
+        assert "bucket 'nosuchbucket' does not exist" in r.stderr and "Traceback" not in r.stderr, (command, r.stderr)
     cfg.write_text(cfg.read_text().replace("jobs = 1", 'jobs = "2"'))
     assert shardgen_cli("status", "-c", cfg).returncode == 2
 

@@ -42,6 +42,7 @@ from typing import Optional
 
 from shardgen.clock import parse_utc, utc_now
 from shardgen.errors import ManifestError
+from shardgen.format.framing import CHECKSUM
 from shardgen.format.schema import Schema
 from shardgen.store.naming import (
     MANIFEST_NAME,
@@ -55,12 +56,22 @@ from shardgen.store.naming import (
     snapshot_path,
 )
 
-__all__ = ["FORMAT", "MANIFEST_NAME", "SNAPSHOT_DIR", "ShardEntry", "RetiredEntry", "Manifest",
-           "utc_now", "parse_utc", "check_name", "shard_stem", "name_version", "snapshot_path",
+__all__ = ["FORMAT", "CHECKSUMS", "declared_format", "MANIFEST_NAME", "SNAPSHOT_DIR", "ShardEntry", "RetiredEntry",
+           "Manifest", "utc_now", "parse_utc", "check_name", "shard_stem", "name_version", "snapshot_path",
            "snapshot_generations"]
 
 FORMAT = "shardgen/2"
 READABLE_FORMATS = ("shardgen/1", FORMAT)
+CHECKSUMS = ("", CHECKSUM)  # a shard's ``checksum``: none (written before record checksums), or CRC32 per record
+
+
+def declared_format(data: bytes) -> Optional[str]:
+    """The format a manifest's bytes declare (None: not a JSON object naming one)."""
+    try:
+        found = json.loads(data).get("format")
+    except (ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,8 @@ class ShardEntry:
             raise ValueError(f"shard {self.date}: records and bytes must be >= 1")
         if self.windows < 0:
             raise ValueError(f"shard {self.date}: windows must be >= 0, got {self.windows}")
+        if self.checksum not in CHECKSUMS:  # an unknown one would read as "no checksums": checked less
+            raise ValueError(f"shard {self.date}: checksum {self.checksum!r}, expected {CHECKSUM!r} or none")
 
     @property
     def samples(self) -> int:

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import Optional
 
 from shardgen.errors import ShardError
-from shardgen.store.manifest import ShardEntry
+from shardgen.store.manifest import CHECKSUMS, ShardEntry
 from shardgen.store.naming import check_date, check_name
 
 __all__ = ["Sidecar"]
 
 _OPTIONAL = ("windows", "distinct", "checksum")  # keys sidecars of older versions do not have
+_TYPES = {"records": (Integral,), "bytes": (Integral,), "idx_bytes": (Integral,), "windows": (Integral,),
+          "sha256": (str,), "fingerprint": (str,), "rec": (str,), "idx": (str,), "checksum": (str,),
+          "distinct": (bool, type(None))}
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,12 @@ class Sidecar:
         if self.records:  # an empty-date marker (records 0) names no files
             for name in (self.rec, self.idx):
                 check_name(name, f"sidecar {self.date}")
+        for key, kinds in _TYPES.items():
+            value = getattr(self, key)
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise ValueError(f"sidecar {self.date}: {key} {value!r} is not {kinds[0].__name__}")
+        if self.checksum not in CHECKSUMS:
+            raise ValueError(f"sidecar {self.date}: checksum {self.checksum!r}, expected one of {CHECKSUMS}")
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if (k != "distinct" or v is not None) and (k != "checksum" or v)}
@@ -46,6 +56,17 @@ class Sidecar:
     def entry(self) -> ShardEntry:
         return ShardEntry(self.date, self.rec, self.idx, self.records, self.bytes, self.sha256, self.windows,
                           self.distinct, self.checksum)
+
+    def differences(self, entry: ShardEntry, fingerprint: str) -> list[str]:
+        """What this sidecar says otherwise than the manifest's ``entry`` of its shard and the
+        manifest's schema ``fingerprint`` (empty: it is the one published with the shard)."""
+        out = [f"fingerprint {self.fingerprint!r}, the manifest's schema has {fingerprint!r}"] \
+            if self.fingerprint != fingerprint else []
+        for key in ShardEntry.__dataclass_fields__:
+            mine, theirs = getattr(self, key), getattr(entry, key)
+            if mine != theirs:
+                out.append(f"{key} {mine!r}, the manifest says {theirs!r}")
+        return out
 
     @classmethod
     def load(cls, path: Path) -> Optional[Sidecar]:

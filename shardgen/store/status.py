@@ -13,20 +13,26 @@ from typing import Optional, Union
 
 from shardgen.clock import seconds_since, utc_datetime
 from shardgen.store import Store, open_store
-from shardgen.store.manifest import Manifest
+from shardgen.store.manifest import Manifest, declared_format
 from shardgen.store.naming import MANIFEST_NAME
+from shardgen.store.verify import newest_snapshot_problem
 
 __all__ = ["status", "summary", "watch_fields", "dumps"]
 
 
 def status(store: Union[Store, str, os.PathLike], *, today: Optional[dt.date] = None) -> dict:
-    """A summary of the manifest, as ``shardgen status --json`` prints it (with ``watch_fields``)."""
+    """A summary of the manifest, as ``shardgen status --json`` prints it (with ``watch_fields``).
+    ``snapshot_problem`` says what is wrong with the snapshot of the manifest's generation (the one
+    a reader pinned to it opens), or is None; ``shardgen verify`` checks every published file."""
     store = open_store(store)
     data = store.manifest_bytes()
     if data is None:
         raise store.no_manifest()
     where = store.where(MANIFEST_NAME)
-    return summary(Manifest.parse(data, where), where, _format_of(data), store.snapshot_generations(), today=today)
+    manifest, fmt = Manifest.parse(data, where), declared_format(data)
+    info = summary(manifest, where, fmt, store.snapshot_generations(), today=today)
+    info["snapshot_problem"] = newest_snapshot_problem(store, manifest, fmt)
+    return info
 
 
 def summary(m: Manifest, where: str, fmt: Optional[str], snapshots: list[int], *,
@@ -66,14 +72,6 @@ def watch_fields(state: Optional[dict]) -> dict:
         "watch_updated": state.get("updated"),  # the watcher's last cycle (None: no watcher state)
         "failing": state.get("failing", []),  # date, kind, attempts, error, next_retry
     }
-
-
-def _format_of(data: bytes) -> Optional[str]:
-    """The format the manifest file declares (``shardgen/1`` until the next publish)."""
-    try:
-        return json.loads(data).get("format")
-    except (ValueError, AttributeError):
-        return None
 
 
 def dumps(obj: dict) -> str:
