@@ -24,6 +24,22 @@ T, C = 5, 4  # small schema used throughout: 5 steps x 4 inputs, labels a(1) b(2
 
 
 
+def _hypothesis_profiles() -> None:
+    """Property tests (hypothesis) run a bounded, derandomized number of examples in ``make test``
+    (profile ``ci``); ``SHARDGEN_HYPOTHESIS=deep make test`` runs many more, with random seeds."""
+    from hypothesis import HealthCheck, settings
+
+    quiet = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+    settings.register_profile("ci", max_examples=20, deadline=None, derandomize=True, database=None,
+                              suppress_health_check=quiet, print_blob=True)
+    settings.register_profile("deep", max_examples=400, deadline=None, database=None, suppress_health_check=quiet,
+                              print_blob=True)
+    settings.load_profile(os.environ.get("SHARDGEN_HYPOTHESIS", "ci"))
+
+
+_hypothesis_profiles()
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """``SHARDGEN_TEST_SHUFFLE=<seed> make test`` runs the tests in a random order: a test that passes
     only after (or fails only after) another one is found this way."""
