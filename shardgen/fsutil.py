@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -12,8 +13,8 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Iterator, Union
 
-__all__ = ["temp_name", "atomic_write", "atomic_writer", "fsync_dir", "clean_temp_files", "clean_dead_joblib_files",
-           "pid_alive",
+__all__ = ["temp_name", "atomic_write", "atomic_writer", "write_temp", "link_new", "fsync_dir", "clean_temp_files",
+           "clean_dead_joblib_files", "pid_alive",
            "host_token", "pid_namespace", "boot_id", "make_dirs", "remove_empty_dirs", "HOST_TOKEN"]
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -85,6 +86,43 @@ def atomic_writer(path: Path, *, fsync: bool = True) -> Iterator:
         raise
     if fsync:
         fsync_dir(path.parent)
+
+
+def write_temp(path: Path, chunks: Union[Buffer, Iterable[Buffer]], *, fsync: bool = True) -> Path:
+    """Write ``chunks`` to a new temp file next to ``path`` (fsynced); return the temp file, for
+    :func:`link_new` to publish. Nothing is left behind if writing fails."""
+    if isinstance(chunks, (bytes, bytearray, memoryview)):
+        chunks = (chunks,)
+    tmp = temp_name(Path(path))
+    try:
+        with open(tmp, "wb") as fh:
+            for chunk in chunks:
+                fh.write(chunk)
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def link_new(tmp: Path, path: Path) -> bool:
+    """Give the temp file ``tmp`` the name ``path`` only if no file has it: False, and nothing
+    changed, if one does (a hard link fails with EEXIST; ``os.replace`` would write over it).
+    The caller removes ``tmp`` (already gone where the filesystem has no hard links: renamed)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    except OSError as exc:  # a filesystem without hard links: no atomic no-replace rename, check first
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK):
+            raise
+        if os.path.lexists(path):
+            return False
+        os.rename(tmp, path)
+    return True
 
 
 def atomic_write(path: Path, chunks: Union[Buffer, Iterable[Buffer]], *, fsync: bool = True) -> None:

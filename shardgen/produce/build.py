@@ -139,9 +139,12 @@ def _clean_temp_files(store) -> None:
 
 
 def _open_store(cfg: Config, store: Store) -> Manifest:
-    """Create the (staging) folder, remove dead processes' temp files; the manifest, with the config's window."""
+    """Create the (staging) folder, remove dead processes' temp files and the shard files a killed
+    run left without a sidecar (older than ``store.grace_s``); the manifest, with the config's window."""
     _clean_temp_files(store.stage())
     manifest = store.open_manifest(cfg.schema, cfg.store.window)
+    for name in store.discard_incomplete(manifest, min_age_s=cfg.store.grace_s):
+        log.info("removed %s: left without its sidecar (a killed run's) for over store.grace_s", name)
     return replace(manifest, window=cfg.store.window)
 
 
