@@ -68,6 +68,14 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _named(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` when it names no file (a write or fsync failing with ENOSPC does not):
+    "No space left on device" alone does not say which disk."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror, str(path))  # the same subclass (PermissionError, ...)
+
+
 @contextlib.contextmanager
 def atomic_writer(path: Path, *, fsync: bool = True) -> Iterator:
     """Yield a binary file that becomes ``path`` only if the block finishes without error."""
@@ -80,9 +88,11 @@ def atomic_writer(path: Path, *, fsync: bool = True) -> Iterator:
             if fsync:
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and _named(exc, path) is not exc:
+            raise _named(exc, path) from None
         raise
     if fsync:
         fsync_dir(path.parent)
@@ -101,9 +111,11 @@ def write_temp(path: Path, chunks: Union[Buffer, Iterable[Buffer]], *, fsync: bo
             fh.flush()
             if fsync:
                 os.fsync(fh.fileno())
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and _named(exc, path) is not exc:
+            raise _named(exc, path) from None
         raise
     return tmp
 

@@ -127,7 +127,13 @@ class _Pending:
 
     def flush(self) -> None:
         if self.entries:
-            saved = publish(self.store, self.cfg.schema, self.cfg.store.window, self.entries, lock=self.lock)
+            try:
+                saved = publish(self.store, self.cfg.schema, self.cfg.store.window, self.entries, lock=self.lock)
+            except OSError as exc:  # the disk full: the shards are whole, only the manifest could not follow
+                dates = ", ".join(e.date for e in self.entries[:3]) + (", ..." if len(self.entries) > 3 else "")
+                raise OSError(exc.errno, f"{exc.strerror or exc}; {len(self.entries)} finished shards ({dates}) are "
+                              "complete in the store but not in the manifest: the next build adopts them",
+                              exc.filename) from None
             self.report.manifest = saved or self.report.manifest
             self.entries = []
         self.last = time.monotonic()

@@ -115,7 +115,11 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
     except ShardgenError as exc:
         return DateResult(date, "failed", message=str(exc), seconds=time.perf_counter() - t0,
                           environment=is_environment(exc))
-    except (OSError, MemoryError) as exc:
+    except OSError as exc:  # the disk full, permissions: the file and what the system said
+        where = f"{exc.filename}: " if exc.filename else ""
+        return DateResult(date, "failed", message=f"{date}: {where}{exc.strerror or exc}",
+                          seconds=time.perf_counter() - t0, environment=is_environment(exc))
+    except MemoryError as exc:
         return DateResult(date, "failed", message=f"{date}: {type(exc).__name__}: {exc}",
                           seconds=time.perf_counter() - t0, environment=is_environment(exc))
 
