@@ -51,6 +51,11 @@ def test_a_name_of_the_version_taken_moves_the_whole_shard_on(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2024-01-02.idx", "2024-01-02.v2.idx",
                                                            "2024-01-02.v2.json", "2024-01-02.v2.rec"]
     assert (tmp_path / "2024-01-02.idx").read_bytes() == b"someone else's"
+    (tmp_path / "2024-01-05.json").write_bytes(b"someone else's sidecar")
+    assert write_shard(tmp_path, dt.date(2024, 1, 5), *windows(1.0), SCHEMA, fsync=False,
+                       exclusive=True).rec == "2024-01-05.v2.rec"
+    assert (tmp_path / "2024-01-05.json").read_bytes() == b"someone else's sidecar"
+    assert not (tmp_path / "2024-01-05.rec").exists() and not (tmp_path / "2024-01-05.idx").exists()
     (tmp_path / "2024-01-03.json").write_bytes(b"{}")
     assert write_marker(tmp_path, dt.date(2024, 1, 3), SCHEMA, exclusive=True) == "2024-01-03.v2.json"
     assert (tmp_path / "2024-01-03.json").read_bytes() == b"{}"
