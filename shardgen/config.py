@@ -282,7 +282,7 @@ def _run(top: Table) -> RunConfig:
 def load_config(path: Path) -> Config:
     """Read and validate a config file; every problem is a ConfigError naming the key."""
     path = Path(path).resolve()
-    top = Table(read_toml(path), "config")
+    top = Table(read_toml(path), "config", top=True)
     try:
         generator = _generator(top)
         dates = _dates(top)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -12,8 +13,8 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Iterator, Union
 
-__all__ = ["temp_name", "atomic_write", "atomic_writer", "fsync_dir", "clean_temp_files", "clean_dead_joblib_files",
-           "pid_alive",
+__all__ = ["temp_name", "atomic_write", "atomic_writer", "write_temp", "link_new", "fsync_dir", "clean_temp_files",
+           "clean_dead_joblib_files", "pid_alive",
            "host_token", "pid_namespace", "boot_id", "make_dirs", "remove_empty_dirs", "HOST_TOKEN"]
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -67,6 +68,14 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _named(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` when it names no file (a write or fsync failing with ENOSPC does not):
+    "No space left on device" alone does not say which disk."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror, str(path))  # the same subclass (PermissionError, ...)
+
+
 @contextlib.contextmanager
 def atomic_writer(path: Path, *, fsync: bool = True) -> Iterator:
     """Yield a binary file that becomes ``path`` only if the block finishes without error."""
@@ -79,12 +88,53 @@ def atomic_writer(path: Path, *, fsync: bool = True) -> Iterator:
             if fsync:
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and _named(exc, path) is not exc:
+            raise _named(exc, path) from None
         raise
     if fsync:
         fsync_dir(path.parent)
+
+
+def write_temp(path: Path, chunks: Union[Buffer, Iterable[Buffer]], *, fsync: bool = True) -> Path:
+    """Write ``chunks`` to a new temp file next to ``path`` (fsynced); return the temp file, for
+    :func:`link_new` to publish. Nothing is left behind if writing fails."""
+    if isinstance(chunks, (bytes, bytearray, memoryview)):
+        chunks = (chunks,)
+    tmp = temp_name(Path(path))
+    try:
+        with open(tmp, "wb") as fh:
+            for chunk in chunks:
+                fh.write(chunk)
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError) and _named(exc, path) is not exc:
+            raise _named(exc, path) from None
+        raise
+    return tmp
+
+
+def link_new(tmp: Path, path: Path) -> bool:
+    """Give the temp file ``tmp`` the name ``path`` only if no file has it: False, and nothing
+    changed, if one does (a hard link fails with EEXIST; ``os.replace`` would write over it).
+    The caller removes ``tmp`` (already gone where the filesystem has no hard links: renamed)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    except OSError as exc:  # a filesystem without hard links: no atomic no-replace rename, check first
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK):
+            raise
+        if os.path.lexists(path):
+            return False
+        os.rename(tmp, path)
+    return True
 
 
 def atomic_write(path: Path, chunks: Union[Buffer, Iterable[Buffer]], *, fsync: bool = True) -> None:

@@ -13,6 +13,7 @@ Contract: ``function(raw, date, *, time_steps, num_inputs, labels, **options)`` 
 from __future__ import annotations
 
 import datetime as dt
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence, Union
 
@@ -168,6 +169,15 @@ def _as_run_spec(result: RunSpec, schema: Schema, date: dt.date) -> WindowSet:
     return WindowSet(len(starts), schema.time_steps, labels, rows=rows, starts=starts)
 
 
+def _raised_at(exc: BaseException, fn: Callable) -> str:
+    """``file:line (in function)`` of the frame of the processor's own file the exception came
+    through last (a plug-in's call into numpy names the plug-in's line), else of its origin."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)[1:] if not f.filename.startswith("<")]
+    own = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    frame = ([f for f in frames if f.filename == own] or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno} (in {frame.name})" if frame is not None else "an unknown line"
+
+
 def run_processor(fn: Callable, raw: np.ndarray, date: dt.date, schema: Schema,
                   options: Mapping[str, object]) -> WindowSet:
     """Call the processor and check its output: structure, shapes, dtypes and finiteness."""
@@ -176,7 +186,8 @@ def run_processor(fn: Callable, raw: np.ndarray, date: dt.date, schema: Schema,
         result = fn(raw, date, time_steps=schema.time_steps, num_inputs=schema.num_inputs,
                     labels=user_labels, **options)
     except Exception as exc:  # a plug-in may raise anything; it becomes one line for this date
-        raise ProcessorError(f"{date}: processor raised {type(exc).__name__}: {exc}") from None
+        raise ProcessorError(f"{date}: processor raised {type(exc).__name__} at {_raised_at(exc, fn)}: "
+                             f"{exc}") from None
     if isinstance(result, RunSpec):
         return _as_run_spec(result, schema, date)
     if not (isinstance(result, tuple) and len(result) == 2):

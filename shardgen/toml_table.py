@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,10 @@ def read_toml(path: Path) -> dict:
 class Table:
     """Reads one TOML table, remembering which keys were used so leftovers can be refused."""
 
-    def __init__(self, data: dict, name: str):
+    def __init__(self, data: dict, name: str, *, top: bool = False):
         if not isinstance(data, dict):
             raise ConfigError(f"[{name}] must be a table")
-        self.data, self.name, self.used = data, name, set()
+        self.data, self.name, self.used, self.top = data, name, set(), top
 
     def get(self, key: str, kind: Any, default: Any = _MISSING) -> Any:
         self.used.add(key)
@@ -55,9 +56,20 @@ class Table:
         return {k: v for k, v in self.data.items() if k not in self.used}
 
     def done(self) -> None:
+        """ConfigError naming the first key no ``get`` asked for, and the known ones."""
         extra = sorted(set(self.data) - self.used)
-        if extra:
-            raise ConfigError(f"unknown key {self.name}.{extra[0]}")
+        if not extra:
+            return
+        key, known = extra[0], sorted(self.used)
+        close = difflib.get_close_matches(key, known, n=1)
+        if self.top:
+            tables = ", ".join(f"[{k}]" for k in known)
+            if isinstance(self.data[key], dict):
+                hint = f" (did you mean [{close[0]}]?)" if close else ""
+                raise ConfigError(f"unknown table [{key}]{hint}; the tables are {tables}")
+            raise ConfigError(f"unknown key {key!r} at the top level, outside any table; the tables are {tables}")
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown key {self.name}.{key}{hint}; the known keys are {', '.join(known)}")
 
 
 def number(table: Table, key: str, default: float, minimum: float) -> float:

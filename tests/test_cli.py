@@ -125,7 +125,11 @@ def _edit(text, old, new):
     ('function = "shardgen.process:sliding_windows"', 'function = "no_colon"', "module:function"),
     ('dir = "shards"', "dir = 3", "store.dir must be str"),
     ("jobs = 1", "jobs = 0", "run.jobs must be >= 1"),
-    ("[run]", "[runn]", "unknown key config.runn"),
+    ("[run]", "[runn]", r"unknown table \[runn\] \(did you mean \[run\]\?\); the tables are \[dates\], "
+                        r"\[generator\], \[process\], \[run\], \[schema\], \[store\]"),
+    ("[generator]", "window = 3\n[generator]", "unknown key 'window' at the top level, outside any table"),
+    ("retries = 0", "retries = 0\nretires = 1", r"unknown key generator.retires \(did you mean 'retries'\?\); "
+                                                r"the known keys are .*command"),
 ])
 def test_bad_config_is_exit_2_naming_the_key(cfg_dir, old, new, match):
     cfg = write_config(cfg_dir)

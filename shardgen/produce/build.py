@@ -127,7 +127,13 @@ class _Pending:
 
     def flush(self) -> None:
         if self.entries:
-            saved = publish(self.store, self.cfg.schema, self.cfg.store.window, self.entries, lock=self.lock)
+            try:
+                saved = publish(self.store, self.cfg.schema, self.cfg.store.window, self.entries, lock=self.lock)
+            except OSError as exc:  # the disk full: the shards are whole, only the manifest could not follow
+                dates = ", ".join(e.date for e in self.entries[:3]) + (", ..." if len(self.entries) > 3 else "")
+                raise OSError(exc.errno, f"{exc.strerror or exc}; {len(self.entries)} finished shards ({dates}) are "
+                              "complete in the store but not in the manifest: the next build adopts them",
+                              exc.filename) from None
             self.report.manifest = saved or self.report.manifest
             self.entries = []
         self.last = time.monotonic()
@@ -139,9 +145,12 @@ def _clean_temp_files(store) -> None:
 
 
 def _open_store(cfg: Config, store: Store) -> Manifest:
-    """Create the (staging) folder, remove dead processes' temp files; the manifest, with the config's window."""
+    """Create the (staging) folder, remove dead processes' temp files and the shard files a killed
+    run left without a sidecar (older than ``store.grace_s``); the manifest, with the config's window."""
     _clean_temp_files(store.stage())
     manifest = store.open_manifest(cfg.schema, cfg.store.window)
+    for name in store.discard_incomplete(manifest, min_age_s=cfg.store.grace_s):
+        log.info("removed %s: left without its sidecar (a killed run's) for over store.grace_s", name)
     return replace(manifest, window=cfg.store.window)
 
 

@@ -181,18 +181,23 @@ def run_generator(cfg: Config, date: dt.date) -> None:
             raise GeneratorError(f"{date}: generator exited with code {code}; stderr: {_stderr_tail(err)}")
 
 
-def obtain_raw(cfg: Config, date: dt.date, *, force: bool = False, generate: bool = True) -> np.ndarray:
-    """The raw array for ``date``: the existing output if it loads, else from the generator
-    (``generate=False``: the existing output or a RawDataError, e.g. for dropped-in files)."""
+def obtain_raw(cfg: Config, date: dt.date, *, force: bool = False, generate: bool = True) -> tuple[np.ndarray, bool]:
+    """The raw array for ``date`` and whether the generator made it just now: the existing output
+    if it loads, else from the generator (``generate=False``: the existing output or a
+    RawDataError, e.g. for dropped-in files)."""
     path = cfg.raw_path(date)
     min_cols = cfg.schema.num_inputs + sum(lab.width for lab in cfg.schema.labels[:-1])
     if not generate:
-        return load_raw(path, date, min_cols)
+        return load_raw(path, date, min_cols), False
     if not force and path.exists():
         try:
-            return load_raw(path, date, min_cols)
+            return load_raw(path, date, min_cols), False
         except RawDataError as exc:
             log.warning("%s; regenerating", exc)
+    return _generate(cfg, date, path, min_cols), True
+
+
+def _generate(cfg: Config, date: dt.date, path: Path, min_cols: int) -> np.ndarray:
     attempts = cfg.generator.retries + 1
     stopping = _StopCheck()
     for attempt in range(attempts):

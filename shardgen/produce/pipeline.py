@@ -8,22 +8,23 @@ written in place already); the coordinating process alone publishes the manifest
 from __future__ import annotations
 
 import datetime as dt
-import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from shardgen.config import Config
-from shardgen.errors import Interrupted, ShardgenError, is_environment
-from shardgen.fsutil import atomic_write
-from shardgen.process import run_processor
+from shardgen.errors import Interrupted, ProcessorError, ShardgenError, is_environment
+from shardgen.process import WindowSet, run_processor
 from shardgen.produce.generator import obtain_raw
-from shardgen.produce.writer import write_shard
+from shardgen.produce.writer import write_marker, write_shard
 from shardgen.store.manifest import ShardEntry
-from shardgen.store.naming import shard_paths
+from shardgen.store.naming import sidecar_of
 from shardgen.store.sidecar import Sidecar
 
 __all__ = ["DateResult", "produce", "prepare", "warm"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,38 @@ class DateResult:
 
 
 def prepare(cfg: Config, date: dt.date, *, force: bool, raw_only: bool) -> tuple:
-    """``(sidecar, None)`` for a shard already complete (adopted), else ``(None, raw array)``:
-    what comes before the windows are cut. Raises as ``obtain_raw`` does."""
+    """``(sidecar, None, False)`` for a shard already complete (adopted), else ``(None, raw array,
+    generated)`` (``generated``: the generator made it just now): what comes before the windows are
+    cut. Raises as ``obtain_raw`` does."""
     if not force:
         sidecar = cfg.store.open().complete_shard(date, cfg.schema.fingerprint)
         if sidecar is not None:
-            return sidecar, None
-    return None, obtain_raw(cfg, date, force=force, generate=not raw_only)
+            return sidecar, None, False
+    return (None, *obtain_raw(cfg, date, force=force, generate=not raw_only))
+
+
+def _windows(cfg: Config, date: dt.date, raw, *, generated: bool, raw_only: bool) -> WindowSet:
+    """The processor's checked windows of ``raw``. A raw file already there that fails (a NaN, a
+    processor raising on it) is regenerated once and processed again: a fixed generator's output
+    then replaces it. A failure names the raw file and what to do."""
+    path = cfg.raw_path(date)
+    fn, options = cfg.process.load(), dict(cfg.process.options)
+    try:
+        return run_processor(fn, raw, date, cfg.schema, options)
+    except ProcessorError as exc:
+        if raw_only:
+            raise ProcessorError(f"{exc}; raw file {path}: replace it with one that passes (or regenerate it: "
+                                 f"shardgen build --force --start {date} --end {date})") from None
+        if generated:
+            raise ProcessorError(f"{exc}; raw file {path}, written by the generator just now: fix the generator "
+                                 "(every build runs it again for this date)") from None
+        log.warning("%s; raw file %s: running the generator again for it", exc, path)
+    raw, _ = obtain_raw(cfg, date, force=True)
+    try:
+        return run_processor(fn, raw, date, cfg.schema, options)
+    except ProcessorError as exc:
+        raise ProcessorError(f"{exc}; raw file {path}, written again by the generator after the file there failed "
+                             "too: fix the generator (every build runs it again for this date)") from None
 
 
 def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool = False,
@@ -60,34 +86,40 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
     t0 = time.perf_counter()
     store = cfg.store.open()
     try:
-        sidecar, raw = ahead() if ahead is not None else prepare(cfg, date, force=force, raw_only=raw_only)
+        sidecar, raw, generated = ahead() if ahead is not None else prepare(cfg, date, force=force,
+                                                                             raw_only=raw_only)
         if sidecar is not None:
             store.discard_staged(date)  # in the store already: a copy a killed run left in staging goes
             status = "empty" if sidecar.records == 0 else "adopted"
             entry = sidecar.entry() if sidecar.records else None
             return DateResult(date, status, entry, "no windows", time.perf_counter() - t0)
         schema = cfg.schema
-        # A forced rewrite gets new file names: published files are never written over.
+        # A forced rewrite gets new file names, and no file is ever written over (``exclusive``: a
+        # name taken by another writer, or by what a killed run left, moves the shard to the next
+        # version): the bytes under a published manifest entry never change.
         version = store.next_version(date) if force else 1
         folder = store.stage()
-        windows = run_processor(cfg.process.load(), raw, date, schema, dict(cfg.process.options))
+        store.discard_staged(date)  # a private staging folder (s3://): what a killed run left of this date goes
+        windows = _windows(cfg, date, raw, generated=generated, raw_only=raw_only)
         if windows.n == 0:
-            marker = Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", "")
-            path = shard_paths(folder, date, version)["json"]
-            atomic_write(path, json.dumps(marker.to_json()).encode())
-            store.put_shard(marker, path.name)
+            name = write_marker(folder, date, schema, version=version, exclusive=True)
+            store.put_shard(Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", ""), name)
             return DateResult(date, "empty", None,
                               f"{raw.shape[0]} rows, fewer than time_steps={schema.time_steps}: no windows",
                               time.perf_counter() - t0)
-        sidecar = write_shard(folder, date, windows, None, schema, version=version)
-        store.put_shard(sidecar, shard_paths(folder, date, version)["json"].name)
+        sidecar = write_shard(folder, date, windows, None, schema, version=version, exclusive=True)
+        store.put_shard(sidecar, sidecar_of(sidecar.rec))
         return DateResult(date, "written", sidecar.entry(), seconds=time.perf_counter() - t0, run_spec=windows.is_runs)
     except Interrupted as exc:
         return DateResult(date, "abandoned", message=str(exc), seconds=time.perf_counter() - t0)
     except ShardgenError as exc:
         return DateResult(date, "failed", message=str(exc), seconds=time.perf_counter() - t0,
                           environment=is_environment(exc))
-    except (OSError, MemoryError) as exc:
+    except OSError as exc:  # the disk full, permissions: the file and what the system said
+        where = f"{exc.filename}: " if exc.filename else ""
+        return DateResult(date, "failed", message=f"{date}: {where}{exc.strerror or exc}",
+                          seconds=time.perf_counter() - t0, environment=is_environment(exc))
+    except MemoryError as exc:
         return DateResult(date, "failed", message=f"{date}: {type(exc).__name__}: {exc}",
                           seconds=time.perf_counter() - t0, environment=is_environment(exc))
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import re
+import time
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from pathlib import Path
@@ -39,10 +41,11 @@ from shardgen.store.sidecar import Sidecar
 __all__ = ["Store", "WriterLockLike", "check_schema"]
 
 log = logging.getLogger(__name__)
+_SHARD_FILE = re.compile(r"^(?P<stem>\d{4}-\d{2}-\d{2}(?:\.v\d+)?)\.(?:rec|idx)$")  # naming.shard_paths
 
 
 class WriterLockLike(Protocol):
-    """What a store's ``writer_lock`` returns (``WriterLock`` or ``SharedWriters``)."""
+    """What a store's ``writer_lock`` returns (``WriterLock`` or ``FolderWriterLock``)."""
 
     what: str
 
@@ -255,6 +258,27 @@ class Store(ABC):
             log.info("%s: shard in the store not usable (%s); rebuilding", date, problem)
             return None
         return sidecar
+
+    def discard_incomplete(self, manifest: Manifest, *, min_age_s: float) -> list[str]:
+        """Remove the shard files (``.rec``, ``.idx``) in staging that have no sidecar, that the
+        manifest does not list, and that were last written at least ``min_age_s`` ago (by this
+        host's clock): what a killed run left half written. Younger ones may be another producer's
+        shard whose sidecar is still to come (the watcher adopts those). The holder of the writer
+        lock calls it before its workers start. Returns their names."""
+        listed = {n for e in (*manifest.shards, *manifest.retired) for n in (e.rec, e.idx)}
+        removed, now = [], time.time()
+        for path in sorted(Path(self.staging).glob("????-??-??*.*")):
+            m = _SHARD_FILE.match(path.name)
+            if not m or path.name in listed or path.with_name(m["stem"] + ".json").exists():
+                continue
+            try:
+                if now - path.stat().st_mtime < min_age_s:
+                    continue
+            except FileNotFoundError:
+                continue
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        return removed
 
     def next_version(self, date: dt.date) -> int:
         """A version of ``date``'s shard files that no file in the store, manifest entry or retired

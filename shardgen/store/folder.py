@@ -1,9 +1,11 @@
 """A store in a local (or shared, NFS-like) folder.
 
-Every file is written to a temp name in the same folder, fsynced and renamed. Writers share the
-store: each publish holds the manifest lock (``flock`` on ``.manifest.lock``) while it reads,
-changes and writes the manifest. Shards are written in place (the folder is its own staging
-area), so there is nothing to upload. Lease heartbeats are mtimes, judged by the file server's
+Every file is written to a temp name in the same folder, fsynced and renamed (a shard file
+linked to its name, never replacing a file there). One writer at a time holds the store's writer
+lock (``flock`` on ``.writer.lock``, :class:`~shardgen.store.writer_lock.FolderWriterLock`); each
+publish also holds the manifest lock (``flock`` on ``.manifest.lock``) while it reads, changes and
+writes the manifest. Shards are written in place (the folder is its own staging area), so there is
+nothing to upload. Lease heartbeats are mtimes, judged by the file server's
 clock (``leases/.clock``, touched by gc).
 """
 
@@ -30,7 +32,7 @@ from shardgen.store.naming import (
     snapshot_generations,
 )
 from shardgen.store.sidecar import Sidecar
-from shardgen.store.writer_lock import SharedWriters
+from shardgen.store.writer_lock import FolderWriterLock
 
 __all__ = ["FolderStore"]
 
@@ -106,8 +108,10 @@ class FolderStore(Store):
     def check(self) -> None:
         """A folder needs no check: what fails says so when it is used."""
 
-    def writer_lock(self, what: str, *, ttl_s: float = 60.0) -> SharedWriters:
-        return SharedWriters(what=what)
+    def writer_lock(self, what: str, *, ttl_s: float = 60.0) -> FolderWriterLock:
+        """The store's one writer (``build``, ``watch``, ``gc``, ``publish``) for its lifetime; a second
+        is refused at once, naming the holder (``ttl_s`` is not needed: the kernel frees a dead one's)."""
+        return FolderWriterLock(self.dir, what=what)
 
     def publishing(self) -> StoreLock:
         return StoreLock(self.dir / MANIFEST_LOCK, what="manifest")

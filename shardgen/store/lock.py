@@ -29,6 +29,14 @@ class StoreLock:
         except OSError:
             return "unknown"
 
+    def note(self) -> str:
+        """What the holder writes in the lock file, for the messages of those it refuses."""
+        return f"{os.getpid()}\n"
+
+    def refusal(self) -> str:
+        """Why a waiter gave up: the lock is held (and by whom, as the file says)."""
+        return f"{self.path}: {self.what} lock is held by pid {self.holder()}"
+
     def acquire(self) -> StoreLock:
         try:  # never through a symlink: truncating its target would destroy someone else's file
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -48,11 +56,11 @@ class StoreLock:
                     raise
                 if deadline is not None and time.monotonic() >= deadline:
                     os.close(fd)
-                    raise LockError(f"{self.path}: {self.what} lock is held by pid {self.holder()}") from None
+                    raise LockError(self.refusal()) from None
                 time.sleep(0.05)
-        with contextlib.suppress(OSError):  # the pid is for messages only; a full disk must not stop us
+        with contextlib.suppress(OSError):  # the holder is for messages only; a full disk must not stop us
             os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            os.write(fd, self.note().encode())
         self._fd = fd
         return self
 

@@ -7,9 +7,11 @@ cannot make taking it atomic: two writers starting within the same second could 
 Each writer reads the lock back after a pause and again before every publish, and stops when it
 finds another owner.
 
-A store folder has many writers, one publish at a time: each publish holds the manifest lock (a
-``StoreLock``, flock) for its few milliseconds. Its ``writer_lock`` is ``SharedWriters``, which
-never refuses and is never lost.
+On a store folder (``FolderStore.writer_lock``) the same writers hold ``FolderWriterLock``: a kernel
+``flock`` on ``<store>/.writer.lock`` for the writer's lifetime (released by the kernel when it
+dies, so there is nothing stale to take over), the holder's what/host/pid written in it. A second
+writer is refused at once with a LockError naming the holder. Each publish also holds the manifest
+lock (``.manifest.lock``) for its few milliseconds.
 """
 
 from __future__ import annotations
@@ -22,42 +24,57 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Optional
 
 from shardgen.errors import LockError
 from shardgen.fsutil import HOST_TOKEN
+from shardgen.store.lock import StoreLock
 from shardgen.store.naming import CLOCK_NAME, LEASE_DIR
 from shardgen.store.objstore import ObjectStore, ObjectStoreError
 
-__all__ = ["WRITER_LOCK", "WriterLock", "SharedWriters"]
+__all__ = ["WRITER_LOCK", "WriterLock", "FolderWriterLock"]
 
 log = logging.getLogger(__name__)
 WRITER_LOCK = ".writer.lock"
 SETTLE_S = 1.0  # a new lock is read back after this: the later of two racing writers wins
 
 
-class SharedWriters:
-    """A store folder's writer lock: nothing to hold (each publish takes the manifest lock)."""
+class FolderWriterLock(StoreLock):
+    """The one writer of a store folder (see the module docstring): ``flock`` on ``.writer.lock``."""
 
-    lost: Optional[str] = None  # never lost
+    lost: Optional[str] = None  # a kernel lock is held until released or the holder dies
 
-    def __init__(self, *, what: str):
-        self.what = what
+    def __init__(self, folder: Path, *, what: str):
+        super().__init__(Path(folder) / WRITER_LOCK, timeout=0, what=what)
+        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "what": what}
 
-    def acquire(self) -> SharedWriters:
-        return self
+    def note(self) -> str:
+        return json.dumps(self.info) + "\n"
+
+    def refusal(self) -> str:
+        for _ in range(20):  # the holder writes who it is just after it took the lock: a moment to read it
+            try:
+                holder = json.loads(self.holder())
+                break
+            except ValueError:
+                holder = {}
+                time.sleep(0.025)
+        holder = holder if isinstance(holder, dict) else {}
+        return (f"{self.path}: {self.what} refused: the store has another writer ({holder.get('what', 'unknown')} "
+                f"on {holder.get('host', '?')}, pid {holder.get('pid', '?')}); one writer per store: wait for it "
+                "to finish, or stop it")
 
     def check(self) -> None:
-        """Never lost."""
+        """Held until released (the kernel keeps it)."""
 
-    def release(self) -> None:
-        pass
-
-    def __enter__(self) -> SharedWriters:
+    def acquire(self) -> FolderWriterLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # a new store's folder, as staging makes it
+        super().acquire()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        pass
+    def __enter__(self) -> FolderWriterLock:
+        return self.acquire()
 
 
 class WriterLock:

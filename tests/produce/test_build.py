@@ -20,6 +20,7 @@ from shardgen.store.manifest import Manifest
 from shardgen.store.verify import verify_store
 
 DATES = ["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05"]
+DAY = dt.date(2024, 1, 2)
 
 
 def read_store(store):
@@ -170,7 +171,8 @@ def test_zero_windows_reported_and_remembered(cfg_dir):
     ("procs:bad_shape", r"2024-01-02: x must have shape \(n, 5, 4\), got \(26, 4, 4\)"),
     ("procs:wrong_dtype", r"2024-01-02: x must be float32, got float64"),
     ("procs:missing_label", r"2024-01-02: labels must be exactly \['a', 'b'\], got \['a'\]"),
-    ("procs:raises", r"2024-01-02: processor raised RuntimeError: boom in user code"),
+    ("procs:raises", r"2024-01-02: processor raised RuntimeError at \S+/tests/procs\.py:28 \(in raises\): "
+                     r"boom in user code"),
     ("procs:nan_label", r"2024-01-02: non-finite value in 'a' at window 2"),
 ])
 def test_bad_processors(cfg_dir, proc, match):
@@ -325,3 +327,30 @@ def test_an_overflow_in_an_object_array_is_named_too():
     raw[3, 1] = 1e39
     with pytest.raises(ProcessorError, match=r"raw value 1e\+39 at row 3, column 1 overflows float32"):
         sliding_windows(raw, dt.date(2024, 1, 2), time_steps=3, num_inputs=3, labels=[LabelSpec("a", 1)])
+
+
+def test_a_raw_file_that_fails_processing_is_generated_again_once_and_named(cfg_dir):
+    """Issue 54: a NaN written once blocked its date for ever (the raw file exists, so a rebuild
+    after the generator was fixed read it again), and the message did not name the file. Now the
+    message names the raw file and what to do, and a raw file already there that fails processing
+    is regenerated once: the fixed generator's output is published."""
+    from shardgen.produce.pipeline import produce
+
+    cfg = load_config(write_config(cfg_dir, end="2024-01-02", modes={"2024-01-02": "nan"}))
+    raw = cfg_dir / "raw" / "2024-01-02.npy"
+    report = build(cfg)
+    assert len(report.failed) == 1 and runs(cfg_dir) == ["2024-01-02"]
+    assert re.fullmatch(rf"2024-01-02: non-finite value in 'seq_var' at window \d+ \(row \d+; expected finite "
+                        rf"float32\); raw file {re.escape(str(raw))}, written by the generator just now: fix the "
+                        r"generator \(every build runs it again for this date\)", report.failed[0][1])
+    report = build(cfg)  # the generator still writes NaN: run again once, named so
+    assert runs(cfg_dir) == ["2024-01-02"] * 2
+    assert f"raw file {raw}, written again by the generator after the file there failed too" in report.failed[0][1]
+    dropped = produce(cfg, DAY, raw_only=True)  # a dropped-in file is never regenerated: say how to
+    assert dropped.status == "failed" and runs(cfg_dir) == ["2024-01-02"] * 2
+    assert dropped.message.endswith(f"; raw file {raw}: replace it with one that passes (or regenerate it: "
+                                    "shardgen build --force --start 2024-01-02 --end 2024-01-02)")
+    (cfg_dir / "modes.json").write_text("{}")  # the generator is fixed
+    report = build(cfg)
+    assert report.published == [DAY] and not report.failed and runs(cfg_dir) == ["2024-01-02"] * 3
+    np.testing.assert_array_equal(read_store(cfg.store.dir)[1]["2024-01-02"][:, :-1], expected_windows("2024-01-02"))

@@ -1,4 +1,4 @@
-"""Real processes: kill -9 mid-build then re-run, and concurrent builds on one store."""
+"""Real processes: kill -9 mid-build then re-run, and a second build on one store refused."""
 
 import contextlib
 import json
@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import ROOT, runs, write_config
+from conftest import ROOT, C, T, runs, write_config
+from test_build import read_store
 from test_watch import processes_with
 
 from shardgen.config import load_config
@@ -164,18 +166,53 @@ def test_temp_names_parse_whatever_the_host_name(tmp_path, monkeypatch):
     assert clean_temp_files(tmp_path) == [tmp]
 
 
-def test_concurrent_builds_serialise_on_the_lock(cfg_dir):
-    cfg_path = write_config(cfg_dir, end="2024-01-11", jobs=1, modes={"*": "slow:0.1"})
-    a = start_build(cfg_path, "--end", "2024-01-09")
-    b = start_build(cfg_path, "--start", "2024-01-04")
-    c = start_build(cfg_path)
-    for p in (a, b, c):
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
+RANDOM_GEN = """
+import os, sys, time
+import numpy as np
+out = sys.argv[sys.argv.index("--out") + 1]
+time.sleep(0.15)
+rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))  # another output on every run
+tmp = out + f".part-{os.getpid()}.npy"
+np.save(tmp, rng.standard_normal((40, 7)).astype(np.float32))
+os.replace(tmp, out)
+"""
+
+
+def _windows_of(raw):
+    """The payload rows ``sliding_windows`` makes of ``raw``, computed with a plain loop."""
+    rows = []
+    for i in range(len(raw) - T + 1):
+        last = raw[i + T - 1]
+        rows.append(np.concatenate([raw[i:i + T, :C].ravel(), last[C:C + 3]]))
+    return np.array(rows, np.float32)
+
+
+def test_a_second_build_on_a_folder_store_is_refused_naming_the_first(cfg_dir):
+    """Issue 54: two `shardgen build`s started 0.2 s apart on one folder store, with a generator
+    whose output differs from run to run. They used to both publish, each replacing the other's
+    ``<date>.rec`` (the manifest then named bytes no longer there). Now the second is refused at
+    once (exit 2, naming the first: build, host, pid) before it generates anything; the first
+    publishes every date, and every shard holds the windows of the raw file on disk."""
+    cfg_path = write_config(cfg_dir, end="2024-01-11", rows=40)
+    gen = cfg_dir / "random_gen.py"
+    gen.write_text(RANDOM_GEN)
+    _set_command(cfg_path, [sys.executable, str(gen), "--date", "{date}", "--out", "{output}"])
+    a = start_build(cfg_path)
+    time.sleep(0.2)
+    b = start_build(cfg_path)
+    outs = {p.pid: p.communicate(timeout=120) for p in (a, b)}
+    assert sorted([a.returncode, b.returncode]) == [0, 2], outs
+    winner, loser = (a, b) if a.returncode == 0 else (b, a)
+    err = outs[loser.pid][1]
+    assert re.search(rf"\.writer\.lock: build refused: the store has another writer \(build on \S+, "
+                     rf"pid {winner.pid}\); one writer per store", err), err
+    assert "published 8 dates" in outs[winner.pid][0]
     store = cfg_dir / "shards"
-    m = Manifest.load(store / "manifest.json")
-    assert [s.date for s in m.shards] == DATES_8
+    manifest, data = read_store(store)
+    assert [s.date for s in manifest.shards] == DATES_8
     assert verify_store(store)[1] == [] and temp_files(store) == []
+    for date in DATES_8:
+        np.testing.assert_array_equal(data[date][:, :-1], _windows_of(np.load(cfg_dir / "raw" / f"{date}.npy")))
 
 
 def _generator_pids(cfg_dir):

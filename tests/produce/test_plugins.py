@@ -366,3 +366,15 @@ def test_dates_run_in_a_dask_worker_started_by_dask_s_own_cli(tmp_path, jobs, la
     assert "with 1 workers" in r.stderr
     ran = [int(p) for p in pids.read_text().split()]
     assert ran == [procs[1].pid] * 4, f"ran in {ran}, the worker is {procs[1].pid}"
+
+
+def test_a_processor_raising_names_its_file_and_line(tmp_path):
+    """Issue 54: a processor's exception gave no file:line (not even with -v). It names the line of
+    the plug-in's own file the exception came through (here a call into numpy), in one line."""
+    cfg = write_config(tmp_path, process="badproc:windows", stride=None, end="2024-01-02")
+    (tmp_path / "badproc.py").write_text("import numpy as np\n\n\ndef windows(raw, date, **kw):\n"
+                                         "    return np.stack([])\n")  # raised in numpy's own Python code
+    r = shardgen_cli("build", "-c", cfg)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert re.search(rf"2024-01-02: processor raised ValueError at {re.escape(str(tmp_path / 'badproc.py'))}:5 "
+                     r"\(in windows\): need at least one array to stack", r.stderr), r.stderr

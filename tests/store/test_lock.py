@@ -1,13 +1,19 @@
-"""Store locks: never opened through a planted symlink."""
+"""Store locks: never opened through a planted symlink; a store folder's one writer."""
+
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
-from conftest import make_store, shardgen_cli, write_config
+from conftest import ROOT, make_store, shardgen_cli, write_config
 
 from shardgen.errors import LockError
 from shardgen.store.lock import MANIFEST_LOCK, WATCH_LOCK, StoreLock
+from shardgen.store.writer_lock import WRITER_LOCK
 
 
-@pytest.mark.parametrize("name", [MANIFEST_LOCK, WATCH_LOCK])
+@pytest.mark.parametrize("name", [MANIFEST_LOCK, WATCH_LOCK, WRITER_LOCK])
 def test_a_symlinked_lock_file_is_refused_and_its_target_kept(tmp_path, name):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -59,3 +65,36 @@ def test_a_publish_cut_between_its_writes_never_names_a_generation_without_its_s
     monkeypatch.undo()
     now = Manifest.load(store / "manifest.json")
     assert (store / "generations" / f"{now.generation}.json").is_file()
+
+
+HOLDER = """
+import sys
+from shardgen.store import open_store
+lock = open_store(sys.argv[1]).writer_lock("watch").acquire()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_folder_store_has_one_writer_and_a_killed_one_frees_it_at_once(tmp_path):
+    """Issue 54: the folder store's writer lock holds (it held nothing: every writer shared the
+    store). A second writer is refused at once naming the first (what, host, pid), in this
+    process as in another; a holder killed with -9 leaves no lock to wait out."""
+    from shardgen.store import open_store
+
+    store = open_store(tmp_path / "s")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "s")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(LockError, match=rf"\.writer\.lock: gc refused: the store has another writer "
+                                            rf"\(watch on \S+, pid {holder.pid}\); one writer per store"):
+            store.writer_lock("gc").acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+    with store.writer_lock("build") as mine:
+        assert mine.lost is None
+        with pytest.raises(LockError, match=rf"publish refused: .*\(build on \S+, pid {os.getpid()}\)"):
+            store.writer_lock("publish").acquire()
+    store.writer_lock("gc").acquire().release()  # released: free again

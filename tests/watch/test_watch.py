@@ -17,7 +17,7 @@ from conftest import ROOT, batch_ids, make_store, runs, write_config
 
 from loader import ShardIter
 from shardgen.config import load_config
-from shardgen.errors import ShardgenError
+from shardgen.errors import LockError, ShardgenError
 from shardgen.store.gc import collect
 from shardgen.store.lease import LEASE_DIR, live_lease_generations
 from shardgen.store.manifest import Manifest
@@ -239,14 +239,19 @@ def test_raw_files_of_dates_whose_shards_gc_deleted_go_unless_kept(cfg_dir, keep
     with Watcher(cfg, interval=60.0) as w:
         assert w.cycle().deleted == ["2024-01-02", "2024-01-03"]  # retired, past their grace (0 s) at once
         assert raw_dates(cfg_dir) == (DATES_4 if keep else ["2024-01-04", "2024-01-05"])
-        report = build(cfg, start=dt.date(2024, 1, 5), end=dt.date(2024, 1, 5), force=True)
-        assert report.published == [dt.date(2024, 1, 5)]  # rewritten: its first version is retired
+        with pytest.raises(LockError, match=r"build refused: the store has another writer \(watch on"):
+            build(cfg, start=dt.date(2024, 1, 5), end=dt.date(2024, 1, 5), force=True)  # one writer per store
+    report = build(cfg, start=dt.date(2024, 1, 5), end=dt.date(2024, 1, 5), force=True)
+    assert report.published == [dt.date(2024, 1, 5)]  # rewritten: its first version is retired
+    with Watcher(cfg, interval=60.0) as w:
         assert w.cycle().deleted == ["2024-01-05"]
     assert raw_dates(cfg_dir) == (DATES_4 if keep else ["2024-01-04", "2024-01-05"])  # -05 is in the window
     assert all(other.exists() for other in others)
 
 
-def test_raw_files_stay_through_the_grace_and_go_after_another_gc_deleted_their_shards(cfg_dir):
+def test_raw_files_stay_through_the_grace_and_another_gc_is_refused_while_the_watcher_runs(cfg_dir):
+    """Issue 54: one writer per store folder too: a `shardgen gc` beside a running watcher is
+    refused (naming it); the watcher's own gc deletes what may go."""
     from shardgen.watch.watcher import Watcher
 
     cfg = load_config(write_config(cfg_dir, end="2024-01-05", window=2, grace=3600))
@@ -256,9 +261,10 @@ def test_raw_files_stay_through_the_grace_and_go_after_another_gc_deleted_their_
         assert published(cfg.store.dir) == ["2024-01-04", "2024-01-05"]
         assert raw_dates(cfg_dir) == DATES_4  # 2024-01-02 and -03 are retired, within their grace
         later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=3601)  # `shardgen gc`, an hour on
-        assert collect(cfg.store.dir, grace_s=3600, lease_ttl_s=60, now=later) == ["2024-01-02", "2024-01-03"]
+        with pytest.raises(LockError, match=r"gc refused: the store has another writer \(watch on .*, pid \d+\)"):
+            collect(cfg.store.dir, grace_s=3600, lease_ttl_s=60, now=later)
         w.cycle()
-    assert raw_dates(cfg_dir) == ["2024-01-04", "2024-01-05"]
+    assert raw_dates(cfg_dir) == DATES_4  # still within their grace: nothing was deleted
 
 
 def test_raw_files_of_shards_gc_deleted_while_no_watcher_ran_go_when_one_starts_again(cfg_dir):
@@ -675,6 +681,9 @@ def test_a_complete_shard_of_another_schema_is_never_adopted(tmp_path):
         report = w.cycle()
     assert report.adopted == []
     assert published(mine.store.dir) == ["2024-01-02", "2024-01-03"]
-    assert Sidecar.load(mine.store.dir / "2024-01-03.json").fingerprint == mine.schema.fingerprint
+    # Its files are never written over (issue 54): this schema's shard is version 2 beside them.
+    assert Manifest.load(mine.store.dir / "manifest.json").shards[-1].rec == "2024-01-03.v2.rec"
+    assert Sidecar.load(mine.store.dir / "2024-01-03.v2.json").fingerprint == mine.schema.fingerprint
+    assert Sidecar.load(mine.store.dir / "2024-01-03.json").fingerprint == other.schema.fingerprint
     with ShardIter(mine.store.dir, 4, cache_dir=tmp_path / "c") as it:
         assert sum(b.data[0].shape[0] - b.pad for b in it) == it.records_per_epoch > 0
