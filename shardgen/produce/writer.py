@@ -113,6 +113,9 @@ def write_shard(store: Path, date: dt.date, x: Union[np.ndarray, RunSpec, Window
             sidecar = Sidecar(date=date.isoformat(), records=packed.records, bytes=packed.size, sha256=sha256,
                               idx_bytes=len(idx), fingerprint=schema.fingerprint, rec=paths["rec"].name,
                               idx=paths["idx"].name, windows=ws.n, checksum=CHECKSUM)
+            same = _already_there(paths, sidecar, idx) if exclusive else None
+            if same is not None:  # these very bytes are published under this version already: nothing to write
+                return same
             placed = _place(temps, paths, sidecar, schema, fsync=fsync, exclusive=exclusive)
             if placed is not None:
                 return placed
@@ -123,6 +126,24 @@ def write_shard(store: Path, date: dt.date, x: Union[np.ndarray, RunSpec, Window
         for tmp in temps.values():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+
+def _already_there(paths: dict[str, Path], sidecar: Sidecar, idx: bytes) -> Optional[Sidecar]:
+    """The sidecar of this version on disk if its files are byte for byte what ``sidecar`` and ``idx``
+    describe (a date written again with the same windows), else None."""
+    try:
+        there = Sidecar.parse(paths["json"].read_bytes(), str(paths["json"]))
+        if dataclasses.replace(there, distinct=None) != dataclasses.replace(sidecar, distinct=None):
+            return None
+        if paths["idx"].read_bytes() != idx or paths["rec"].stat().st_size != sidecar.bytes:
+            return None
+        digest = hashlib.sha256()
+        with open(paths["rec"], "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    except (OSError, ShardError):
+        return None
+    return there if digest.hexdigest() == sidecar.sha256 else None
 
 
 def _place(temps: dict[str, Path], paths: dict[str, Path], sidecar: Sidecar, schema: Schema, *, fsync: bool,
@@ -188,7 +209,9 @@ def write_store(store: Path, schema: Schema, shards: Iterable[tuple], *, window:
                 fsync: bool = True) -> Optional[Manifest]:
     """Write shards from windows already in hand and publish them as one generation: for stores
     made without a generator (tests, benchmarks, a notebook). ``shards`` yields ``(date, x,
-    labels)`` as :func:`write_shard` takes them; returns the new manifest."""
+    labels)`` as :func:`write_shard` takes them; returns the new manifest. A published file is never
+    written over here either: a date written again takes the next version (``exclusive``)."""
     Path(store).mkdir(parents=True, exist_ok=True)
-    entries = [write_shard(store, date, x, labels, schema, fsync=fsync).entry() for date, x, labels in shards]
+    entries = [write_shard(store, date, x, labels, schema, fsync=fsync, exclusive=True).entry()
+               for date, x, labels in shards]
     return publish(store, schema, window, entries)

@@ -107,3 +107,22 @@ def test_a_build_removes_what_a_killed_run_left_without_a_sidecar(cfg_dir):
     assert digests(store)["2024-01-02.rec"] == listed["2024-01-02.rec"]
     (store / "kept.json").rename(store / "2024-01-02.json")
     assert verify_store(store)[1] == []
+
+
+def test_write_store_never_writes_over_a_published_file_and_reuses_identical_bytes(tmp_path):
+    """``write_store`` (tests, notebooks) writes exclusively too: the same windows again reuse the
+    published files (no new version, no new generation); other windows for a date take the next
+    version, and the bytes a reader of the old generation holds never change."""
+    from shardgen.produce.writer import write_store
+
+    first = write_store(tmp_path, SCHEMA, [(DAY, *windows(1.0))], fsync=False)
+    before = digests(tmp_path)
+    assert write_store(tmp_path, SCHEMA, [(DAY, *windows(1.0))], fsync=False) is None  # nothing changed
+    assert digests(tmp_path) == before
+    third = write_store(tmp_path, SCHEMA, [(DAY, *windows(3.0))], fsync=False)
+    assert third.generation == first.generation + 1
+    assert [s.rec for s in third.shards] == ["2024-01-02.v2.rec"] and third.retired[0].rec == "2024-01-02.rec"
+    after = digests(tmp_path)
+    assert {k: after[k] for k in before if k != "manifest.json"} == {k: v for k, v in before.items()
+                                                                     if k != "manifest.json"}
+    assert verify_store(tmp_path)[1] == []
