@@ -100,3 +100,38 @@ def test_dask_build_gives_the_same_shards_as_local_builds(tmp_path):
     for date in ref:
         assert (tmp_path / "dask" / "shards" / f"{date}.idx").read_bytes() == \
             (local.store.dir / f"{date}.idx").read_bytes()
+
+
+# -- Module.fit under dist_sync (issue 54.4, 54.5) -----------------------------------------------
+
+
+def assert_exact_epochs(records: list, total: int, epochs: int) -> None:
+    """Every window once per epoch across the workers' record logs (a list per worker, a list per epoch)."""
+    for epoch in range(epochs):
+        union = sorted(int(v) for worker in records for v in worker[epoch])
+        assert union == list(range(total)), f"epoch {epoch}: every record exactly once across the workers"
+
+
+def assert_same_params(paths) -> dict:
+    first, *others = (mx.nd.load(str(p)) for p in paths)
+    assert first
+    for other in others:
+        assert other.keys() == first.keys()
+        for key in first:
+            np.testing.assert_array_equal(first[key].asnumpy(), other[key].asnumpy())
+    return first
+
+
+def test_module_fit_with_the_iterator_made_first(tmp_path):
+    """for_kvstore, then Module.fit(it, kvstore=kv), as a user writes it: the iterator's agreement
+    used integer keys before Module's string keys ("Mixed key types are not allowed" on both ranks)."""
+    store, out = tmp_path / "store", tmp_path / "out"
+    make_store(store, COUNTS)
+    out.mkdir()
+    r = launch("-n", 2, "-s", 1, "--", sys.executable, ROOT / "tests" / "dist_module_worker.py", "--store", store,
+               "--out", out, timeout=90)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ranks = [json.loads((out / f"rank-{k}.json").read_text()) for k in (0, 1)]
+    assert [len(e) for e in ranks[0]["epochs"]] != [len(e) for e in ranks[1]["epochs"]]  # 65 and 66: own parts
+    assert_exact_epochs([rank["epochs"] for rank in ranks], 131, 2)
+    assert_same_params(out / f"params-{k}.params" for k in (0, 1))
