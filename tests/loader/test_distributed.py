@@ -135,3 +135,19 @@ def test_module_fit_with_the_iterator_made_first(tmp_path):
     assert [len(e) for e in ranks[0]["epochs"]] != [len(e) for e in ranks[1]["epochs"]]  # 65 and 66: own parts
     assert_exact_epochs([rank["epochs"] for rank in ranks], 131, 2)
     assert_same_params(out / f"params-{k}.params" for k in (0, 1))
+
+
+def test_a_second_dist_kvstore_in_a_worker_fails_at_once(tmp_path):
+    """Module.fit(it, kvstore="dist_sync") while the iterator holds a kvstore: MXNet's second
+    KVStoreDist waits forever in its constructor (a ps-lite barrier no server joins); it is a
+    LoaderError saying to pass the kvstore object, and the launcher stops the job."""
+    store, out = tmp_path / "store", tmp_path / "out"
+    make_store(store, COUNTS)
+    out.mkdir()
+    t0 = time.monotonic()
+    r = launch("-n", 2, "-s", 1, "--", sys.executable, ROOT / "tests" / "dist_module_worker.py", "--store", store,
+               "--out", out, "--fit-kvstore", "dist_sync", timeout=90)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 60, "a hang that only --timeout ended"
+    assert "this worker has a 'dist_sync' kvstore already" in r.stdout and "kvstore=kv" in r.stdout
+    assert re.search(r"^launch: worker [01] \(rank [01]\) exited with code 1; stopping the job$", r.stderr, re.M)
