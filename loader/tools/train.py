@@ -5,7 +5,8 @@
 Gluon with ``ShardIter``: each batch is split over the contexts (``--gpus``; CPU when none), padded
 rows of the last batch are masked out of the loss. ``--module`` runs the same iterator through
 ``mx.mod.Module.fit`` instead. ``--kvstore dist_sync`` trains across processes/machines (start it
-with ``python -m loader.tools.launch``); each worker then reads its own part of every epoch.
+with ``python -m loader.tools.launch``); each worker then reads its own part of every epoch, with
+Gluon and with ``--module`` (the iterator and ``Module.fit`` share the one kvstore).
 """
 
 from __future__ import annotations
@@ -153,10 +154,15 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     return history
 
 
-def train_module(args: argparse.Namespace, ctx: list) -> list[dict]:
-    """The same iterator through the symbolic Module API (a small MLP over the flattened window)."""
-    it = ShardIter(args.manifest, args.batch_size, label_names=[args.target], seed=args.seed,
-                   preprocess_threads=args.threads, prefetch_buffer=args.prefetch, **_cache(args, None))
+def train_module(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
+    """The same iterator through the symbolic Module API (a small MLP over the flattened window).
+    With a kvstore, the iterator is ``for_kvstore``'s (this worker's part) and ``Module.fit`` gets
+    the same kvstore object (a second ``mx.kv.create("dist_sync")`` in a worker never returns)."""
+    common = dict(label_names=[args.target], seed=args.seed, preprocess_threads=args.threads,
+                  prefetch_buffer=args.prefetch, **_cache(args, kv))
+    it = (ShardIter.for_kvstore(kv, args.manifest, args.batch_size, **common) if kv is not None
+          else ShardIter(args.manifest, args.batch_size, **common))
+    target = list(it.label_names).index(args.target)
     data = mx.sym.var(it.provide_data[0].name)
     hidden = mx.sym.Activation(mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=args.hidden), "relu")
     out = mx.sym.flatten(mx.sym.FullyConnected(hidden, num_hidden=1))
@@ -164,21 +170,33 @@ def train_module(args: argparse.Namespace, ctx: list) -> list[dict]:
     mod = mx.mod.Module(net, data_names=[it.provide_data[0].name], label_names=[args.target], context=ctx)
     history: list[dict] = []
     mse = [float("nan")]
+    seen: list[list] = [[]]
+    label = f"[rank {kv.rank}] " if kv is not None and kv.num_workers > 1 else ""
 
     def on_batch(param: Any) -> None:  # the metric accumulates over the epoch
         mse[0] = float(param.eval_metric.get()[1])
+        if args.record_log:
+            batch = param.locals["data_batch"]
+            values = batch.label[target].asnumpy()
+            seen[-1] += values[: len(values) - batch.pad].tolist()
 
     def on_epoch(epoch, *_):
         s = it.stats  # fit() calls this before it resets the iterator
         history.append({"epoch": epoch, "batches": s["batches"], "samples": s["samples"], "train_mse": mse[0],
                         "samples_per_s": s["samples_per_s"], "stall_pct": 100 * s["stall_fraction"]})
-        print(f"epoch {epoch}: train mse {mse[0]:.4f} | {s['batches']} batches, {s['samples']} samples, "
+        seen.append([])
+        print(f"{label}epoch {epoch}: train mse {mse[0]:.4f} | {s['batches']} batches, {s['samples']} samples, "
               f"{s['samples_per_s']:,.0f} samples/s, data stall {100 * s['stall_fraction']:.1f}%", flush=True)
 
     mod.fit(it, num_epoch=args.epochs, optimizer="adam", optimizer_params={"learning_rate": args.lr},
             eval_metric="mse", batch_end_callback=on_batch, epoch_end_callback=on_epoch,
-            initializer=mx.init.Xavier())
+            initializer=mx.init.Xavier(), kvstore=kv if kv is not None else "local")
     it.close()
+    rank = kv.rank if kv is not None else 0
+    if args.params_out:
+        mod.save_params(str(args.params_out).format(rank=rank))
+    if args.record_log:
+        Path(str(args.record_log).format(rank=rank)).write_text(json.dumps(seen[:-1]))
     return history
 
 
@@ -215,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ctx = contexts(args.gpus, args.cpu_devices)
     try:
         kv = mx.kv.create(args.kvstore) if args.kvstore else None
-        history = train_module(args, ctx) if args.module else train_gluon(args, ctx, kv)
+        history = train_module(args, ctx, kv) if args.module else train_gluon(args, ctx, kv)
     except LoaderError as exc:
         print(f"loader: error: {exc}", file=sys.stderr)
         return 2

@@ -151,3 +151,20 @@ def test_a_second_dist_kvstore_in_a_worker_fails_at_once(tmp_path):
     assert time.monotonic() - t0 < 60, "a hang that only --timeout ended"
     assert "this worker has a 'dist_sync' kvstore already" in r.stdout and "kvstore=kv" in r.stdout
     assert re.search(r"^launch: worker [01] \(rank [01]\) exited with code 1; stopping the job$", r.stderr, re.M)
+
+
+def test_train_tool_module_splits_the_epoch_between_workers(tmp_path):
+    """python -m loader.tools.train --module --kvstore dist_sync: each worker reads its own part
+    (it read the whole epoch and trained alone: the same mse on both ranks)."""
+    store = tmp_path / "store"
+    make_store(store, COUNTS)
+    r = launch("-n", 2, "-s", 1, "--", *train_cmd(store, tmp_path, extra=("--module",)), timeout=90)
+    assert r.returncode == 0, r.stdout + r.stderr
+    history = [json.loads((tmp_path / f"history-{k}.json").read_text()) for k in (0, 1)]
+    for epoch in range(2):
+        assert history[0][epoch]["batches"] == history[1][epoch]["batches"] == 9  # ceil(66 / 8), not 17
+        assert sorted(h[epoch]["samples"] for h in history) == [65, 66]
+    records = [json.loads((tmp_path / f"records-{k}.json").read_text()) for k in (0, 1)]
+    assert_exact_epochs(records, 131, 2)
+    assert re.search(r"^\[rank 0\] epoch 1: train mse", r.stdout, re.M) and "[rank 1] epoch 1" in r.stdout
+    assert_same_params(tmp_path / f"params-{k}.params" for k in (0, 1))
