@@ -168,3 +168,43 @@ def test_train_tool_module_splits_the_epoch_between_workers(tmp_path):
     assert_exact_epochs(records, 131, 2)
     assert re.search(r"^\[rank 0\] epoch 1: train mse", r.stdout, re.M) and "[rank 1] epoch 1" in r.stdout
     assert_same_params(tmp_path / f"params-{k}.params" for k in (0, 1))
+
+
+# -- stop a dist_sync job and resume it on another number of workers (issue 54.6) ----------------
+
+EVEN = {"2024-01-02": 50, "2024-01-03": 38, "2024-01-04": 44}  # 132: no repeated window on 1, 2 or 4 parts of 8
+
+
+@pytest.mark.parametrize("workers", [4, 1])
+def test_stop_and_resume_on_another_number_of_workers(tmp_path, workers):
+    store, ckpt = tmp_path / "store", tmp_path / "ckpt"
+    make_store(store, EVEN)
+    common = ["--manifest", store / "manifest.json", "--kvstore", "dist_sync", "--epochs", 2, "--batch-size", 8,
+              "--target", "a", "--hidden", 4, "--lr", "1e-3"]
+    cmd = [sys.executable, "-m", "loader.tools.train", *common]
+    r = launch("-n", 2, "-s", 1, "--", *cmd, "--stop-after", 5, "--checkpoint", ckpt,
+               "--record-log", tmp_path / "first-{rank}.json", timeout=90)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[rank 0] stopped after 5 batches, in epoch 0; checkpoint" in r.stdout
+    assert "[rank 1] stopped after 5 batches, in epoch 0\n" in r.stdout
+    assert sorted(p.name for p in ckpt.iterdir()) == ["net.params", "state.json"]
+    first = [json.loads((tmp_path / f"first-{k}.json").read_text()) for k in (0, 1)]
+    assert [len(f) for f in first] == [1, 1] and [len(f[0]) for f in first] == [40, 40]  # 5 batches of 8
+    saved = mx.nd.load(str(ckpt / "net.params"))
+
+    r = launch("-n", workers, "-s", 1, "--", *cmd, "--resume", ckpt, "--record-log", tmp_path / "then-{rank}.json",
+               "--history-out", tmp_path / "history-{rank}.json", "--params-out", tmp_path / "params-{rank}.params",
+               timeout=90)
+    assert r.returncode == 0, r.stdout + r.stderr
+    then = [json.loads((tmp_path / f"then-{k}.json").read_text()) for k in range(workers)]
+    history = [json.loads((tmp_path / f"history-{k}.json").read_text()) for k in range(workers)]
+    # Epoch 0: the 80 windows read before the stop and the 52 left, split among the new workers, each once.
+    rest = [v for t in then for v in t[0]]
+    assert len(rest) == 52
+    assert sorted(int(v) for v in [*first[0][0], *first[1][0], *rest]) == list(range(132))
+    assert_exact_epochs([t[1:] for t in then], 132, 1)  # epoch 1: whole, on the new workers
+    assert [h["epoch"] for h in history[0]] == [0, 1]
+    for epoch in range(2):
+        assert len({h[epoch]["batches"] for h in history}) == 1  # dist_sync: the same batches on every worker
+    params = assert_same_params(tmp_path / f"params-{k}.params" for k in range(workers))
+    assert_params_moved(saved, params)  # it trained on from the checkpoint
