@@ -12,6 +12,11 @@ it). In a process with ``DMLC_ROLE=worker`` a failure (``loader.exitcode``: the 
 printed by then) ends the process at once with its code, MXNet's teardown skipped, so a launcher
 sees the failure and stops the job.
 
+*A second dist kvstore.* In a worker, ``mx.kv.create("dist_sync")`` a second time (``Module.fit(it,
+kvstore="dist_sync")`` does it when the iterator's kvstore exists already) waits forever in MXNet's
+constructor: a ps-lite barrier of a second customer, which the servers and the scheduler never
+join. ``install()`` makes that second call a ``LoaderError`` saying to pass the same kvstore object.
+
 ``install()`` (called once by ``import loader``) registers one hook, ``_at_exit``, after importing
 ``mxnet`` (which registers MXNet's hook); atexit runs hooks last-registered first, so ours runs
 before MXNet's, whatever else was imported. Every ``ShardIter`` is ``track``-ed here from its
@@ -138,7 +143,32 @@ def install() -> None:
     _INSTALLED.append(True)
     if _is_worker():
         exitcode.install()
+        _one_dist_kvstore()
     atexit.register(_at_exit)
+
+
+def _one_dist_kvstore() -> None:
+    """``mx.kv.create`` (what ``Module`` and ``gluon.Trainer`` call with a kvstore name) refuses a
+    second distributed kvstore in this process, instead of hanging in it."""
+    import mxnet.kvstore as kvs
+
+    create, made = kvs.create, []
+
+    def create_once(name: str = "local") -> Any:
+        if isinstance(name, str) and "dist" in name and made:
+            from loader.errors import LoaderError
+
+            raise LoaderError(f"mx.kv.create({name!r}): this worker has a {made[0]!r} kvstore already, and MXNet "
+                              "1.9.1 waits forever in a second one (its ps-lite barrier is joined by no server): "
+                              "pass the kvstore you made to the model, e.g. Module.fit(..., kvstore=kv) or "
+                              "gluon.Trainer(..., kvstore=kv)")
+        kv = create(name)
+        if "dist" in getattr(kv, "type", ""):
+            made.append(kv.type)
+        return kv
+
+    create_once.__doc__ = create.__doc__
+    kvs.create = create_once
 
 
 RANK_FILE = "SHARDGEN_RANK_FILE"  # where a worker started by this launcher reports its kvstore rank

@@ -31,7 +31,7 @@ from loader.pipeline.settings import (
     default_readers,
 )
 from loader.reader import Reader
-from loader.source.generations import Choice, agreed_start
+from loader.source.generations import Choice, agree
 from loader.source.location import Location, resolve
 from loader.source.selection import DateRange, normalize_dates, select_shards
 
@@ -124,18 +124,52 @@ class ShardIter(mx.io.DataIter):
     @classmethod
     def for_kvstore(cls, kv: Any, manifest: os.PathLike | str, batch_size: int, **kwargs: Any) -> ShardIter:
         """One part per worker of a (distributed) kvstore: ``num_parts = kv.num_workers``, ``part_index = kv.rank``.
-        The workers agree on the generation (rank 0's newest) through ``kv`` at construction and at
-        every ``reset()``; ``generation=N`` pins one instead."""
+        The workers agree on the generation (rank 0's newest) through ``kv`` at the first batch (or
+        the first ``reset()``) and at every ``reset()``; ``generation=N`` pins one instead.
+
+        Nothing goes through ``kv`` here: its first keys are the model's. MXNet refuses integer and
+        string keys in one kvstore, and the model's kind is not known yet: ``Module.fit`` puts
+        string keys in at ``init_optimizer``, before its first batch; a Gluon ``Trainer`` integer
+        keys at its first ``step()``, after it. The agreement takes the kind found (``agree``)."""
+        parts = dict(num_parts=kv.num_workers, part_index=kv.rank)
         if kwargs.get("generation") is not None:
-            return cls(manifest, batch_size, num_parts=kv.num_workers, part_index=kv.rank, **kwargs)
-        kwargs.pop("generation", None)
-        location = resolve(manifest, kwargs.pop("cache_dir", None), kwargs.pop("cache_limit", None))
-        with agreed_start(kv, location) as generation:
-            it = cls(location, batch_size, num_parts=kv.num_workers, part_index=kv.rank, generation=generation,
-                     **kwargs)
-        it.reader.choice = Choice(kv=kv)  # from the next reset() on, the workers agree again
+            it = cls(manifest, batch_size, **parts, **kwargs)
+        else:
+            kwargs.pop("generation", None)
+            location = resolve(manifest, kwargs.pop("cache_dir", None), kwargs.pop("cache_limit", None))
+            it = cls(location, batch_size, **parts, **kwargs)  # this worker's newest, until the first batch
+            it.reader.choice = Choice(kv=kv)  # every reset() agrees
+            if kv.num_workers > 1:
+                it._first_agreement = _FirstAgreement(kv, location, {**parts, **kwargs})
         report_rank(kv.rank)  # loader.tools.launch labels this worker's lines with it
         return it
+
+    _first_agreement: Optional[_FirstAgreement] = None  # for_kvstore: the agreement due at the first batch
+
+    def _agree_first(self) -> None:
+        """The first batch of a ``for_kvstore`` iterator: every worker takes rank 0's generation (a
+        collective call, on every worker at its first ``next()``, as ``reset()`` is). Built on
+        another one here, it is built again on rank 0's; after ``load_state_dict`` the loaded state
+        must be of rank 0's generation."""
+        pending, self._first_agreement = self._first_agreement, None
+        held = self.generation
+        agreed = agree(pending.kv, held)
+        if agreed == held:
+            return
+        if pending.loaded:
+            raise LoaderError(f"{self.manifest_path}: this worker resumed a state of generation {held}, rank 0 one of "
+                              f"generation {agreed}: load the same state on every worker")
+        fresh = type(self)(pending.location, self.batch_size, generation=agreed, **pending.kwargs)
+        if fresh.schema.fingerprint != self.schema.fingerprint:
+            fresh.close()
+            raise LoaderError(f"{self.manifest_path}: the store's schema changed (fingerprint {self.schema.fingerprint}"
+                              f" -> {fresh.schema.fingerprint}) between this worker's generation {held} and rank 0's "
+                              f"{agreed}; make the iterators again")
+        old, self.reader = self.reader, fresh.reader
+        fresh._closed = True  # its reader is this iterator's now
+        self.reader.choice = Choice(kv=pending.kv)
+        self.reader.dates = old.dates  # a selection set before the first batch
+        old.close()
 
     # -- the contract ---------------------------------------------------------------------------
 
@@ -158,10 +192,13 @@ class ShardIter(mx.io.DataIter):
         """Start the next epoch on the newest manifest generation."""
         self._check_open()
         self._keep_stats()
+        self._first_agreement = None  # for_kvstore: this reset() is the agreement
         self.reader.reset()
         self._restart_clock()
 
     def next(self) -> mx.io.DataBatch:
+        if self._first_agreement is not None and not self._closed:
+            self._agree_first()
         t0 = time.perf_counter()
         reader = self.reader
         if reader.cursor >= reader.batches:
@@ -292,6 +329,8 @@ class ShardIter(mx.io.DataIter):
         self._check_open()
         if reader.load(state, before_end=self._keep_stats):
             self._restart_clock()
+        if self._first_agreement is not None:  # the first batch still agrees, on the state's generation
+            self._first_agreement.loaded = True
 
     # -- the end --------------------------------------------------------------------------------
 
@@ -318,3 +357,11 @@ class ShardIter(mx.io.DataIter):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _FirstAgreement:
+    """What ``for_kvstore`` needs to agree at the first batch and build the iterator again."""
+
+    def __init__(self, kv: Any, location: Location, kwargs: dict):
+        self.kv, self.location, self.kwargs = kv, location, kwargs
+        self.loaded = False  # load_state_dict() ran before the first batch

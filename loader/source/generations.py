@@ -1,12 +1,16 @@
 """Which manifest generation an iterator reads: the newest, one pinned by hand, or the one all
 workers of a kvstore agree on.
 
-The rule for ``ShardIter.for_kvstore``: at construction and at every ``reset()``, each worker
-proposes the newest generation it sees in ``manifest.json``; rank 0's proposal wins. It reaches
+The rule for ``ShardIter.for_kvstore``: at the first batch (or the first ``reset()``) and at every
+``reset()``, each worker proposes the generation it holds (at the first batch: the newest it saw
+at construction) or the newest it sees in ``manifest.json``; rank 0's proposal wins. It reaches
 every worker through the kvstore itself: ``kv.broadcast`` (``init`` + ``pull``: in ``dist_sync``
 rank 0 alone pushes the initial value, then every worker passes a barrier) of a 2-float NDArray
-under a fresh reserved integer key per agreement (``AGREE_KEY_BASE`` and up; string keys if the
-kvstore already uses string keys). Every worker then opens exactly that generation, from its
+under a fresh reserved key per agreement: an integer (``AGREE_KEY_BASE`` and up), or a string
+(``__shardgen_generation_<n>``) when the kvstore already holds string keys (MXNet refuses both
+kinds in one kvstore: Gluon's ``Trainer`` uses integers, ``Module`` strings). Nothing goes through
+the kvstore at construction, so the model's keys come first whatever the order the script creates
+the iterator and the model in. Every worker then opens exactly that generation, from its
 immutable snapshot ``generations/<N>.json``: the same shards, the same record count, so equal
 batches and every record once. No clock, no side channel. A kvstore with one worker (``local``,
 ``device``) is not used at all.
@@ -26,11 +30,10 @@ snapshot is cached needs no request.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import mxnet as mx
 
@@ -38,7 +41,7 @@ from loader.errors import LoaderError, StoreUnreachableError, mxnet_reason
 from loader.source.location import Location
 from shardgen.store.manifest import Manifest
 
-__all__ = ["AGREE_KEY_BASE", "Choice", "agree", "agreed_start"]
+__all__ = ["AGREE_KEY_BASE", "Choice", "agree"]
 
 log = logging.getLogger(__name__)
 AGREE_KEY_BASE = 1 << 30  # integer kvstore keys from here on are the loader's (Gluon uses 0, 1, ...)
@@ -107,18 +110,3 @@ class Choice:
             return newest
         agreed = agree(self.kv, newest.generation)
         return newest if agreed == newest.generation else location.generation(agreed)
-
-
-@contextlib.contextmanager
-def agreed_start(kv: Any, location: Location) -> Iterator[int]:
-    """The generation a new ``for_kvstore`` iterator starts on. Until the block ends (the
-    iterator then holds its own lease), a temporary lease on this worker's proposal keeps gc
-    from removing the agreed snapshot: gc keeps every snapshot at or above the oldest live lease,
-    and rank 0 proposed the agreed one."""
-    newest = Choice.propose(location)
-    hold = location.lease()
-    hold.renew(newest.generation)
-    try:
-        yield agree(kv, newest.generation)
-    finally:
-        hold.release()

@@ -5,12 +5,21 @@
 Gluon with ``ShardIter``: each batch is split over the contexts (``--gpus``; CPU when none), padded
 rows of the last batch are masked out of the loss. ``--module`` runs the same iterator through
 ``mx.mod.Module.fit`` instead. ``--kvstore dist_sync`` trains across processes/machines (start it
-with ``python -m loader.tools.launch``); each worker then reads its own part of every epoch.
+with ``python -m loader.tools.launch``); each worker then reads its own part of every epoch, with
+Gluon and with ``--module`` (the iterator and ``Module.fit`` share the one kvstore).
+
+Stop and resume (Gluon): ``--stop-after N`` stops every worker after its N-th batch of the run (a
+``dist_sync`` job's workers are all at the same batch), and rank 0 writes ``--checkpoint DIR``
+(the iterator's ``state_dict()`` and the parameters; not the optimizer state, which MXNet cannot
+save from a dist kvstore's servers: Adam's moments start again). ``--resume DIR``
+starts from it, on any number of workers: the rest of that epoch is split among them, every
+window once, then whole epochs up to ``--epochs``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -92,6 +101,45 @@ def _cache(args: argparse.Namespace, kv) -> dict:
     return out
 
 
+CHECKPOINT_FILES = ("state.json", "net.params")
+
+
+def _drop_checkpoint(folder: Path) -> None:
+    """A checkpoint folder's files and the folder (anything else in it stays, and so does the folder)."""
+    for name in CHECKPOINT_FILES:
+        (folder / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
+def _save_checkpoint(folder: Path, it: ShardIter, net) -> None:
+    """Rank 0's checkpoint: written whole into ``<folder>.tmp``, then renamed into place (an
+    earlier one there is replaced only then). Not the optimizer state: under a dist kvstore the
+    servers hold it, and MXNet cannot save it ("Cannot save states for distributed training")."""
+    mx.nd.waitall()
+    tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
+    _drop_checkpoint(tmp)
+    tmp.mkdir(parents=True)
+    (tmp / "state.json").write_text(json.dumps({"iterator": it.state_dict()}))
+    net.save_parameters(str(tmp / "net.params"))
+    if folder.is_dir():
+        _drop_checkpoint(old)
+        folder.replace(old)
+    tmp.replace(folder)
+    _drop_checkpoint(old)
+
+
+def _load_checkpoint(folder: Path, it: ShardIter, net) -> int:
+    """Every worker: the checkpoint's parameters and iterator state; the epoch it stopped in."""
+    missing = [name for name in CHECKPOINT_FILES if not (folder / name).is_file()]
+    if missing:
+        raise LoaderError(f"--resume {folder}: not a checkpoint of this tool (missing {', '.join(missing)})")
+    state = json.loads((folder / "state.json").read_text())["iterator"]
+    net.load_parameters(str(folder / "net.params"), ctx=net.collect_params().list_ctx())
+    it.load_state_dict(state)
+    return int(state["epoch"])
+
+
 def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     common = dict(preprocess_threads=args.threads, prefetch_buffer=args.prefetch, seed=args.seed, **_cache(args, kv))
     val_end = None
@@ -110,9 +158,11 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     net = build_net(args.hidden, ctx, args.seed)
     trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": args.lr},
                             kvstore=kv if kv is not None else "device")
-    history, seen = [], []
-    for epoch in range(args.epochs):
-        if epoch:
+    start = _load_checkpoint(Path(args.resume), train, net) if args.resume else 0
+    history, seen, done = [], [], 0
+    rank = kv.rank if kv is not None else 0
+    for epoch in range(start, args.epochs):
+        if epoch > start:
             train.reset()
         total, count, batches, t0 = 0.0, 0.0, 0, time.perf_counter()
         seen.append([])
@@ -128,24 +178,31 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
             total += sum(float(loss.sum().asscalar()) for loss in losses)
             count += args.batch_size - batch.pad
             batches += 1
-            if args.max_batches and batches >= args.max_batches:
+            done += 1
+            if done == args.stop_after or (args.max_batches and batches >= args.max_batches):
                 break
         stats = train.stats
         row = {"epoch": epoch, "train_mse": total / max(count, 1), "batches": batches,
                "samples": int(count), "seconds": time.perf_counter() - t0,
                "samples_per_s": stats["samples_per_s"], "stall_pct": 100 * stats["stall_fraction"],
                "generation": train.generation}
+        label = f"[rank {kv.rank}] " if kv is not None and kv.num_workers > 1 else ""
+        if done == args.stop_after:  # every worker, after the same batch
+            history.append(row)
+            if rank == 0:
+                _save_checkpoint(Path(args.checkpoint), train, net)
+            print(f"{label}stopped after {done} batches, in epoch {epoch}" +
+                  (f"; checkpoint {args.checkpoint}" if rank == 0 else ""), flush=True)
+            break
         if val is not None:
             row["val_mse"] = _evaluate(net, val, ctx, target)
         history.append(row)
-        rank = f"[rank {kv.rank}] " if kv is not None and kv.num_workers > 1 else ""
         val_text = f", val mse {row['val_mse']:.4f}" if "val_mse" in row else ""
-        print(f"{rank}epoch {epoch}: train mse {row['train_mse']:.4f}{val_text} | {batches} batches, "
+        print(f"{label}epoch {epoch}: train mse {row['train_mse']:.4f}{val_text} | {batches} batches, "
               f"{row['samples_per_s']:,.0f} samples/s, data stall {row['stall_pct']:.1f}%", flush=True)
     train.close()
     if val is not None:
         val.close()
-    rank = kv.rank if kv is not None else 0
     if args.params_out:
         net.save_parameters(str(args.params_out).format(rank=rank))
     if args.record_log:
@@ -153,10 +210,15 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     return history
 
 
-def train_module(args: argparse.Namespace, ctx: list) -> list[dict]:
-    """The same iterator through the symbolic Module API (a small MLP over the flattened window)."""
-    it = ShardIter(args.manifest, args.batch_size, label_names=[args.target], seed=args.seed,
-                   preprocess_threads=args.threads, prefetch_buffer=args.prefetch, **_cache(args, None))
+def train_module(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
+    """The same iterator through the symbolic Module API (a small MLP over the flattened window).
+    With a kvstore, the iterator is ``for_kvstore``'s (this worker's part) and ``Module.fit`` gets
+    the same kvstore object (a second ``mx.kv.create("dist_sync")`` in a worker never returns)."""
+    common = dict(label_names=[args.target], seed=args.seed, preprocess_threads=args.threads,
+                  prefetch_buffer=args.prefetch, **_cache(args, kv))
+    it = (ShardIter.for_kvstore(kv, args.manifest, args.batch_size, **common) if kv is not None
+          else ShardIter(args.manifest, args.batch_size, **common))
+    target = list(it.label_names).index(args.target)
     data = mx.sym.var(it.provide_data[0].name)
     hidden = mx.sym.Activation(mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=args.hidden), "relu")
     out = mx.sym.flatten(mx.sym.FullyConnected(hidden, num_hidden=1))
@@ -164,21 +226,33 @@ def train_module(args: argparse.Namespace, ctx: list) -> list[dict]:
     mod = mx.mod.Module(net, data_names=[it.provide_data[0].name], label_names=[args.target], context=ctx)
     history: list[dict] = []
     mse = [float("nan")]
+    seen: list[list] = [[]]
+    label = f"[rank {kv.rank}] " if kv is not None and kv.num_workers > 1 else ""
 
     def on_batch(param: Any) -> None:  # the metric accumulates over the epoch
         mse[0] = float(param.eval_metric.get()[1])
+        if args.record_log:
+            batch = param.locals["data_batch"]
+            values = batch.label[target].asnumpy()
+            seen[-1] += values[: len(values) - batch.pad].tolist()
 
     def on_epoch(epoch, *_):
         s = it.stats  # fit() calls this before it resets the iterator
         history.append({"epoch": epoch, "batches": s["batches"], "samples": s["samples"], "train_mse": mse[0],
                         "samples_per_s": s["samples_per_s"], "stall_pct": 100 * s["stall_fraction"]})
-        print(f"epoch {epoch}: train mse {mse[0]:.4f} | {s['batches']} batches, {s['samples']} samples, "
+        seen.append([])
+        print(f"{label}epoch {epoch}: train mse {mse[0]:.4f} | {s['batches']} batches, {s['samples']} samples, "
               f"{s['samples_per_s']:,.0f} samples/s, data stall {100 * s['stall_fraction']:.1f}%", flush=True)
 
     mod.fit(it, num_epoch=args.epochs, optimizer="adam", optimizer_params={"learning_rate": args.lr},
             eval_metric="mse", batch_end_callback=on_batch, epoch_end_callback=on_epoch,
-            initializer=mx.init.Xavier())
+            initializer=mx.init.Xavier(), kvstore=kv if kv is not None else "local")
     it.close()
+    rank = kv.rank if kv is not None else 0
+    if args.params_out:
+        mod.save_params(str(args.params_out).format(rank=rank))
+    if args.record_log:
+        Path(str(args.record_log).format(rank=rank)).write_text(json.dumps(seen[:-1]))
     return history
 
 
@@ -205,17 +279,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--module", action="store_true", help="use mx.mod.Module.fit instead of Gluon")
     p.add_argument("--params-out", help="save the trained parameters here ({rank} is the worker's rank)")
     p.add_argument("--history-out", help="write per-epoch figures as JSON here ({rank} as above)")
+    p.add_argument("--stop-after", type=int, default=0, metavar="N",
+                   help="stop after the N-th batch of this run; rank 0 writes --checkpoint (Gluon)")
+    p.add_argument("--checkpoint", help="the folder --stop-after writes (the iterator's state and the parameters)")
+    p.add_argument("--resume", help="start from a --checkpoint folder, on any number of workers (Gluon)")
     p.add_argument("--record-log", help=argparse.SUPPRESS)  # tests: the target values seen, per epoch
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.module and (args.stop_after or args.resume):
+        parser.error("--stop-after and --resume are for the Gluon loop (not --module)")
+    if bool(args.stop_after) != bool(args.checkpoint):
+        parser.error("--stop-after and --checkpoint go together")
     logging.basicConfig(level=logging.WARNING, format="loader: %(levelname)s: %(message)s")
     ctx = contexts(args.gpus, args.cpu_devices)
     try:
         kv = mx.kv.create(args.kvstore) if args.kvstore else None
-        history = train_module(args, ctx) if args.module else train_gluon(args, ctx, kv)
+        history = train_module(args, ctx, kv) if args.module else train_gluon(args, ctx, kv)
     except LoaderError as exc:
         print(f"loader: error: {exc}", file=sys.stderr)
         return 2
