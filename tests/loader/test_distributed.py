@@ -25,6 +25,8 @@ COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}  # 131 records: 
 
 def launch(*args, timeout=240, **kw):
     """The launcher, its ``--timeout`` below the test's own; every process it started is killed at the end."""
+    # A worker script in tests/ has tests/ first on its path, where tests/loader/ (no package) would hide ours.
+    kw.setdefault("env", {**os.environ, "PYTHONPATH": str(ROOT)})
     return proctree.run([sys.executable, "-m", "loader.tools.launch", "--timeout", timeout - 10, *args],
                         timeout=timeout,
                         cwd=ROOT, **kw)
