@@ -13,13 +13,13 @@ from test_damage import shardgen_verify
 
 from loader import LoaderError, ShardIter
 from shardgen.format import LabelSpec, Layout, Schema
-from shardgen.format.framing import MAGIC
+from shardgen.format.framing import MAGIC, data_bytes
 from shardgen.format.index import parse_index
 from shardgen.process import sliding_windows
 from shardgen.produce.writer import write_shard
 from shardgen.store.publish import publish
 
-T, C = 2, 2
+T, C = 4, 3  # a payload of 14 words: most of a record's bytes (the image is 58)
 LABELS = [LabelSpec("a", 1)]
 LAYOUTS = {"samples": Layout(), "windows": Layout("windows", 4), "runs": Layout("runs", 8, T + 7)}
 DAY = dt.date(2024, 3, 4)
@@ -34,7 +34,7 @@ def _write(store, layout: str, rows: int, magic_rows: list, seed: int):
     entry = write_shard(store, DAY, sliding_windows(raw, DAY, time_steps=T, num_inputs=C, labels=LABELS), None,
                         schema, fsync=False, version=2).entry()
     publish(store, schema, 0, [entry])
-    return entry
+    return entry, schema
 
 
 def _windows(store, cache) -> np.ndarray:
@@ -45,16 +45,22 @@ def _windows(store, cache) -> np.ndarray:
 
 @given(layout=st.sampled_from(sorted(LAYOUTS)), rows=st.integers(300, 3000),
        magic_rows=st.lists(st.integers(0, 10**6), max_size=3), seed=st.integers(0, 2**16),
-       where=st.floats(0, 1, exclude_max=True), new=st.binary(min_size=1, max_size=8))
+       where=st.floats(0, 1, exclude_max=True), header=st.none() | st.sampled_from(range(32)),
+       new=st.binary(min_size=1, max_size=8))
 def test_damage_anywhere_in_a_shard_is_named_or_never_read(tmp_path_factory, layout, rows, magic_rows, seed, where,
-                                                           new):
+                                                           header, new):
+    """``where``: anywhere in the file, or (``header``) that byte of the frame and IRHeader of the
+    record there (32 bytes of each record that no checksum covers)."""
     tmp = tmp_path_factory.mktemp("damage")
     store = tmp / "s"
-    entry = _write(store, layout, rows, magic_rows, seed)
+    entry, schema = _write(store, layout, rows, magic_rows, seed)
     rec = store / entry.rec
     data = bytearray(rec.read_bytes())
     assert entry.records > 256 or layout != "samples"
+    offsets = parse_index((store / entry.idx).read_bytes())[1]
     at = int(where * len(data))
+    if header is not None:
+        at = min(len(data) - 1, int(offsets[np.searchsorted(offsets, at, "right") - 1]) + header)
     new = new[: len(data) - at]
     if bytes(data[at:at + len(new)]) == new:
         new = bytes([new[0] ^ 0x5A]) + new[1:]
@@ -62,7 +68,6 @@ def test_damage_anywhere_in_a_shard_is_named_or_never_read(tmp_path_factory, lay
     want = _windows(store, tmp / "c0")
     data[at:at + len(new)] = new
     rec.write_bytes(bytes(data))
-    offsets = parse_index((store / entry.idx).read_bytes())[1]
     records = sorted({int(np.searchsorted(offsets, p, "right")) - 1 for p in touched})
     event(f"{layout}, {'some' if len(np.unique(np.diff(offsets))) > 1 else 'no'} split record")
     try:
@@ -75,6 +80,11 @@ def test_damage_anywhere_in_a_shard_is_named_or_never_read(tmp_path_factory, lay
         code, err = shardgen_verify(store, tmp)  # the CLI's verify names the same record
         assert code == 1 and f"record {named} of {entry.date} is damaged" in err, err
         event("named")
-    else:  # only bytes no reader uses (a split record's padding): every window as written
+    else:  # only bytes no reader uses (a split record's padding after its last part): every window as written
+        ends = np.append(offsets[1:], entry.bytes)
+        pad = -data_bytes(schema.record_floats, schema.image) % 4
+        split = np.flatnonzero(ends - offsets != schema.record_bytes)
+        unread = {p for r in split for p in range(ends[r] - pad, ends[r])}
+        assert set(touched) <= unread, f"bytes {sorted(set(touched) - unread)} of records {records} changed unseen"
         np.testing.assert_array_equal(got, want)
         event("never read")
