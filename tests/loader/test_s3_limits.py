@@ -180,10 +180,15 @@ def test_epochs_at_the_least_limit_never_wait_for_room_the_next_epoch_holds(s3, 
 def test_the_next_epochs_feed_starts_only_once_this_epochs_has_fetched_all(s3, tmp_path, monkeypatch):
     """The rule the test above depends on, checked at the moment it matters rather than through a wait
     it causes (which load can hide): when a feed begins its first block, every feed made before it
-    (the epochs before) has fetched its last group, over three epochs at a limit."""
+    (the epochs before) has fetched its last group, over three epochs at a limit; and no feed says it
+    has fetched all (``done_fetching``) while it still begins a block. A wait that would follow from
+    either is bounded here in seconds (issue 56: it ran into this test's 120 s)."""
+    import threading
+    import time
+
     from loader.pipeline import feed as feed_module
 
-    feeds, early = [], []
+    feeds, early, premature = [], [], []
     real_init, real_block = feed_module.Feed.__init__, feed_module.Feed._block
 
     def init(self, *a, **kw):
@@ -191,6 +196,8 @@ def test_the_next_epochs_feed_starts_only_once_this_epochs_has_fetched_all(s3, t
         real_init(self, *a, **kw)
 
     def block(self, v, visit):
+        if self.done_fetching.is_set():
+            premature.append((feeds.index(self), v))
         if v == 0:
             early.extend(i for i, f in enumerate(feeds[:feeds.index(self)]) if not f.done_fetching.is_set())
         return real_block(self, v, visit)
@@ -198,9 +205,21 @@ def test_the_next_epochs_feed_starts_only_once_this_epochs_has_fetched_all(s3, t
     monkeypatch.setattr(feed_module.Feed, "__init__", init)
     monkeypatch.setattr(feed_module.Feed, "_block", block)
     url, limit = _store(s3, tmp_path)
-    with ShardIter(url, 8, cache_dir=tmp_path / "cache", cache_limit=limit, seed=3, native_batch=4,
-                   shuffle_buffer=160) as it:
+    it = ShardIter(url, 8, cache_dir=tmp_path / "cache", cache_limit=limit, seed=3, native_batch=4, shuffle_buffer=160)
+    seen = []
+
+    def read() -> None:
         for _ in range(3):
-            assert sorted(i for b in it for i in batch_ids(b)) == list(range(sum(COUNTS.values())))
+            seen.append(sorted(i for b in it for i in batch_ids(b)))
             it.reset()
-    assert len(feeds) >= 3 and early == [], f"feeds {early} had not fetched all when a later one began"
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 40
+    while reader.is_alive() and time.monotonic() < deadline and not early and not premature:
+        time.sleep(0.05)
+    it.close()  # also ends a read stuck waiting for room
+    reader.join(30)
+    assert early == [], f"feeds {early} had not fetched all when a later one began"
+    assert premature == [], f"(feed, block) {premature} began after its feed said it had fetched all"
+    assert seen == [list(range(sum(COUNTS.values())))] * 3, f"{len(seen)} of 3 epochs within 40 s"

@@ -483,3 +483,50 @@ def test_no_lease_is_judged_by_pid_when_the_pid_namespace_is_unknown(tmp_path, m
     stale.write_text('{"generation": 1}')
     assert lease.remove_dead_leases_of_this_host(FolderStore(tmp_path)) == []
     assert stale.exists()
+
+
+# -- gc's rules at their edges (issue 56) -----------------------------------------------------------
+
+
+def _edit(path: Path, edit) -> None:
+    obj = json.loads(path.read_text())
+    edit(obj)
+    path.write_text(json.dumps(obj))
+
+
+def test_a_retired_shard_of_unknown_generation_stays_while_any_reader_lives(tmp_path):
+    """A retired entry without ``retired_generation`` (written before it was recorded): which
+    generations listed it is unknown, so any live reader may read it; it goes once none lives."""
+    store = retired_store(tmp_path)
+    for path in (store / "manifest.json", store / "generations" / "2.json"):
+        _edit(path, lambda obj: [e.pop("retired_generation") for e in obj["retired"]])
+    reader = Lease(store)
+    reader.renew(2)  # the newest generation (it does not list the shard, as far as anyone knows)
+    try:
+        assert collect(store, grace_s=0, lease_ttl_s=60) == []
+        assert (store / "2024-01-02.rec").exists()
+    finally:
+        reader.release()
+    assert collect(store, grace_s=0, lease_ttl_s=60) == ["2024-01-02"]
+    assert not (store / "2024-01-02.rec").exists()
+
+
+@pytest.mark.parametrize("snapshots", ["unreadable", "gone"])
+def test_a_kept_snapshot_that_cannot_be_read_keeps_every_retired_shard(tmp_path, snapshots):
+    """Generation 1 lists 2024-01-02, generation 2 retired it long ago (past grace), generation 3 came
+    just now. With the snapshots of 1 and 2 unreadable, nothing says when 1 was superseded: it is
+    kept (grace) and what it lists is unknown, so no retired file goes. Without them (deleted), the
+    shard is past grace and listed by nothing kept: it goes."""
+    store = retired_store(tmp_path)
+    make_store(store, {"2024-01-04": 10}, window=2, base_id=20)  # generation 3: nothing more retired
+    assert json.loads((store / "manifest.json").read_text())["generation"] == 3
+    for path in (store / "manifest.json", store / "generations" / "3.json"):
+        _edit(path, lambda obj: [e.update(retired_at="2020-01-01T00:00:00Z") for e in obj["retired"]])
+    for n in (1, 2):
+        if snapshots == "unreadable":
+            (store / "generations" / f"{n}.json").write_text("{bad")
+        else:
+            (store / "generations" / f"{n}.json").unlink()
+    gone = collect(store, grace_s=3600, lease_ttl_s=60)
+    assert gone == ([] if snapshots == "unreadable" else ["2024-01-02"])
+    assert (store / "2024-01-02.rec").exists() == (snapshots == "unreadable")
