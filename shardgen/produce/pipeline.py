@@ -108,7 +108,7 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
                               f"{raw.shape[0]} rows, fewer than time_steps={schema.time_steps}: no windows",
                               time.perf_counter() - t0)
         sidecar = write_shard(folder, date, windows, None, schema, version=version, exclusive=True)
-        store.put_shard(sidecar, sidecar_of(sidecar.rec))
+        sidecar = store.put_shard(sidecar, sidecar_of(sidecar.rec))
         return DateResult(date, "written", sidecar.entry(), seconds=time.perf_counter() - t0, run_spec=windows.is_runs)
     except Interrupted as exc:
         return DateResult(date, "abandoned", message=str(exc), seconds=time.perf_counter() - t0)

@@ -28,6 +28,7 @@ from shardgen.format.index import shard_index_text
 from shardgen.format.schema import Schema, day_number
 from shardgen.fsutil import atomic_write, fsync_dir, link_new, write_temp
 from shardgen.process import RunSpec, WindowSet, as_window_set
+from shardgen.store import open_store
 from shardgen.store.manifest import Manifest
 from shardgen.store.naming import shard_paths
 from shardgen.store.publish import publish
@@ -212,6 +213,7 @@ def write_store(store: Path, schema: Schema, shards: Iterable[tuple], *, window:
     labels)`` as :func:`write_shard` takes them; returns the new manifest. A published file is never
     written over here either: a date written again takes the next version (``exclusive``)."""
     Path(store).mkdir(parents=True, exist_ok=True)
-    entries = [write_shard(store, date, x, labels, schema, fsync=fsync, exclusive=True).entry()
-               for date, x, labels in shards]
-    return publish(store, schema, window, entries)
+    with open_store(store).writer_lock("publish") as held:  # before any file: a refused writer leaves nothing
+        entries = [write_shard(store, date, x, labels, schema, fsync=fsync, exclusive=True).entry()
+                   for date, x, labels in shards]
+        return publish(store, schema, window, entries, lock=held)

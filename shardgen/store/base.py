@@ -153,8 +153,9 @@ class Store(ABC):
         """The local folder a worker writes a shard's files in (created if need be)."""
 
     @abstractmethod
-    def put_shard(self, sidecar: Sidecar, name: str) -> None:
-        """Move a shard written in ``stage()`` (sidecar ``name``) into the store: the sidecar last."""
+    def put_shard(self, sidecar: Sidecar, name: str) -> Sidecar:
+        """Move a shard written in ``stage()`` (sidecar ``name``) into the store, the sidecar last, never
+        over a file there; returns the sidecar published (another version's, if this one's was taken)."""
 
     @abstractmethod
     def discard_staged(self, date: dt.date) -> None:

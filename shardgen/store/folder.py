@@ -160,8 +160,9 @@ class FolderStore(Store):
         self.dir.mkdir(parents=True, exist_ok=True)
         return self.dir
 
-    def put_shard(self, sidecar: Sidecar, name: str) -> None:
-        """Written in place already: nothing to move."""
+    def put_shard(self, sidecar: Sidecar, name: str) -> Sidecar:
+        """Written in place already (linked to names no file had): nothing to move."""
+        return sidecar
 
     def discard_staged(self, date: dt.date) -> None:
         """The staging folder is the store: nothing to discard."""

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime as dt
+import json
+import logging
 import os
 import tempfile
 from pathlib import Path
 from typing import ContextManager, Iterable, Iterator, Optional
 
-from shardgen.fsutil import make_dirs, remove_empty_dirs
+from shardgen.fsutil import atomic_write, make_dirs, remove_empty_dirs
 from shardgen.store.base import Store
 from shardgen.store.lease_file import ObjectHeartbeat, judge_lease
 from shardgen.store.naming import CLOCK_NAME, LEASE_DIR, SNAPSHOT_DIR, shard_paths
@@ -31,6 +34,8 @@ from shardgen.store.sidecar import Sidecar
 from shardgen.store.writer_lock import WriterLock
 
 __all__ = ["S3Store", "STAGING_DIR"]
+
+log = logging.getLogger(__name__)
 
 STAGING_DIR = ".shardgen-staging"  # default staging: <folder>/.shardgen-staging/<bucket>/<prefix>
 _MADE: list = []  # staging folders this process created: removed when it exits, if they are empty
@@ -134,15 +139,40 @@ class S3Store(Store):
         _MADE.extend(make_dirs(self.staging))
         return self.staging
 
-    def put_shard(self, sidecar: Sidecar, name: str) -> None:
+    def put_shard(self, sidecar: Sidecar, name: str) -> Sidecar:
         """Upload a shard written in staging (``.rec``, ``.idx``, then the sidecar: its presence
-        marks the shard complete, as on disk), then remove the local files."""
+        marks the shard complete, as on disk), then remove the local files; returns the sidecar
+        published. Never over an object there: where a name of this version is taken (another
+        writer's, or a killed build's worker that outlived it), the shard moves to the next free
+        version first (a HEAD per name: without conditional writes, only a writer that does not
+        hold the writer lock can still race it)."""
         names = [sidecar.rec, sidecar.idx] if sidecar.records else []
+        if any(self.objects.head(each) is not None for each in [*names, name]):
+            sidecar, name = self._next_free(sidecar, name)
+            names = [sidecar.rec, sidecar.idx] if sidecar.records else []
         for each in [*names, name]:
             self.objects.upload(each, self.staging / each)
         for each in [*names, name]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.staging / each)
+        return sidecar
+
+    def _next_free(self, sidecar: Sidecar, name: str) -> tuple[Sidecar, str]:
+        """The staged shard renamed to the next version no object, manifest or retired entry uses."""
+        date = dt.date.fromisoformat(sidecar.date)
+        version = self.next_version(date)
+        paths = shard_paths(self.staging, date, version)
+        moved = sidecar
+        if sidecar.records:
+            moved = dataclasses.replace(sidecar, rec=paths["rec"].name, idx=paths["idx"].name)
+            os.replace(self.staging / sidecar.rec, paths["rec"])
+            os.replace(self.staging / sidecar.idx, paths["idx"])
+        atomic_write(paths["json"], json.dumps(moved.to_json(), sort_keys=True).encode())
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.staging / name)
+        log.warning("%s: %s is in the store already (another writer's); publishing the shard as version %d",
+                    sidecar.date, self.where(name), version)
+        return moved, paths["json"].name
 
     def discard_staged(self, date: dt.date) -> None:
         for path in shard_paths(self.staging, date).values():

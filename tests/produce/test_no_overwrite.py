@@ -126,3 +126,21 @@ def test_write_store_never_writes_over_a_published_file_and_reuses_identical_byt
     assert {k: after[k] for k in before if k != "manifest.json"} == {k: v for k, v in before.items()
                                                                      if k != "manifest.json"}
     assert verify_store(tmp_path)[1] == []
+
+
+def test_write_store_refused_by_the_writer_lock_leaves_nothing_a_build_would_adopt(tmp_path):
+    """The review's repro: a notebook's ``write_store`` beside a running build was refused at publish,
+    after writing a complete shard, which the build then adopted as the date's data. The lock is
+    now taken before any file is written."""
+    import pytest
+
+    from shardgen.errors import LockError
+    from shardgen.produce.writer import write_store
+    from shardgen.store.folder import FolderStore
+
+    with FolderStore(tmp_path).writer_lock("build"):
+        with pytest.raises(LockError, match="publish refused: the store has another writer"):
+            write_store(tmp_path, SCHEMA, [(DAY, *windows(7.0))], fsync=False)
+        assert FolderStore(tmp_path).complete_shard(DAY, SCHEMA.fingerprint) is None
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("2024-")]
+    assert write_store(tmp_path, SCHEMA, [(DAY, *windows(7.0))], fsync=False).generation == 1

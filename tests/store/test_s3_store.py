@@ -662,3 +662,33 @@ def test_gc_removes_the_lease_of_a_reader_killed_9_once_its_heartbeat_aged(s3, t
     r = cli("gc", "-c", cfg, "-v")
     assert r.returncode == 0, r.stderr
     assert not any(q.exists() for q in other), ("its heartbeat aged past lease_ttl_s: gc removed the lease", r.stderr)
+
+
+def test_an_upload_never_replaces_an_object_there_it_takes_the_next_version(s3, tmp_path):
+    """The review's repro: a killed build's worker outlived it (its writer lock taken over) and
+    uploaded ``2024-01-05.rec`` over the object the next build had published. ``put_shard`` now
+    looks before it uploads: a taken name moves the shard to the next version, and the published
+    bytes never change under their manifest entry."""
+    from shardgen.store import open_store
+    from shardgen.store.sidecar import Sidecar
+
+    cfg = s3_config(tmp_path / "p", s3.url("st"))
+    assert cli("build", "-c", cfg).returncode == 0
+    remote = objects(s3, "st")
+    before = files(remote)
+    other = write_config(tmp_path / "other", rows=40)  # another run's windows for the same dates
+    build(load_config(other))
+    store = open_store(s3.url("st"))
+    for ext in ("rec", "idx", "json"):  # the orphan's version 1, staged as its worker left it
+        (store.stage() / f"2024-01-05.{ext}").write_bytes((tmp_path / "other" / "shards" / f"2024-01-05.{ext}")
+                                                          .read_bytes())
+    late = Sidecar.parse((store.stage() / "2024-01-05.json").read_bytes(), "staged sidecar")
+    assert late.sha256 != manifest_of(remote).shards[3].sha256
+    assert late.rec == "2024-01-05.rec"
+    published = store.put_shard(late, "2024-01-05.json")
+    assert (published.rec, published.idx) == ("2024-01-05.v2.rec", "2024-01-05.v2.idx")
+    after = files(remote)
+    assert {k: after[k] for k in before} == before  # every object published before: unchanged
+    assert json.loads(after["2024-01-05.v2.json"])["rec"] == "2024-01-05.v2.rec"
+    assert cli("verify", "-c", cfg).returncode == 0
+    assert not [p for p in store.stage().iterdir() if p.is_file()]  # staging emptied
