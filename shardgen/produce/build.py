@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import threading
 import time
 from concurrent.futures import BrokenExecutor, ThreadPoolExecutor
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional
 
 from shardgen.config import Config
-from shardgen.fsutil import clean_dead_joblib_files, clean_temp_files
+from shardgen.fsutil import HOST_TOKEN, clean_dead_joblib_files, clean_temp_files
 from shardgen.produce.generator import STOP, abandon_with
 from shardgen.produce.pipeline import DateResult, prepare, produce
 from shardgen.store import Store
@@ -71,7 +72,8 @@ def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = Fal
     if cfg.run.backend == "loky":
         clean_dead_joblib_files()  # what a build killed with -9 left in /dev/shm
 
-    tasks = (delayed(produce)(cfg, d, force=force, raw_only=d in raw_dates) for d in dates)
+    me = (HOST_TOKEN, os.getpid())  # a worker whose build is killed with -9 writes nothing (produce)
+    tasks = (delayed(produce)(cfg, d, force=force, raw_only=d in raw_dates, coordinator=me) for d in dates)
     if cfg.run.backend == "dask":
         from shardgen.produce.cluster import run_on_cluster
 

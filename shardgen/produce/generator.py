@@ -21,12 +21,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
 from shardgen.config import Config
 from shardgen.errors import GeneratorError, Interrupted, RawDataError
+from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.produce.launch import exit_watch, kill_group, spawn
 
 __all__ = ["load_raw", "run_generator", "obtain_raw", "STOP", "request_stop", "clear_stop", "stop_marker",
@@ -66,6 +67,27 @@ def clear_stop() -> None:
         stop_marker(os.getpid()).unlink()
 
 
+def coordinator_gone() -> Optional[int]:
+    """The pid of the build that handed this worker its date, if that process is gone (killed with
+    -9, its workers live on with init as parent): such a worker must publish nothing. None while it
+    lives, or in the build's own process, or when it runs on another host (``working_for``)."""
+    pid = getattr(_LOCAL, "coordinator", None)
+    return pid if pid is not None and not pid_alive(pid) else None
+
+
+@contextlib.contextmanager
+def working_for(coordinator: Optional[tuple[str, int]]) -> Iterator[None]:
+    """Within the block, this thread works for the build ``coordinator`` (its host token and pid):
+    checked by ``coordinator_gone`` and by the generator's stop check, on the build's own host only."""
+    saved = getattr(_LOCAL, "coordinator", None)
+    mine = coordinator is not None and coordinator[0] == HOST_TOKEN and coordinator[1] != os.getpid()
+    _LOCAL.coordinator = coordinator[1] if mine else None
+    try:
+        yield
+    finally:
+        _LOCAL.coordinator = saved
+
+
 @contextlib.contextmanager
 def abandon_with(event: threading.Event) -> Iterator[None]:
     """Generators this thread runs inside the block are abandoned (killed, ``Interrupted``) once
@@ -87,7 +109,8 @@ class _StopCheck:
         self.abandon = getattr(_LOCAL, "abandon", None)
 
     def __call__(self) -> bool:
-        return STOP.is_set() or (self.abandon is not None and self.abandon.is_set()) or self.marker.exists()
+        return (STOP.is_set() or (self.abandon is not None and self.abandon.is_set()) or self.marker.exists()
+                or coordinator_gone() is not None)
 
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; True (at once) if a stop is requested meanwhile."""

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from shardgen.config import Config
 from shardgen.errors import Interrupted, ProcessorError, ShardgenError, is_environment
 from shardgen.process import WindowSet, run_processor
-from shardgen.produce.generator import obtain_raw
+from shardgen.produce.generator import coordinator_gone, obtain_raw, working_for
 from shardgen.produce.writer import write_marker, write_shard
 from shardgen.store.manifest import ShardEntry
 from shardgen.store.naming import sidecar_of
@@ -77,12 +77,26 @@ def _windows(cfg: Config, date: dt.date, raw, *, generated: bool, raw_only: bool
 
 
 def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool = False,
-            ahead: Optional[Callable[[], tuple]] = None) -> DateResult:
+            ahead: Optional[Callable[[], tuple]] = None, coordinator: Optional[tuple[str, int]] = None) -> DateResult:
     """Make the shard of one date. Never raises: failures come back as a result naming the date.
 
     ``raw_only``: use the raw file already there and never run the generator (watched drop-ins).
     ``ahead``: returns what ``prepare`` returned for this date, started earlier (``build``).
+    ``coordinator``: the build's (host token, pid) when this runs in a worker process: a worker
+    whose build is gone (killed with -9) stops its generator and writes nothing.
     """
+    with working_for(coordinator):
+        return _produce(cfg, date, force=force, raw_only=raw_only, ahead=ahead)
+
+
+def _unless_orphaned(date: dt.date) -> None:
+    gone = coordinator_gone()
+    if gone is not None:
+        raise Interrupted(f"{date}: the build that started this worker (pid {gone}) is gone; nothing written")
+
+
+def _produce(cfg: Config, date: dt.date, *, force: bool, raw_only: bool,
+             ahead: Optional[Callable[[], tuple]]) -> DateResult:
     t0 = time.perf_counter()
     store = cfg.store.open()
     try:
@@ -101,6 +115,7 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
         folder = store.stage()
         store.discard_staged(date)  # a private staging folder (s3://): what a killed run left of this date goes
         windows = _windows(cfg, date, raw, generated=generated, raw_only=raw_only)
+        _unless_orphaned(date)
         if windows.n == 0:
             name = write_marker(folder, date, schema, version=version, exclusive=True)
             store.put_shard(Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", ""), name)
@@ -108,6 +123,7 @@ def produce(cfg: Config, date: dt.date, *, force: bool = False, raw_only: bool =
                               f"{raw.shape[0]} rows, fewer than time_steps={schema.time_steps}: no windows",
                               time.perf_counter() - t0)
         sidecar = write_shard(folder, date, windows, None, schema, version=version, exclusive=True)
+        _unless_orphaned(date)
         sidecar = store.put_shard(sidecar, sidecar_of(sidecar.rec))
         return DateResult(date, "written", sidecar.entry(), seconds=time.perf_counter() - t0, run_spec=windows.is_runs)
     except Interrupted as exc:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, C, T, runs, write_config
+from conftest import ROOT, C, T, runs, shardgen_cli, write_config
 from test_build import read_store
 from test_watch import processes_with
 
@@ -413,3 +413,25 @@ def test_a_build_with_workers_removes_what_a_killed_builds_joblib_left_in_dev_sh
                 shutil.rmtree(p, ignore_errors=True)
             elif p.exists():
                 p.unlink()
+
+
+def test_the_workers_of_a_build_killed_with_9_write_nothing_after_it(cfg_dir):
+    """The review's repro: a build killed with -9 (the coordinator only, as the OOM killer does) left
+    its loky workers alive (init their parent); their generators finished later and they wrote raw
+    files and shards beside the next build. A worker whose build is gone now kills its generator
+    and writes nothing; the next build produces those dates itself."""
+    cfg_path = write_config(cfg_dir, end="2024-01-03", jobs=2, modes={"*": "slow:6"})
+    store, raw = cfg_dir / "shards", cfg_dir / "raw"
+    proc = start_build(cfg_path)
+    try:
+        wait_until(lambda: len(runs(cfg_dir)) >= 2, "both generators running")
+        os.kill(proc.pid, signal.SIGKILL)  # the coordinator alone: its workers live on
+        proc.wait(timeout=10)
+        time.sleep(8)  # the generators would have finished by now (slow:6)
+        assert not list(raw.glob("*.npy")), "an orphaned worker's generator wrote its raw file"
+        assert not sidecars(store), "an orphaned worker wrote a shard"
+        assert len(runs(cfg_dir)) == 2
+    finally:
+        kill_group(proc)  # the workers too (one session)
+    assert shardgen_cli("build", "-c", cfg_path, timeout=120).returncode == 0
+    assert [s.date for s in Manifest.load(store / "manifest.json").shards] == ["2024-01-02", "2024-01-03"]
