@@ -6,6 +6,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Optional
@@ -30,12 +31,13 @@ class StoreLock:
             return "unknown"
 
     def note(self) -> str:
-        """What the holder writes in the lock file, for the messages of those it refuses."""
-        return f"{os.getpid()}\n"
+        """What the holder writes in the lock file, for the messages of those it refuses: what it is,
+        its host and pid (a bare pid is ambiguous on a folder that several hosts share)."""
+        return f"{self.what} on {socket.gethostname()}, pid {os.getpid()}\n"
 
     def refusal(self) -> str:
         """Why a waiter gave up: the lock is held (and by whom, as the file says)."""
-        return f"{self.path}: {self.what} lock is held by pid {self.holder()}"
+        return f"{self.path}: {self.what} lock is held by another {self.what} ({self.holder()})"
 
     def acquire(self) -> StoreLock:
         try:  # never through a symlink: truncating its target would destroy someone else's file

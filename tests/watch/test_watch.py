@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,7 +41,7 @@ class WatchProc:
     def wait_ready(self, timeout=30):
         """Up and holding the watch lock (its signal handlers are installed before that)."""
         lock = Path(self.cfg).parent / "shards" / ".watch.lock"
-        wait_for(lambda: self.proc.poll() is not None or lock.read_text().strip() == str(self.proc.pid),
+        wait_for(lambda: self.proc.poll() is not None or lock.read_text().strip().endswith(f"pid {self.proc.pid}"),
                  timeout=timeout, what="watcher start")
 
     def stop(self, sig=signal.SIGTERM, timeout=20):
@@ -476,6 +477,7 @@ def test_second_watcher_exits_2_naming_lock_and_pid(cfg_dir, watchers):
                        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 2
     assert ".watch.lock" in r.stderr and f"pid {first.proc.pid}" in r.stderr
+    assert f"held by another watch (watch on {socket.gethostname()}, pid {first.proc.pid})" in r.stderr  # the host
     assert first.stop()[0] == 0
 
 
