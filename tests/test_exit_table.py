@@ -1,0 +1,49 @@
+"""The exit-code table of docs/config.md, one row per failure class it lists (issue 56): every
+command ends through ``shardgen.cli.main``, so the table is checked there, for each command, with
+the failure raised where the command's work would raise it."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+from conftest import write_config
+
+from shardgen import cli
+from shardgen.errors import ConfigError, GeneratorError, LockError, ManifestError, ShardError
+from shardgen.store.objurl import CredentialsRefused, NoSuchStore, ObjectMismatch, StoreUnreachable
+
+TABLE = [
+    # (what failed, the exception, the exit code the table gives)
+    ("a config error", ConfigError("shardgen.toml: [run] jobs: expected an integer"), 2),
+    ("the store has another writer", LockError(".writer.lock: build refused: the store has another writer"), 2),
+    ("a damaged manifest", ManifestError("manifest.json: not valid JSON"), 1),
+    ("a date's generator", GeneratorError("2024-01-02: generator exited with code 3"), 1),
+    ("a damaged shard", ShardError("2024-01-02.rec: record 3 is damaged"), 1),
+    ("an object that differs from its manifest", ObjectMismatch("s3://b/p/x.rec: sha256 differs"), 1),
+    ("the store cannot be reached", StoreUnreachable("s3://b/p: cannot reach http://127.0.0.1:1"), 3),
+    ("the store refuses the credentials", CredentialsRefused("s3://b/p: credentials refused"), 3),
+    ("the bucket does not exist", NoSuchStore("s3://nosuchbucket/p: bucket 'nosuchbucket' does not exist"), 3),
+    ("the disk is full", OSError(errno.ENOSPC, "No space left on device", "shards/2024-01-02.rec"), 3),
+    ("the disk quota is exceeded", OSError(errno.EDQUOT, "Disk quota exceeded", "shards/2024-01-02.rec"), 3),
+    ("a shard error saying the disk is full", ShardError("2024-01-02: the disk is full writing x.rec"), 3),
+    ("a permission", PermissionError(errno.EACCES, "Permission denied", "shards/manifest.json"), 1),
+    ("Ctrl-C", KeyboardInterrupt(), 130),
+    ("SIGTERM", cli._Terminated(), 143),
+]
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+@pytest.mark.parametrize("what, exc, code", TABLE, ids=[row[0] for row in TABLE])
+def test_every_failure_class_of_the_table_exits_with_its_code(tmp_path, monkeypatch, capsys, command, what, exc,
+                                                             code):
+    def fails(args):
+        raise exc
+
+    monkeypatch.setitem(cli.COMMANDS, command, fails)
+    assert cli.main([command, "-c", str(write_config(tmp_path / "p"))]) == code, what
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err  # one line
+    if isinstance(exc, OSError) and exc.filename:
+        assert exc.filename in err  # the path named
+
