@@ -25,7 +25,8 @@ TABLE = [
     ("the store refuses the credentials", CredentialsRefused("s3://b/p: credentials refused"), 3),
     ("the bucket does not exist", NoSuchStore("s3://nosuchbucket/p: bucket 'nosuchbucket' does not exist"), 3),
     ("the disk is full", OSError(errno.ENOSPC, "No space left on device", "shards/2024-01-02.rec"), 3),
-    ("the disk quota is exceeded", OSError(errno.EDQUOT, "Disk quota exceeded", "shards/2024-01-02.rec"), 3),
+    # the errno decides, not the words (a host that set LC_MESSAGES gets them in its language)
+    ("the disk quota is exceeded", OSError(errno.EDQUOT, "Kontingent überschritten", "shards/2024-01-02.rec"), 3),
     ("a shard error saying the disk is full", ShardError("2024-01-02: the disk is full writing x.rec"), 3),
     ("a permission", PermissionError(errno.EACCES, "Permission denied", "shards/manifest.json"), 1),
     ("Ctrl-C", KeyboardInterrupt(), 130),

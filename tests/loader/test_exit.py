@@ -55,7 +55,11 @@ def test_exit_steps_of_a_normal_exit_and_of_a_failing_worker():
 
 
 @pytest.mark.parametrize("how, code", [("raise RuntimeError('boom')", 1), ("sys.exit(3)", 3), ("exit(4)", 4),
-                                       ("sys.exit('bad input')", 1), ("sys.exit(0)", 0)])
+                                       ("sys.exit('bad input')", 1), ("sys.exit(0)", 0),
+                                       ("raise KeyboardInterrupt", 130),  # Ctrl-C: 130, as a shell says
+                                       # a thread's sys.exit ends that thread only: the process ends normally
+                                       ("import threading; t = threading.Thread(target=sys.exit, args=(5,)); "
+                                        "t.start(); t.join()", 0)])
 def test_a_failing_worker_closes_iterators_flushes_and_skips_mxnet_teardown(tmp_path, how, code):
     """Without a job: a DMLC_ROLE=worker process that fails runs loader's exit steps, then nothing else."""
     make_store(tmp_path / "store", COUNTS)
@@ -85,7 +89,7 @@ def test_a_failing_worker_closes_iterators_flushes_and_skips_mxnet_teardown(tmp_
         assert "teardown ran" not in r.stdout and f"this dist worker is failing (exit code {code})" in r.stderr
     else:
         assert r.stdout.splitlines()[-1] == "teardown ran"
-    if how.startswith("raise"):
+    if how.startswith("raise RuntimeError"):
         assert "Traceback (most recent call last)" in r.stderr and "RuntimeError: boom" in r.stderr
 
 
