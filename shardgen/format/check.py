@@ -91,23 +91,14 @@ def _check_crcs(buf: memoryview, starts: np.ndarray, stored: np.ndarray, length:
 
 @dataclass(frozen=True)
 class ShardFrames:
-    """What the loader needs of one checked shard: record offsets, the samples in each and each
-    record's key (``Schema.key_words``; no columns when records are never shared)."""
+    """What the loader needs of one checked shard: record offsets and the samples in each."""
 
     offsets: np.ndarray  # int64, one per record
     counts: np.ndarray  # int64 samples per record
-    keys: np.ndarray  # float32 (records, len(key_words))
 
     @property
     def samples(self) -> int:
         return int(self.counts.sum())
-
-
-def _keys(cols: Columns, n_rec: int, schema: Schema) -> np.ndarray:
-    words = schema.key_words
-    if not words:
-        return np.zeros((n_rec, 0), np.float32)
-    return np.stack([cols(PAYLOAD_WORD + w, PAYLOAD_WORD + w + 1).view("<f4")[:, 0] for w in words], axis=1)
 
 
 def _whole_records(cols: Columns, n_rec: int, schema: Schema, day: int) -> np.ndarray:
@@ -175,7 +166,7 @@ def _renumber(where: np.ndarray, run):
 
 
 def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, crcs: bool
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   ) -> np.ndarray:
     """The general case (some record split at a magic word): whole records column-wise as in
     ``_whole_records`` (gathered by offset), only the split ones one by one."""
     size, rb = len(buf), schema.record_bytes
@@ -186,14 +177,12 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
     split = np.flatnonzero(ends - offsets != rb)
     flat = np.frombuffer(buf, "<u4", size // 4)
     counts = np.zeros(len(offsets), np.int64)
-    keys = np.zeros((len(offsets), len(schema.key_words)), np.float32)
     first = offsets[whole] // 4
 
     def whole_cols(a: int, b: int) -> np.ndarray:
         return flat[first[:, None] + np.arange(a, b)]
 
     counts[whole] = _renumber(whole, lambda: _whole_records(whole_cols, len(whole), schema, day))
-    keys[whole] = _keys(whole_cols, len(whole), schema)
     length = data_bytes(schema.record_floats, schema.image)
     if crcs:
         _check_numbers(flat[first + NUMBER_WORD], whole)
@@ -211,12 +200,11 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
             return rebuilt[:, a:b]
 
         counts[split] = _renumber(split, lambda: schema.codec.check(split_cols, len(split), schema, day))
-        keys[split] = _keys(split_cols, len(split), schema)
         if crcs:
             _check_numbers(rebuilt[:, NUMBER_WORD], split)
             _check_crcs(memoryview(rebuilt).cast("B"), np.arange(len(split)) * rb, rebuilt[:, CRC_WORD], length,
                         split)
-    return counts, keys
+    return counts
 
 
 def _index_text(idx_path: str, entry: Published) -> bytes:
@@ -272,8 +260,8 @@ def check_index_file(idx_path: str, offsets: np.ndarray, entry: Published) -> No
 
 
 def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify: str,
-          entry: Published) -> tuple[Optional[tuple[np.ndarray, np.ndarray]], object]:
-    """((counts, keys), None), or (None, "sha256" | "sha256-sound" | (record, what)); no view of
+          entry: Published) -> tuple[Optional[np.ndarray], object]:
+    """(counts, None), or (None, "sha256" | "sha256-sound" | (record, what)); no view of
     ``buf`` outlives the call. "sha256-sound": the hash differs, every record's frame and CRC hold."""
     sha_ok = verify != "sha256" or hashlib.sha256(buf).hexdigest() == entry.sha256
     crcs = verify in ("crc", "sha256") and has_checksums(entry)
@@ -285,10 +273,9 @@ def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify
             def cols(a: int, b: int) -> np.ndarray:
                 return words[:, a:b]
 
-            keys = _keys(cols, len(offsets), schema)
             if verify == "none":
-                return (schema.codec.counts(cols, len(offsets), schema), keys), None
-            found = (_whole_records(cols, len(offsets), schema, day), keys)
+                return schema.codec.counts(cols, len(offsets), schema), None
+            found = _whole_records(cols, len(offsets), schema, day)
             if crcs:
                 _check_numbers(words[:, NUMBER_WORD], np.arange(len(offsets)))
                 _check_crcs(buf, offsets, words[:, CRC_WORD], data_bytes(schema.record_floats, schema.image))
@@ -360,7 +347,7 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: Published, schema:
                          "file; republish the shard (`shardgen build --force` for its date)")
     if problem is not None:
         raise ShardError(f"{rec_path}: record {problem[0]} of {entry.date} is damaged ({problem[1]}); {REBUILD}")
-    frames = ShardFrames(offsets, *found)
+    frames = ShardFrames(offsets, found)
     expected = entry.windows or entry.records  # no count: one window per record (format 1)
     if frames.samples != expected:
         raise ShardError(f"{rec_path}: {frames.samples} windows in the records, the manifest says "

@@ -22,7 +22,6 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 import numpy as np
 
 from shardgen.errors import ShardError
-from shardgen.format.check import check_shard
 from shardgen.format.framing import CHECKSUM, frame_records
 from shardgen.format.index import shard_index_text
 from shardgen.format.schema import Schema, day_number
@@ -45,22 +44,6 @@ def _records(ws: WindowSet, schema: Schema, date: dt.date) -> tuple[int, Callabl
         return schema.codec.encode(ws, schema, day_number(date))
     except ValueError as exc:
         raise ShardError(f"{date}: {exc}") from None
-
-
-def _distinct(paths: dict, sidecar: Sidecar, schema: Schema) -> Optional[bool]:
-    """Whether every record of the shard just written is told apart from the others by its key
-    words and window count: then a loader may put a part boundary inside any record knowing the
-    manifest alone (``loader.pipeline.parts``). None when records hold one window each (a boundary
-    never falls inside one)."""
-    if sidecar.windows == sidecar.records or not schema.key_words:
-        return None
-    fd = os.open(paths["rec"], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        frames = check_shard(fd, str(paths["rec"]), str(paths["idx"]), sidecar, schema, verify="none")
-    finally:
-        os.close(fd)
-    rows = np.concatenate([frames.keys, frames.counts[:, None].astype(np.float32)], axis=1)
-    return len(np.unique(rows, axis=0)) == len(rows)
 
 
 MAX_VERSIONS = 1000  # an exclusive write tries this many names before it gives up
@@ -162,7 +145,6 @@ def _place(temps: dict[str, Path], paths: dict[str, Path], sidecar: Sidecar, sch
             placed.append(paths[ext])
         if fsync:
             fsync_dir(paths["rec"].parent)
-        sidecar = dataclasses.replace(sidecar, distinct=_distinct(paths, sidecar, schema))
         text = json.dumps(sidecar.to_json(), sort_keys=True).encode()
         if exclusive:
             tmp = write_temp(paths["json"], text, fsync=fsync)

@@ -85,10 +85,7 @@ class ShardEntry:
     bytes: int
     sha256: str
     windows: int = 0  # samples in the shard (0 in format 1 manifests: one per record)
-    # Every record is told apart from the others of its date by key words and window count, so a
-    # part boundary inside one stays there (``loader.pipeline.parts``); None in manifests before
-    # 2026-12-05: a loader then reads the shard to know.
-    distinct: Optional[bool] = None
+    distinct: Optional[bool] = None  # written 2026-12-05 only (records told apart by key); read by nothing, kept
     checksum: str = ""  # "crc32": every record carries its payload's CRC32 (shardgen.format.framing); "": older
 
     def __post_init__(self) -> None:
