@@ -69,7 +69,7 @@ def test_an_entry_without_windows_in_the_samples_layout_still_reads_every_window
         assert sorted(i for b in it for i in batch_ids(b)) == list(range(23))
 
 
-@pytest.mark.parametrize("order", [["date", "b", "a"], ["b", "a"], ["a", "date"], ["date"]])
+@pytest.mark.parametrize("order", [["date", "b", "a"], ["b", "a"], ["a", "date"], ["date"], ["b"], ["b", "date"]])
 def test_labels_come_in_the_order_asked(tmp_path, order):
     """``label_names=["date", "a"]`` gave ``[a, date]`` before: a loop unpacking in its own order got
     them swapped. Both provide_label and batch.label follow the order asked, with the right values."""
