@@ -291,3 +291,60 @@ def test_a_native_open_failing_after_a_new_generation_is_raised_by_the_next_next
         monkeypatch.setattr(stream, "open_record_iter", real)
         it.reset()
         assert sorted(_epoch(it)) == list(range(120))
+
+
+def _runs_store(folder):
+    """Three dates in the runs layout: every window is a start into its record's rows (``starts``)."""
+    import datetime as dt
+
+    from fake_gen import raw_for
+
+    from shardgen.format import LabelSpec, Layout, Schema
+    from shardgen.process import sliding_windows
+    from shardgen.produce.writer import write_store
+
+    t, c, labels = 5, 3, [LabelSpec("a", 1), LabelSpec("b", 2)]
+    schema = Schema.create(time_steps=t, num_inputs=c, data_name="seq_var", labels=labels,
+                           layout=Layout("runs", 8, t + 7))
+    days = [dt.date(2024, 1, d) for d in (2, 3, 4)]
+    write_store(folder, schema, [(d, sliding_windows(raw_for(d.isoformat(), 700 + 9 * i, c + 3), d, time_steps=t,
+                                                     num_inputs=c, labels=labels), None)
+                                 for i, d in enumerate(days)], fsync=False)
+
+
+def test_a_buffer_grown_while_its_block_loads_keeps_every_window(tmp_path, monkeypatch):
+    """A block holding more records than its estimate grows its buffer while it loads (issue 56: a
+    grown buffer that lost the window starts gave other batches). With every estimate at one record
+    the buffer grows at every native batch: the batches are those of an ordinary read."""
+    _runs_store(tmp_path / "s")
+    kw = dict(seed=5, native_batch=16, readers=1, cache_dir=tmp_path / "c")
+
+    def epochs():
+        with ShardIter(tmp_path / "s", 64, **kw) as it:
+            return [[(b.data[0].asnumpy(), [lab.asnumpy() for lab in b.label], b.pad) for b in it]
+                    for _ in range(2) if it.reset() or True]
+
+    want = epochs()
+    grown = []
+    real = loading.Blocks._buffer
+
+    def buffer(self, v, records):
+        before = self.buffers.get(v)
+        out = real(self, v, records)
+        if before is not None and out is not before:
+            grown.append(v)
+        return out
+
+    monkeypatch.setattr(loading.Blocks, "_activate", lambda self, item: (self.estimate.setdefault(item.visit, 1),
+                                                                         self.active.append(loading._Active(item))))
+    monkeypatch.setattr(loading.Blocks, "_buffer", buffer)
+    got = epochs()
+    assert grown, "no buffer grew"
+    assert len(got) == len(want) == 2
+    for g_epoch, w_epoch in zip(got, want):
+        assert len(g_epoch) == len(w_epoch)
+        for (gx, gl, gp), (wx, wl, wp) in zip(g_epoch, w_epoch):
+            assert gp == wp
+            np.testing.assert_array_equal(gx, wx)
+            for a, b in zip(gl, wl):
+                np.testing.assert_array_equal(a, b)
