@@ -192,6 +192,15 @@ class Feed:
 
     # -- the feed thread --------------------------------------------------------------------------
 
+    def _room_for_a_read(self) -> bool:
+        """Wait until fewer than ``ahead`` reads are queued (False: halted). A read is opened only
+        once it may queue: ``loader.pipeline.memory`` counts ``ahead`` native reads opened ahead, not
+        one more held open while it waits."""
+        with self._cond:
+            while self._natives >= self.ahead and not self._halt.is_set():
+                self._cond.wait(0.1)
+            return not self._halt.is_set()
+
     def _put(self, item: object) -> bool:
         with self._cond:
             while isinstance(item, ReadItem) and self._natives >= self.ahead and not self._halt.is_set():
@@ -251,6 +260,9 @@ class Feed:
                     try:
                         days = np.repeat(np.array([self._days[k] for k in read.shards], np.float32),
                                          [hi - lo for _, lo, hi in read.pieces])
+                        if not self._room_for_a_read():
+                            files.let_go(read.shards)
+                            return False
                         native = self._open_native(read)
                     except BaseException:
                         files.let_go(read.shards)

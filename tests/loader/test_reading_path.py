@@ -348,3 +348,44 @@ def test_a_buffer_grown_while_its_block_loads_keeps_every_window(tmp_path, monke
             np.testing.assert_array_equal(gx, wx)
             for a, b in zip(gl, wl):
                 np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("readers", [1, 2])
+def test_no_more_native_reads_are_open_than_it_memory_counts(tmp_path, monkeypatch, readers):
+    """``it.memory`` counts ``readers`` native reads being read and ``readers`` opened ahead, for each
+    of the two streams (this epoch's and the next's): never more are open at once (issue 56: one
+    read more queued ahead survived)."""
+    import loader.pipeline.feed as feed
+
+    make_store(tmp_path / "s", {f"2024-01-{d:02d}": 30 + d for d in range(2, 22)})
+    live, most = [0], [0]
+    real_open, real_free = stream.open_record_iter, feed.free
+
+    def opened(*args, **kw):
+        native = real_open(*args, **kw)
+        live[0] += 1
+        most[0] = max(most[0], live[0])
+        return native
+
+    def freed(native):
+        live[0] -= 1
+        return real_free(native)
+
+    being_read, real_activate = [0], loading.Blocks._activate
+
+    def activate(self, item):  # reads a stream's producer has taken from its feed: at most ``readers``
+        real_activate(self, item)
+        being_read[0] = max(being_read[0], len(self.active))
+
+    monkeypatch.setattr(stream, "open_record_iter", opened)
+    monkeypatch.setattr(feed, "free", freed)
+    monkeypatch.setattr(loading, "free", freed)
+    monkeypatch.setattr(loading.Blocks, "_activate", activate)
+    with ShardIter(tmp_path / "s", 8, seed=1, readers=readers, native_batch=4, shuffle_buffer=40,
+                   cache_dir=tmp_path / "c") as it:
+        assert it.stats["dates_per_block"] < 20  # many blocks, many reads
+        for _ in range(3):
+            assert sum(8 - b.pad for b in it) == sum(30 + d for d in range(2, 22))
+            it.reset()
+    assert 0 < most[0] <= 2 * 2 * readers, most[0]
+    assert being_read[0] == readers
