@@ -11,7 +11,7 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import Iterable, Iterator, Union
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 __all__ = ["temp_name", "atomic_write", "atomic_writer", "write_temp", "link_new", "fsync_dir", "clean_temp_files",
            "clean_dead_joblib_files", "pid_alive",
@@ -77,23 +77,32 @@ def _named(exc: OSError, path: Path) -> OSError:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: Path, *, fsync: bool = True) -> Iterator:
-    """Yield a binary file that becomes ``path`` only if the block finishes without error."""
-    path = Path(path)
+def _temp_file(path: Path, *, fsync: bool, publish: Optional[Callable[[Path], None]] = None) -> Iterator:
+    """``(file, its path)``: a new temp file next to ``path``, fsynced when the block ends, then
+    ``publish(tmp)``; removed if anything fails (an OSError that names no file names ``path``)."""
     tmp = temp_name(path)
     try:
         with open(tmp, "wb") as fh:
-            yield fh
+            yield fh, tmp
             fh.flush()
             if fsync:
                 os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        if publish is not None:
+            publish(tmp)
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(exc, OSError) and _named(exc, path) is not exc:
             raise _named(exc, path) from None
         raise
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path, *, fsync: bool = True) -> Iterator:
+    """Yield a binary file that becomes ``path`` only if the block finishes without error."""
+    path = Path(path)
+    with _temp_file(path, fsync=fsync, publish=lambda tmp: os.replace(tmp, path)) as (fh, _tmp):
+        yield fh
     if fsync:
         fsync_dir(path.parent)
 
@@ -103,20 +112,9 @@ def write_temp(path: Path, chunks: Union[Buffer, Iterable[Buffer]], *, fsync: bo
     :func:`link_new` to publish. Nothing is left behind if writing fails."""
     if isinstance(chunks, (bytes, bytearray, memoryview)):
         chunks = (chunks,)
-    tmp = temp_name(Path(path))
-    try:
-        with open(tmp, "wb") as fh:
-            for chunk in chunks:
-                fh.write(chunk)
-            fh.flush()
-            if fsync:
-                os.fsync(fh.fileno())
-    except BaseException as exc:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and _named(exc, path) is not exc:
-            raise _named(exc, path) from None
-        raise
+    with _temp_file(Path(path), fsync=fsync) as (fh, tmp):
+        for chunk in chunks:
+            fh.write(chunk)
     return tmp
 
 
