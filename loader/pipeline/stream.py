@@ -255,6 +255,9 @@ class EpochStream:
                 visit = self.visits[vi]
                 blocks.load(vi)
                 take = min(need, visit.u1 - u)
+                if take <= 0:  # past this part's last sample: counts gone wrong, never a loop without end
+                    raise LoaderError(f"epoch {self.epoch}: batch {index} asks for {need} samples past the end "
+                                      f"of this part's {self.samples}: the iterator lost count of its batches")
                 pieces.append((vi, blocks.emit[vi][u:u + take]))
                 u += take
                 need -= take
