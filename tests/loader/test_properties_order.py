@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import make_store
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from loader import LoaderError
@@ -146,13 +146,18 @@ def _real_ids(batches: list, bs: int, keep: int) -> list:
 
 @given(counts=st.lists(st.integers(1, 30), min_size=1, max_size=4), pack=st.sampled_from([1, 4]),
        shuffle=st.booleans(), parts=st.integers(1, 3), bs=st.integers(1, 9),
-       last_batch=st.sampled_from(["pad", "discard"]), data=st.data())
+       last_batch=st.sampled_from(["pad", "discard"]), back=st.one_of(st.integers(0, 2), st.integers(0, 40)),
+       new_parts=st.integers(1, 3), new_bs=st.integers(1, 9))
+@example(counts=[100, 143, 100], pack=4, shuffle=True, parts=2, bs=9, last_batch="pad", back=1, new_parts=2,
+         new_bs=9)  # part 0 (171 = 19 x 9) repeats its last batch: resumed there (found by the round-4 audit)
+@example(counts=[7, 9], pack=1, shuffle=False, parts=3, bs=2, last_batch="pad", back=1, new_parts=1, new_bs=4)
 def test_a_shard_iter_resumed_at_any_batch_reads_exactly_the_rest(counts, pack, shuffle, parts, bs, last_batch,
-                                                                  data):
+                                                                  back, new_parts, new_bs):
     """A small store; every part of a job saves its state at batch k (any, the last included) and
     loads it again: it reads exactly the batches the uninterrupted epoch had from k on (the same
-    rows and pads, the padded and the repeated batch too). A new job on another number of parts
-    and batch size loads the state and reads every window the old one had not, once."""
+    rows and pads, the padded and the repeated batch too; ``back``: batches before the end). A new
+    job on another number of parts and batch size loads the state and reads every window the old
+    one had not, once."""
     total = sum(counts)
     if total < parts or (last_batch == "discard" and total // parts < bs):
         return  # the iterator refuses such a part (tests/loader/test_sizes.py)
@@ -166,7 +171,7 @@ def test_a_shard_iter_resumed_at_any_batch_reads_exactly_the_rest(counts, pack, 
         for q in range(parts):
             with ShardIter(root / "s", bs, num_parts=parts, part_index=q, **kw) as it:
                 n = it.batches_per_epoch
-                k = data.draw(st.integers(0, n), label="k") if k is None else k
+                k = max(0, n - back) if k is None else k
                 want, at = [], None
                 for i in range(n):
                     if i == k:
@@ -178,8 +183,8 @@ def test_a_shard_iter_resumed_at_any_batch_reads_exactly_the_rest(counts, pack, 
                 state = state or at
                 keep = math.ceil((total * (q + 1) // parts - total * q // parts) / bs)
                 old += _real_ids(want[:k], bs, keep if last_batch == "pad" else n)
-        new_parts = data.draw(st.integers(1, min(3, total)), label="new parts")  # a new job of that many parts opens
-        new_bs = data.draw(st.integers(1, 9 if last_batch == "pad" else min(9, total // new_parts)), label="new bs")
+        new_parts = min(new_parts, total)  # a new job of that many parts opens
+        new_bs = new_bs if last_batch == "pad" else min(new_bs, total // new_parts)
         left = total - len(old)
         new = []
         for q in range(new_parts):

@@ -465,3 +465,21 @@ def test_the_largest_canonical_parts_and_num_parts_are_states_that_load(store, t
         _check_fields({**big, "phases": [[MAX_CANONICAL_PARTS + 1, 1, 1]]})
     with pytest.raises(LoaderError, match="'canonical_parts' must be"):
         _check_fields({**big, "canonical_parts": MAX_CANONICAL_PARTS + 1})
+
+
+@pytest.mark.parametrize("field, value", [("windows", 65), ("windows", 15), ("records", 5)])  # huge: capped child
+def test_a_state_whose_shard_entry_differs_from_the_checked_file_is_refused_before_the_epoch_is_let_go(
+        store, tmp_path, field, value):
+    """A file this process checked is not checked again, so a (re-signed) entry saying 10^12 windows
+    built the order's tables without bound after the epoch was let go (MemoryError, found by
+    tests/loader/test_properties_state.py), and 65 windows for a shard of 16 loaded."""
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        first = it.next().label[0].asnumpy().tolist()
+        state = it.state_dict()
+        shards = [dict(s) for s in state["shards"]]
+        shards[0][field] = value
+        with pytest.raises(LoaderError, match="entry of shard 2024-04-01 .* differs from the store's"):
+            it.load_state_dict(_signed(state, shards=shards))
+        second = it.next().label[0].asnumpy().tolist()
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        assert [it.next().label[0].asnumpy().tolist() for _ in range(2)] == [first, second]
