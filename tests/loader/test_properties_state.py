@@ -18,6 +18,7 @@ import re
 import select
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ OFFSET = dict(zip(sorted(COUNTS), np.cumsum([0] + [COUNTS[d] for d in sorted(COU
 B, PARTS, PART = 5, 2, 1
 KW = dict(seed=3, shuffle_buffer=8)  # blocks of 32 windows: two blocks a part
 AT = 4  # batches read before the state is saved
-ANSWER_S = 60  # the longest a load (and reading the rest of the epoch) may take in the child
+ANSWER_S = 30  # the longest a load (and reading the rest of the epoch) may take in the child
 STORE_IDS: list = []  # the id of each window, in store order (read in order by the fixture)
 CAP = 1536 << 20  # the child's address space beyond what it holds after its first epoch
 
@@ -83,30 +84,39 @@ class Worker:
 
     def __init__(self, store, cache, start: dict):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        self.log = Path(cache).with_suffix(".stderr")  # a file: a full stderr pipe would stop the child
+        self.dead = ""  # why the child can answer no more (every later question fails at once)
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, text=True, cwd=ROOT, env=env)
         job = dict(store=str(store), cache=str(cache), batch=B, parts=PARTS, part=PART, kw=KW, at=AT, cap=CAP,
                    start=start)
         first = self._send(job)
         self.want, self.saved, self.store = first["want"], first["saved"], store
 
     def _send(self, obj: dict) -> dict:
-        assert self.proc.poll() is None, f"the child ended: {self.proc.stderr.read()[-3000:]}"
+        if self.dead or self.proc.poll() is not None:
+            pytest.fail(f"the child can answer no more: {self.dead or 'it ended'}: {self.log.read_text()[-3000:]}")
         self.proc.stdin.write(json.dumps(obj) + "\n")
         self.proc.stdin.flush()
         ready, _, _ = select.select([self.proc.stdout], [], [], ANSWER_S)
         if not ready:
             self.proc.kill()
-            pytest.fail(f"no answer from the child in {ANSWER_S} s (a hang, or memory without bound)")
+            self.dead = f"no answer in {ANSWER_S} s (a hang, or memory without bound)"
+            pytest.fail(self.dead)
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait(10)
-            pytest.fail(f"the child died (exit {self.proc.returncode}): {self.proc.stderr.read()[-3000:]}")
+            self.dead = f"the child died (exit {self.proc.returncode})"
+            pytest.fail(f"{self.dead}: {self.log.read_text()[-3000:]}")
         return json.loads(line)
 
     def ask(self, state: dict) -> dict:
         answer = self._send(state)
-        assert "crash" not in answer, f"load_state_dict raised something else than a LoaderError:\n{answer['crash']}"
+        if "crash" in answer:  # the child is stopped: shrinking would make it exhaust its memory again and again
+            self.dead = f"an earlier example crashed it:\n{answer['crash']}"
+            self.proc.kill()
+            pytest.fail(f"load_state_dict raised something else than a LoaderError:\n{answer['crash']}")
         return answer
 
     def close(self) -> None:
@@ -177,6 +187,11 @@ def _check(worker: Worker, state: dict, signed: bool) -> dict:
         return answer
     assert signed or state == worker.saved, "an edit that was not re-signed was loaded"  # (== ignores key order)
     assert answer["epoch"] == state["epoch"]
+    from shardgen.store.manifest import ShardEntry
+
+    store = {e.rec: e for e in map(ShardEntry.from_json, worker.saved["shards"])}
+    for e in map(ShardEntry.from_json, state["shards"]):  # (and the order below is never built on a wrong count)
+        assert store.get(e.rec) == e, f"loaded an entry the store does not have: {e}"
     assert answer["loaded"] == expected(state), "loaded, but not what the state describes"
     return answer
 
