@@ -218,6 +218,13 @@ class Reader:
         # resumes (an empty part), and the state's shards (opened and checked for a folder).
         split_phase(params, sum(s.samples for s in shards), phases, int(state["generation"]))
         manifest = self.location.manifest()
+        known = {s.rec: s for s in (*manifest.shards, *self.plan.shards)}  # files this process checked or lists
+        for s in shards:  # a file checked before is not checked again: its entry must be the one it was checked for
+            if s.rec in known and known[s.rec] != s:
+                raise LoaderError(f"state_dict's entry of shard {s.date} ({s.rec}) differs from the store's "
+                                  f"({s.windows or s.records} windows, the store says "
+                                  f"{known[s.rec].windows or known[s.rec].records}): the state was altered or "
+                                  "damaged after state_dict() saved it")
         if shards == self.plan.shards:  # the files read now: checked again if they changed (found by review:
             plan = self.plan  # the block kept whole from before a rewrite was served)
             self.epochs.recheck(plan, self.schema, self.verify)

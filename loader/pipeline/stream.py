@@ -255,6 +255,9 @@ class EpochStream:
                 visit = self.visits[vi]
                 blocks.load(vi)
                 take = min(need, visit.u1 - u)
+                if take <= 0:  # past this part's last sample: counts gone wrong, never a loop without end
+                    raise LoaderError(f"epoch {self.epoch}: batch {index} asks for {need} samples past the end "
+                                      f"of this part's {self.samples}: the iterator lost count of its batches")
                 pieces.append((vi, blocks.emit[vi][u:u + take]))
                 u += take
                 need -= take
@@ -288,7 +291,11 @@ class EpochStream:
 
     def _repeat(self, saved: np.ndarray) -> list:
         """A batch that repeats the last real one (docs/distributed.md, "Parts"), in a buffer of its own:
-        the caller may have changed the original in place."""
+        the caller may have changed the original in place. A resume inside the repeated batches
+        assembles the last real one again (``_from``): never a batch of NaN for want of it."""
+        if saved is None:
+            raise LoaderError(f"epoch {self.epoch}: the batch to repeat after the last real one (batch "
+                              f"{self._last_real}) was not assembled: the iterator lost count of its batches")
         flat = self._arena.batch()
         flat[:] = saved
         return self._arena.hand_out(flat, self._views)

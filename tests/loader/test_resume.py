@@ -249,6 +249,9 @@ def test_a_state_moves_between_a_folder_and_s3_and_any_cache_limit(s3, tmp_path)
     ({"phases": [[1, 8, 10_000]]}, "1 parts read 10000 batches of 8, their slices hold at most 343 samples"),
     ({"phases": [[1, True, 1]]}, "'phases' must be"),
     ({"phases": [[10**7, 1, 0]]}, "'phases' must be"),  # a table of 10^7 slices: refused, not built
+    ({"phases": [[1, 0, 1]]}, "'phases' must be"),  # a batch of 0 (ZeroDivisionError, not refused)
+    ({"phases": [[0, 8, 1]]}, "'phases' must be"),
+    ({"phases": [[1, 8, 2**31]]}, "'phases' must be"),
     ({"seed": None}, "saved with seed=None"),
 ])
 def test_a_hand_edited_state_is_one_loader_error_and_the_epoch_goes_on(store, tmp_path, edit, match):
@@ -337,3 +340,146 @@ def test_canonical_parts_is_bounded(store, tmp_path):
         ShardIter(store, B, cache_dir=tmp_path / "c", canonical_parts=2**63)
     with pytest.raises(LoaderError, match="canonical_parts .*must be <= 65,536"):
         ShardIter(store, B, cache_dir=tmp_path / "c", num_parts=70_000)
+
+
+def test_a_resume_inside_the_last_batches_hands_out_what_an_uninterrupted_run_does(store, tmp_path):
+    """343 windows on 2 parts of batch 9: part 0 (171 = 19 x 9) runs out a batch before part 1 (172)
+    and repeats its last real batch; on 1 part the last batch is padded (343 = 38 x 9 + 1). Saved at
+    each of the last batches and loaded again, every batch is the one the uninterrupted epoch gave:
+    the same rows (never NaN: a resume at the repeated batch must assemble the batch it repeats) and
+    the same pad (found by the round-4 audit: labels -9223372036854775808)."""
+    import numpy as np
+
+    for parts in (1, 2):
+        for p in range(parts):
+            with ShardIter(store, 9, num_parts=parts, part_index=p, cache_dir=tmp_path / "c", **KW) as it:
+                n = it.batches_per_epoch
+                want, states = [], {}
+                for i in range(n):
+                    if i >= n - 3:
+                        states[i] = it.state_dict()
+                    b = it.next()
+                    want.append((b.label[0].asnumpy().tolist(), b.label[1].asnumpy().tolist(), b.pad))
+                for k, state in states.items():
+                    it.load_state_dict(state)
+                    got = [(b.label[0].asnumpy().tolist(), b.label[1].asnumpy().tolist(), b.pad) for b in it]
+                    assert not np.isnan(np.array([g[0] for g in got])).any(), (parts, p, k)
+                    assert got == want[k:], (parts, p, k)
+            if parts == 2 and p == 0:
+                assert want[-1][2] == 8 and want[-1][0] == want[-2][0], "part 0 repeats its last real batch"
+
+
+def _signed(state: dict, **edit) -> dict:
+    from loader.checkpoint import _digest
+
+    altered = json.loads(json.dumps({**state, **edit}))
+    return {**altered, "sha256": _digest(altered)}
+
+
+@pytest.mark.parametrize("phases", [[[1, 8, -1]], [[1, -8, 1]], [[-1, 8, 1]], [[1, 8, 3], [1, 8, -2]]])
+def test_a_state_with_negative_phases_is_refused_by_its_check_before_anything_is_allocated(store, tmp_path, phases):
+    """A negative count read back (batches before the epoch's start) used to load, then its producer
+    asked for samples past the part's end without bound (24 GB: OOM-killed). The check alone is
+    asked here (``Reader.check``: nothing read or allocated), so a check that lets one through fails
+    this test at once instead of exhausting the machine."""
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        it.next()
+        with pytest.raises(LoaderError, match="'phases' must be"):
+            it.reader.check(_signed(it.state_dict(), phases=phases))
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_state_of_a_cache_shaped_order_is_refused_saying_what_to_do(store, tmp_path, version):
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        it.next()
+        state = _signed(it.state_dict(), version=version, epoch=2)
+        with pytest.raises(LoaderError, match=f"version {version} .*cannot find its place.*Start epoch 2 again"):
+            it.load_state_dict(state)
+        assert it.next().data[0].shape[0] == B
+
+
+def test_a_state_must_match_the_iterators_seed_and_shuffle(store, tmp_path):
+    """A shuffled state loaded with shuffle=False read 343 windows of which 303 distinct: the order's
+    seed and shuffle are the iterator's, never the state's; the epoch in progress goes on."""
+    for saved, now in ((dict(shuffle=True), dict(shuffle=False)), (dict(shuffle=False), dict(shuffle=True)),
+                       (dict(seed=11), dict(seed=12))):
+        with ShardIter(store, B, cache_dir=tmp_path / "c", **{**KW, **saved}) as it:
+            it.next()
+            state = it.state_dict()
+        key, = saved
+        with ShardIter(store, B, cache_dir=tmp_path / "c", **{**KW, **now}) as it:
+            first = it.next().label[0].asnumpy().tolist()
+            with pytest.raises(LoaderError, match=f"saved with {key}={saved[key]!r}, this iterator has {now[key]!r}"):
+                it.load_state_dict(state)
+            second = it.next().label[0].asnumpy().tolist()
+        with ShardIter(store, B, cache_dir=tmp_path / "c", **{**KW, **now}) as it:
+            assert [it.next().label[0].asnumpy().tolist() for _ in range(2)] == [first, second]
+
+
+def test_a_state_loads_whatever_order_its_keys_come_back_in(store, tmp_path):
+    """A state is JSON: stored by a checkpoint library that sorts keys (or in any order), its sha256
+    still matches, and it continues exactly."""
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        it.next()
+        state = it.state_dict()
+        want = [b.label[0].asnumpy().tolist() for b in it]
+        for again in (json.loads(json.dumps(state, sort_keys=True)), dict(reversed(list(state.items())))):
+            assert list(again) != list(state)
+            it.load_state_dict(again)
+            assert [b.label[0].asnumpy().tolist() for b in it] == want
+
+
+def test_a_state_of_another_schema_is_refused_naming_it(store, tmp_path):
+    """The same dates and counts, another shape of window: the state's order would fit, its records
+    would not (a byte count error while reading, before the check)."""
+    other = tmp_path / "other"
+    make_store(other, COUNTS, pack=4, t=4)
+    with ShardIter(other, B, cache_dir=tmp_path / "o", **KW) as it:
+        it.next()
+        state = it.state_dict()
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        first = it.next().label[0].asnumpy().tolist()
+        with pytest.raises(LoaderError, match="state_dict was saved for another schema"):
+            it.load_state_dict(state)
+        second = it.next().label[0].asnumpy().tolist()
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        assert [it.next().label[0].asnumpy().tolist() for _ in range(2)] == [first, second]
+
+
+def test_the_largest_canonical_parts_and_num_parts_are_states_that_load(store, tmp_path):
+    """The bounds are inclusive: canonical_parts=65,536 is valid (ShardIter takes it), so its state
+    loads and continues; a phase of 65,536 parts passes the state's field check (a store that large
+    is not written here: the check is pure)."""
+    from loader.checkpoint import MAX_CANONICAL_PARTS, _check_fields
+
+    with ShardIter(store, B, cache_dir=tmp_path / "c", canonical_parts=MAX_CANONICAL_PARTS, **KW) as it:
+        it.next()
+        state = it.state_dict()
+        want = [b.label[0].asnumpy().tolist() for b in it]
+        it.load_state_dict(state)
+        assert [b.label[0].asnumpy().tolist() for b in it] == want
+    big = {**state, "shards": [{**state["shards"][0], "windows": 2 * MAX_CANONICAL_PARTS}],
+           "phases": [[MAX_CANONICAL_PARTS, 1, 1]]}
+    _check_fields(big)
+    with pytest.raises(LoaderError, match="'phases' must be"):
+        _check_fields({**big, "phases": [[MAX_CANONICAL_PARTS + 1, 1, 1]]})
+    with pytest.raises(LoaderError, match="'canonical_parts' must be"):
+        _check_fields({**big, "canonical_parts": MAX_CANONICAL_PARTS + 1})
+
+
+@pytest.mark.parametrize("field, value", [("windows", 65), ("windows", 15), ("records", 5)])  # huge: capped child
+def test_a_state_whose_shard_entry_differs_from_the_checked_file_is_refused_before_the_epoch_is_let_go(
+        store, tmp_path, field, value):
+    """A file this process checked is not checked again, so a (re-signed) entry saying 10^12 windows
+    built the order's tables without bound after the epoch was let go (MemoryError, found by
+    tests/loader/test_properties_state.py), and 65 windows for a shard of 16 loaded."""
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        first = it.next().label[0].asnumpy().tolist()
+        state = it.state_dict()
+        shards = [dict(s) for s in state["shards"]]
+        shards[0][field] = value
+        with pytest.raises(LoaderError, match="entry of shard 2024-04-01 .* differs from the store's"):
+            it.load_state_dict(_signed(state, shards=shards))
+        second = it.next().label[0].asnumpy().tolist()
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        assert [it.next().label[0].asnumpy().tolist() for _ in range(2)] == [first, second]
