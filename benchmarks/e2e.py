@@ -87,7 +87,7 @@ def _start_watcher(cfg: Path, clock: Path) -> subprocess.Popen:
                                start_new_session=True)
     lock = cfg.parent / "shards" / ".watch.lock"
     deadline = time.monotonic() + 60
-    while not (lock.exists() and lock.read_text().strip() == str(watcher.pid)):
+    while not (lock.exists() and lock.read_text().strip().endswith(f"pid {watcher.pid}")):  # "watch on H, pid N"
         if time.monotonic() > deadline or watcher.poll() is not None:
             _stop(watcher)
             raise RuntimeError("the watcher did not start")

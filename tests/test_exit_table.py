@@ -34,6 +34,22 @@ TABLE = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _logging_as_it_was():
+    """``main`` sets up the process's logging as a command does (``watch``: INFO on the root logger):
+    put back as it was, for the tests that run after these in this process."""
+    import logging
+
+    root = logging.getLogger()
+    level, handlers = root.level, root.handlers[:]
+    chatty = {name: logging.getLogger(name).level for name in ("botocore", "boto3", "urllib3", "s3transfer")}
+    yield
+    root.setLevel(level)
+    root.handlers[:] = handlers
+    for name, was in chatty.items():
+        logging.getLogger(name).setLevel(was)
+
+
 @pytest.mark.parametrize("command", sorted(cli.COMMANDS))
 @pytest.mark.parametrize("what, exc, code", TABLE, ids=[row[0] for row in TABLE])
 def test_every_failure_class_of_the_table_exits_with_its_code(tmp_path, monkeypatch, capsys, command, what, exc,
