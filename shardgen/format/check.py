@@ -331,8 +331,10 @@ def check_shard(fd: int, rec_path: str, idx_path: str, entry: Published, schema:
         raise ShardError(f"{rec_path}: {st.st_size} bytes, the manifest says {entry.bytes} for {entry.date} "
                          "(truncated or rewritten?)")
     # ctime too: mtime can be set back (touch -r, cp -p, rsync -t), ctime cannot from user space.
+    # Everything of the entry the check compares the file with: a file checked for one entry is not
+    # taken as checked for another (another window count, sha256, date, or the .idx asked for too).
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, verify, schema.fingerprint,
-           entry.sha256, has_checksums(entry))
+           entry.date, entry.records, entry.windows or entry.records, entry.sha256, has_checksums(entry), check_index)
     with _CACHE_LOCK:
         hit: Optional[ShardFrames] = _CACHE.get(key)
     if hit is not None and cache:

@@ -57,6 +57,9 @@ def test_exit_steps_of_a_normal_exit_and_of_a_failing_worker():
 @pytest.mark.parametrize("how, code", [("raise RuntimeError('boom')", 1), ("sys.exit(3)", 3), ("exit(4)", 4),
                                        ("sys.exit('bad input')", 1), ("sys.exit(0)", 0),
                                        ("raise KeyboardInterrupt", 130),  # Ctrl-C: 130, as a shell says
+                                       # a sys.exit caught and survived, then another: the last call wins
+                                       ("try:\n            sys.exit(3)\n        except SystemExit:\n"
+                                        "            pass\n        sys.exit(4)", 4),
                                        # a thread's sys.exit ends that thread only: the process ends normally
                                        ("import threading; t = threading.Thread(target=sys.exit, args=(5,)); "
                                         "t.start(); t.join()", 0)])

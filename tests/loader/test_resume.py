@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, make_store
+from conftest import ROOT, batch_ids, make_store
 
 from loader import LoaderError, ShardIter
 from loader.pipeline.order import EpochOrder, OrderSpec, Phase, count, remainder, slice_of
@@ -483,3 +483,19 @@ def test_a_state_whose_shard_entry_differs_from_the_checked_file_is_refused_befo
         second = it.next().label[0].asnumpy().tolist()
     with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
         assert [it.next().label[0].asnumpy().tolist() for _ in range(2)] == [first, second]
+
+
+def test_a_state_carries_its_date_selection_into_the_next_epochs(tmp_path):
+    """A state saved by an iterator on some dates resumes in one made without them, and the epochs
+    after it read those dates still (the review of issue 56: a state saved without its dates read
+    every date from the next epoch on)."""
+    make_store(tmp_path / "s", {"2024-01-02": 10, "2024-01-03": 10, "2024-01-04": 10})
+    with ShardIter(tmp_path / "s", 4, seed=2, dates=("2024-01-03", "2024-01-03"), cache_dir=tmp_path / "c") as it:
+        it.next()
+        state = it.state_dict()
+    with ShardIter(tmp_path / "s", 4, seed=2, cache_dir=tmp_path / "c") as it:
+        it.load_state_dict(state)
+        assert sum(4 - b.pad for b in it) == 10 - 4
+        it.reset()
+        ids = sorted(i for b in it for i in batch_ids(b))
+    assert ids == list(range(10, 20))  # 2024-01-03's windows, each once

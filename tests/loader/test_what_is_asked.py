@@ -234,3 +234,31 @@ def test_a_negative_window_count_is_refused_wherever_an_entry_is_read():
     with pytest.raises(ValueError, match="shard 2024-01-02: windows must be >= 0, got -3"):
         ShardEntry.from_json(entry)
     assert ShardEntry.from_json({**entry, "windows": 9}).samples == 9
+
+
+@pytest.mark.parametrize("field, value, verify", [("windows", 45, "crc"), ("sha256", "0" * 64, "sha256"),
+                                                  ("records", 4, "crc"), ("date", "2024-01-03", "crc")])
+def test_a_file_checked_for_one_entry_is_not_taken_as_checked_for_another(tmp_path, field, value, verify):
+    """The shard check remembers files it found sound; the review of issue 56 found that the memory
+    left out the window count (and would the sha256): checked once with the right entry, the same
+    file then passed for an entry saying 45 windows for its 40."""
+    import dataclasses
+    import os
+
+    from shardgen.errors import ShardError
+    from shardgen.format.check import check_shard
+    from shardgen.store.manifest import Manifest
+
+    store = tmp_path / "s"
+    make_store(store, {"2024-01-02": 40}, pack=8)
+    m = Manifest.load(store / "manifest.json")
+    entry = m.shards[0]
+    fd = os.open(store / entry.rec, os.O_RDONLY)
+    try:
+        args = (fd, str(store / entry.rec), str(store / entry.idx))
+        assert check_shard(*args, entry, m.schema, verify=verify).samples == 40
+        with pytest.raises(ShardError):
+            check_shard(*args, dataclasses.replace(entry, **{field: value}), m.schema, verify=verify)
+        assert check_shard(*args, entry, m.schema, verify=verify).samples == 40  # the right one still passes
+    finally:
+        os.close(fd)

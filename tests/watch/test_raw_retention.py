@@ -53,3 +53,11 @@ def test_a_date_gc_deleted_loses_its_raw_file_unless_keep_raw(tmp_path, keep_raw
     assert removed == ([] if keep_raw else ["2024-01-05"])
     assert files[dt.date(2024, 1, 5)].exists() == keep_raw and files[dt.date(2024, 1, 8)].exists()
     assert left == ({"2024-01-05", "2024-01-08"} if keep_raw else {"2024-01-08"})  # listed: pruned once gc deletes
+
+
+def test_with_the_window_full_a_late_raw_file_between_its_shards_is_kept(tmp_path):
+    """Window 3 full (01-08, 01-10, 01-11): a late raw file of 01-09 is inside the window, not older
+    than it (the review of issue 56: measured against the newest shard instead of the oldest, it went)."""
+    dates = ["2024-01-08", "2024-01-10", "2024-01-11"]
+    cfg, manifest, files = _setup(tmp_path, 3, dates, ["2024-01-09"])
+    assert prune_raw(cfg, manifest, set(), files)[1] == [] and files[dt.date(2024, 1, 9)].exists()
