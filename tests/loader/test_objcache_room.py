@@ -257,3 +257,33 @@ def test_a_file_found_good_at_a_recheck_is_not_checked_again_at_the_next(tmp_pat
             assert sum(4 - b.pad for b in it) == 16
             assert [os.path.basename(p) for p in checked] == (["2024-03-01.rec"] if epoch == 0 else []), epoch
             checked.clear()
+
+
+def test_the_snapshots_pulled_count_in_the_room_for_metadata(tmp_path):
+    """Snapshots of generations a reader pinned are kept in the cache: the room counts them beside
+    the manifest (the review of issue 56: counted as 0, four pulled snapshots and three shards held
+    31 kB under a 21 kB limit)."""
+    from test_properties_cache import LocalObjects, generations
+
+    local = tmp_path / "local"
+    generations(local, 4)
+    cache = ObjectCache(S3Store(LocalObjects(local)), tmp_path / "cache", 10**9)
+    cache.pull_manifest()
+    before = cache.meta_bytes()
+    for g in range(1, 5):
+        assert cache.pull_snapshot(g)
+    pulled = sum(p.stat().st_size for p in (cache.folder / "generations").iterdir())
+    assert pulled > 0 and cache.meta_bytes() == before + pulled
+
+
+def test_eviction_takes_the_file_read_longest_ago_not_the_one_downloaded_longest_ago(remote, tmp_path):
+    """A file is used when it is read (its atime), not only when it was downloaded (its mtime): one
+    downloaded an hour ago and read 10 s ago stays; one downloaded and last read 5 minutes ago goes
+    (the review of issue 56: ordered by download time alone, the file just read went)."""
+    cache = ObjectCache(S3Store(remote[0]), tmp_path / "cache", 10**6)
+    now = time.time()
+    for name, (read, downloaded) in {"read.rec": (10, 3600), "unread.rec": (300, 300)}.items():
+        (cache.folder / name).write_bytes(b"x" * 1000)
+        os.utime(cache.folder / name, (now - read, now - downloaded))
+    assert cache._evict(1000) == 0
+    assert [p.name for p in cache._entries()] == ["read.rec"]
