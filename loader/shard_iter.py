@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 import mxnet as mx
 
 from loader.errors import LoaderError
+from loader.first_agreement import FirstAgreement
 from loader.lifecycle import report_rank, track
 from loader.pipeline.batches import StreamParams, asked_labels
 from loader.pipeline.settings import (
@@ -31,7 +32,7 @@ from loader.pipeline.settings import (
     default_readers,
 )
 from loader.reader import Reader
-from loader.source.generations import Choice, agree
+from loader.source.generations import Choice
 from loader.source.location import Location, resolve
 from loader.source.selection import DateRange, normalize_dates, select_shards
 
@@ -140,36 +141,11 @@ class ShardIter(mx.io.DataIter):
             it = cls(location, batch_size, **parts, **kwargs)  # this worker's newest, until the first batch
             it.reader.choice = Choice(kv=kv)  # every reset() agrees
             if kv.num_workers > 1:
-                it._first_agreement = _FirstAgreement(kv, location, {**parts, **kwargs})
+                it._first_agreement = FirstAgreement(kv, location, {**parts, **kwargs})
         report_rank(kv.rank)  # loader.tools.launch labels this worker's lines with it
         return it
 
-    _first_agreement: Optional[_FirstAgreement] = None  # for_kvstore: the agreement due at the first batch
-
-    def _agree_first(self) -> None:
-        """The first batch of a ``for_kvstore`` iterator: every worker takes rank 0's generation (a
-        collective call, on every worker at its first ``next()``, as ``reset()`` is). Built on
-        another one here, it is built again on rank 0's; after ``load_state_dict`` the loaded state
-        must be of rank 0's generation."""
-        pending, self._first_agreement = self._first_agreement, None
-        held = self.generation
-        agreed = agree(pending.kv, held)
-        if agreed == held:
-            return
-        if pending.loaded:
-            raise LoaderError(f"{self.manifest_path}: this worker resumed a state of generation {held}, rank 0 one of "
-                              f"generation {agreed}: load the same state on every worker")
-        fresh = type(self)(pending.location, self.batch_size, generation=agreed, **pending.kwargs)
-        if fresh.schema.fingerprint != self.schema.fingerprint:
-            fresh.close()
-            raise LoaderError(f"{self.manifest_path}: the store's schema changed (fingerprint {self.schema.fingerprint}"
-                              f" -> {fresh.schema.fingerprint}) between this worker's generation {held} and rank 0's "
-                              f"{agreed}; make the iterators again")
-        old, self.reader = self.reader, fresh.reader
-        fresh._closed = True  # its reader is this iterator's now
-        self.reader.choice = Choice(kv=pending.kv)
-        self.reader.dates = old.dates  # a selection set before the first batch
-        old.close()
+    _first_agreement: Optional[FirstAgreement] = None  # for_kvstore: the agreement due at the first batch
 
     # -- the contract ---------------------------------------------------------------------------
 
@@ -198,7 +174,8 @@ class ShardIter(mx.io.DataIter):
 
     def next(self) -> mx.io.DataBatch:
         if self._first_agreement is not None and not self._closed:
-            self._agree_first()
+            pending, self._first_agreement = self._first_agreement, None
+            pending.settle(self)
         t0 = time.perf_counter()
         reader = self.reader
         if reader.cursor >= reader.batches:
@@ -357,11 +334,3 @@ class ShardIter(mx.io.DataIter):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _FirstAgreement:
-    """What ``for_kvstore`` needs to agree at the first batch and build the iterator again."""
-
-    def __init__(self, kv: Any, location: Location, kwargs: dict):
-        self.kv, self.location, self.kwargs = kv, location, kwargs
-        self.loaded = False  # load_state_dict() ran before the first batch

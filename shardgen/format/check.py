@@ -45,7 +45,7 @@ from shardgen.format.framing import (
     payload_crcs,
     split_lrec,
 )
-from shardgen.format.index import parse_index, shard_index_text
+from shardgen.format.index import check_index_file, read_offsets
 from shardgen.format.schema import Schema, day_number
 
 __all__ = ["VERIFY_MODES", "ShardFrames", "Published", "check_shard", "read_offsets", "check_index_file", "needs_index",
@@ -205,58 +205,6 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
             _check_crcs(memoryview(rebuilt).cast("B"), np.arange(len(split)) * rb, rebuilt[:, CRC_WORD], length,
                         split)
     return counts
-
-
-def _index_text(idx_path: str, entry: Published) -> bytes:
-    try:
-        with open(idx_path, "rb") as fh:
-            return fh.read()
-    except OSError as exc:
-        raise ShardError(f"{idx_path}: cannot read the index of {entry.date} ({exc.strerror})") from None
-
-
-def _listed_offsets(text: bytes, idx_path: str, entry: Published) -> np.ndarray:
-    try:
-        offsets = parse_index(text)[1]
-    except ValueError:
-        raise ShardError(f"{idx_path}: malformed index of {entry.date} (expected 'key<TAB>offset' lines)") from None
-    if len(offsets) != entry.records:
-        raise ShardError(f"{idx_path}: {len(offsets)} records, the manifest says {entry.records} ({entry.date})")
-    if len(offsets) and (offsets[0] != 0 or (np.diff(offsets) <= 0).any() or offsets[-1] >= entry.bytes):
-        raise ShardError(f"{idx_path}: offsets are not increasing within the {entry.bytes}-byte file ({entry.date})")
-    return offsets
-
-
-def read_offsets(idx_path: str, entry: Published) -> np.ndarray:
-    """The record offsets a shard's ``.idx`` lists, checked against the manifest's entry."""
-    return _listed_offsets(_index_text(idx_path, entry), idx_path, entry)
-
-
-def _first_difference(text: bytes, want: bytes) -> str:
-    """Where ``text`` first differs from ``want``: the line, as it is and as it should be."""
-    pos = next((i for i, (a, b) in enumerate(zip(text, want)) if a != b), min(len(text), len(want)))
-    line = text.count(b"\n", 0, pos)
-
-    def shown(data: bytes) -> str:
-        lines = data.split(b"\n")
-        if line >= len(lines) or (line == len(lines) - 1 and not lines[line]):
-            return "the end of the file"
-        return repr(lines[line].decode("latin-1"))
-
-    return f"line {line + 1} is {shown(text)}, expected {shown(want)}"
-
-
-def check_index_file(idx_path: str, offsets: np.ndarray, entry: Published) -> None:
-    """ShardError unless the ``.idx`` is byte for byte the index of the records at ``offsets``, as
-    MXNet writes it (``shard_index_text``: key = the record's number, a tab, the offset): stock
-    readers look records up by its keys and lines (``MXIndexedRecordIO``), dmlc by its offsets."""
-    text = _index_text(idx_path, entry)
-    if not np.array_equal(_listed_offsets(text, idx_path, entry), offsets):
-        raise ShardError(f"{idx_path}: offsets differ from the records of the .rec ({entry.date})")
-    want = shard_index_text(offsets)
-    if text != want:
-        raise ShardError(f"{idx_path}: changed since publication ({entry.date}): {_first_difference(text, want)} "
-                         "(not the index written with the .rec)")
 
 
 def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify: str,
