@@ -13,7 +13,7 @@ from typing import Iterable
 
 import numpy as np
 
-from loader.source.location import cache_root
+from loader.source.plan import cache_root
 from shardgen.format import LabelSpec, Layout, Schema
 from shardgen.format.index import combine, parse_index, shard_index_text
 from shardgen.process import sliding_windows

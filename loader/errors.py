@@ -1,6 +1,14 @@
 """Errors the loader raises before MXNet's C++ code could crash or hang on bad input."""
 
-__all__ = ["LoaderError", "StoreUnreachableError", "mxnet_reason", "as_loader_error"]
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from shardgen.errors import ShardgenError
+from shardgen.store.objurl import StoreUnreachable
+
+__all__ = ["LoaderError", "StoreUnreachableError", "mxnet_reason", "as_loader_error", "as_loader_errors"]
 
 
 class LoaderError(Exception):
@@ -30,3 +38,15 @@ def as_loader_error(exc: BaseException, plan: object) -> BaseException:
         exc = LoaderError(f"MXNet's reader failed on generation {plan.generation} "  # type: ignore[attr-defined]
                           f"({len(plan.shards)} shards in {plan.store}): {mxnet_reason(exc)}")  # type: ignore
     return exc.with_traceback(None)
+
+
+@contextlib.contextmanager
+def as_loader_errors() -> Iterator[None]:
+    """What a store raises (shardgen's errors: a shard, a manifest, a cache, an object store) as
+    the loader's: ``StoreUnreachable`` as ``StoreUnreachableError``, the rest as ``LoaderError``."""
+    try:
+        yield
+    except StoreUnreachable as exc:
+        raise StoreUnreachableError(str(exc)) from None
+    except ShardgenError as exc:
+        raise LoaderError(str(exc)) from None

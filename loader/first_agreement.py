@@ -14,7 +14,7 @@ from typing import Any
 
 from loader.errors import LoaderError
 from loader.source.generations import Choice, agree
-from loader.source.location import Location
+from shardgen.store import Store
 
 __all__ = ["FirstAgreement"]
 
@@ -22,8 +22,8 @@ __all__ = ["FirstAgreement"]
 class FirstAgreement:
     """What ``for_kvstore`` needs to agree at the first batch and build the iterator again."""
 
-    def __init__(self, kv: Any, location: Location, kwargs: dict):
-        self.kv, self.location, self.kwargs = kv, location, kwargs
+    def __init__(self, kv: Any, store: Store, kwargs: dict):
+        self.kv, self.store, self.kwargs = kv, store, kwargs
         self.loaded = False  # load_state_dict() ran before the first batch
 
     def settle(self, it: Any) -> None:
@@ -36,7 +36,7 @@ class FirstAgreement:
         if self.loaded:
             raise LoaderError(f"{it.manifest_path}: this worker resumed a state of generation {held}, rank 0 one of "
                               f"generation {agreed}: load the same state on every worker")
-        fresh = type(it)(self.location, it.batch_size, generation=agreed, **self.kwargs)
+        fresh = type(it)(self.store, it.batch_size, generation=agreed, **self.kwargs)
         if fresh.schema.fingerprint != it.schema.fingerprint:
             fresh.close()
             raise LoaderError(f"{it.manifest_path}: the store's schema changed (fingerprint {it.schema.fingerprint}"

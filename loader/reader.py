@@ -1,4 +1,4 @@
-"""``Reader``: what a ``ShardIter`` reads and where it is. It owns the store's location, the
+"""``Reader``: what a ``ShardIter`` reads and where it is. It owns the store it reads, the
 generation choice, the epoch's plan and streams (``Epochs``), the cursor, ``reset()`` and the saved
 state; the ``ShardIter`` around it is only MXNet's ``DataIter`` face.
 
@@ -18,17 +18,18 @@ import weakref
 from typing import Callable, Optional
 
 from loader.checkpoint import check_state, state_of
-from loader.errors import LoaderError, StoreUnreachableError
+from loader.errors import LoaderError, StoreUnreachableError, as_loader_errors
 from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
 from loader.pipeline.memory import Arena
 from loader.pipeline.order import EpochOrder, Phase, slice_of
 from loader.pipeline.settings import buffers_alive, check_memory
 from loader.pipeline.stream import order_spec, split_phase
-from loader.source.generations import Choice
-from loader.source.location import Location
+from loader.source.generations import Choice, held_again, newest
 from loader.source.plan import EpochPlan, make_plan
 from loader.source.selection import DateRange, normalize_dates, select_shards
+from shardgen.store import Store
+from shardgen.store.lease import Lease
 from shardgen.store.manifest import Manifest, ShardEntry
 
 __all__ = ["Reader"]
@@ -40,9 +41,9 @@ class Reader:
     """One part of a store, epoch after epoch: ``take()`` the next batch, ``reset()`` to the next
     epoch on the generation ``choice`` picks, ``state()``/``load()`` to resume."""
 
-    def __init__(self, location: Location, manifest: Manifest, params: StreamParams, *, choice: Choice,
+    def __init__(self, store: Store, root, manifest: Manifest, params: StreamParams, *, choice: Choice,
                  dates: DateRange, verify: str, memory: dict):
-        self.location, self.params, self.choice = location, params, choice
+        self.store, self.root, self.params, self.choice = store, root, params, choice
         self.manifest = manifest  # the generation read now: reset() goes on with it if the store is out of reach
         self.schema = manifest.schema
         self.verify, self.memory = verify, memory
@@ -50,14 +51,15 @@ class Reader:
         self.epoch = 0
         self.cursor = self.batches = self.part_samples = 0
         self.phases: tuple = ()  # the phases of this epoch read before the current one (a resumed state)
-        location.claim(f"iter-{id(self)}")  # a cache under cache_limit streams for one iterator
-        if location.cache_limit is not None:
-            join_closing(60)  # iterators dropped unclosed let go of their segments first (their close thread)
+        with as_loader_errors():
+            store.claim(f"iter-{id(self)}")  # a bounded cache is one iterator's alone
+        if store.group_bytes() is not None:
+            join_closing(60)  # iterators dropped unclosed let go of their files first (their close thread)
         # The lease tells gc which generation we read.
-        self.epochs = Epochs(location.lease(), location.group_bytes(), location.downloads)
+        self.epochs = Epochs(Lease(store), store.group_bytes())
         me = weakref.ref(self)  # threads reach the epochs, never the reader (its finalizer must run)
         self.epochs.on_ahead = lambda: (me() or _Gone)._ahead_opened()
-        self._finalizer = weakref.finalize(self, _let_go, location, f"iter-{id(self)}", self.epochs)
+        self._finalizer = weakref.finalize(self, _let_go, store, f"iter-{id(self)}", self.epochs)
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
         selected = select_shards(manifest, self.dates)
         self.epochs.arena = Arena(self.schema, batch_floats(params), keep=2 * (params.prefetch_buffer + 4),
@@ -69,6 +71,11 @@ class Reader:
             raise
 
     # -- where it is ------------------------------------------------------------------------------
+
+    @property
+    def where(self) -> str:
+        """The store's manifest, as messages name it."""
+        return self.store.where("manifest.json")
 
     @property
     def plan(self) -> Optional[EpochPlan]:
@@ -96,7 +103,7 @@ class Reader:
         """The next batch's arrays and pad (the caller checked that the epoch has one left)."""
         stream = self.epochs.stream
         if stream is None:
-            raise LoaderError(f"{self.location.manifest_path}: no epoch to read: the last reset() failed; fix the "
+            raise LoaderError(f"{self.where}: no epoch to read: the last reset() failed; fix the "
                               "cause (e.g. the date selection) and call reset() again")
         arrays, valid = stream.get()
         self.cursor += 1
@@ -105,13 +112,13 @@ class Reader:
     def reset(self) -> None:
         """Start the next epoch on the generation the choice picks (the newest, agreed or pinned)."""
         self.end_epoch()
-        manifest = self.choice.manifest(self.location, held=self.manifest)
+        manifest = self.choice.manifest(self.store, held=self.manifest)
         if manifest.schema.fingerprint != self.schema.fingerprint:
-            raise LoaderError(f"{self.location.manifest_path}: the store's schema changed (fingerprint "
+            raise LoaderError(f"{self.where}: the store's schema changed (fingerprint "
                               f"{self.schema.fingerprint} -> {manifest.schema.fingerprint}); make a new ShardIter")
         current = self.plan
         if current is None:  # close() from another thread while this reset() ran
-            raise LoaderError(f"{self.location.manifest_path}: this ShardIter was closed (by another thread) "
+            raise LoaderError(f"{self.where}: this ShardIter was closed (by another thread) "
                               "during reset()")
         try:
             self._start_next(self._next_plan(manifest, current), current)
@@ -121,9 +128,7 @@ class Reader:
             # itself cannot be had; the next reset() asks again.
             if self.choice.kv is not None or self.choice.pin is not None or manifest is self.manifest:
                 raise
-            log.warning("%s; reading generation %d again (the next reset() asks the store again)", exc,
-                        self.manifest.generation)
-            manifest = self.manifest
+            manifest = held_again(exc, self.manifest)
             self._start_next(self._next_plan(manifest, current), current)
         self.manifest = manifest
 
@@ -135,14 +140,10 @@ class Reader:
     def _next_plan(self, manifest: Manifest, current: EpochPlan) -> EpochPlan:
         shards = select_shards(manifest, self.dates)
         if shards != current.shards:
-            if self.location.downloads and self.location.cache_limit is None:
-                # A cache that holds the part: its new shards come now, so a store lost since the
-                # manifest came is met here, and the held generation is read again (``reset``).
-                who = f"iter-{id(self)}-next"
-                try:
-                    self.location.fetch(self._part_of(manifest), who=who, schema=manifest.schema)
-                finally:
-                    self.location.release(who)
+            # A cache that holds the part fetches its new shards now, so a store lost since the
+            # manifest came is met here, and the held generation is read again (``reset``).
+            with as_loader_errors():
+                self.store.fetch_part(self._part_of(manifest), who=f"iter-{id(self)}-next", schema=manifest.schema)
             return self._plan_for(manifest, shards)
         if manifest.generation != current.generation:  # same files: only the generation moves on
             return dataclasses.replace(current, generation=manifest.generation)
@@ -153,8 +154,9 @@ class Reader:
         self.epochs.end_current()
 
     def _plan_for(self, manifest: Manifest, shards: tuple) -> EpochPlan:
-        self.location.check_room(list(shards))
-        return make_plan(self.location, manifest, shards, verify=self.verify, who=f"iter-{id(self)}")
+        with as_loader_errors():
+            self.store.check_room(list(shards))
+        return make_plan(self.store, self.root, manifest, shards, verify=self.verify, who=f"iter-{id(self)}")
 
     def _part_of(self, manifest: Manifest) -> tuple:
         """The shards of ``manifest`` this part reads in the next epoch (fetched ahead of a new generation)."""
@@ -177,12 +179,11 @@ class Reader:
         self.cursor = skip
 
     def _ahead_opened(self) -> None:
-        """The next epoch's stream opened (``Epochs``, half way through this one): an object store's
-        newest generation is fetched ahead too, once this epoch has fetched its own shards, unless
-        pinned or under a ``cache_limit``."""
+        """The next epoch's stream opened (``Epochs``, half way through this one): a cache fetches
+        the newest generation ahead too, once this epoch has fetched its own shards, unless pinned."""
         stream = self.epochs.stream
-        if self.choice.pin is None and self.location.cache_limit is None and stream is not None:
-            self.location.fetch_ahead(self._part_of, after=stream.feed.done_fetching)
+        if self.choice.pin is None and stream is not None:
+            self.store.fetch_ahead(self._part_of, after=stream.feed.done_fetching)
 
     # -- resumption -------------------------------------------------------------------------------
 
@@ -217,7 +218,7 @@ class Reader:
         # Everything that can refuse the state is asked before this epoch is let go: the phase it
         # resumes (an empty part), and the state's shards (opened and checked for a folder).
         split_phase(params, sum(s.samples for s in shards), phases, int(state["generation"]))
-        manifest = self.location.manifest()
+        manifest = newest(self.store)
         known = {s.rec: s for s in (*manifest.shards, *self.plan.shards)}  # files this process checked or lists
         for s in shards:  # a file checked before is not checked again: its entry must be the one it was checked for
             if s.rec in known and known[s.rec] != s:
@@ -246,7 +247,7 @@ class Reader:
 
     def close(self) -> None:
         """Stop the native threads, let go of the files and drop the reader lease."""
-        self.location.release(f"iter-{id(self)}")
+        self.store.let_go(f"iter-{id(self)}")
         self._finalizer.detach()
         self.epochs.close()
 
@@ -257,7 +258,7 @@ class _Gone:
         pass
 
 
-def _let_go(location: Location, who: str, epochs: Epochs) -> None:
+def _let_go(store: Store, who: str, epochs: Epochs) -> None:
     """A reader dropped without ``close()``: its files and cache claim go, its streams close."""
-    location.release(who)
+    store.let_go(who)
     epochs.close_when_free()

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 import mxnet as mx
 
-from loader.errors import LoaderError
+from loader.errors import LoaderError, as_loader_errors
 from loader.first_agreement import FirstAgreement
 from loader.lifecycle import report_rank, track
 from loader.pipeline.batches import StreamParams, asked_labels
@@ -32,9 +32,11 @@ from loader.pipeline.settings import (
     default_readers,
 )
 from loader.reader import Reader
+from loader.sizes import parse_size
 from loader.source.generations import Choice
-from loader.source.location import Location, resolve
+from loader.source.plan import cache_root
 from loader.source.selection import DateRange, normalize_dates, select_shards
+from shardgen.store import Store, open_reading
 
 __all__ = ["ShardIter"]
 
@@ -60,8 +62,8 @@ class ShardIter(mx.io.DataIter):
     """Batches of a shard store: ``data = [x (B, T, C)]``, ``label = [each label..., date]``.
 
     ``manifest``: a manifest file, a store folder, or ``s3://bucket/prefix`` (downloaded into
-    ``cache_dir``, at most ``cache_limit`` bytes). ``cache_dir``: the one root of what the loader
-    writes locally (:mod:`loader.source.location`).
+    ``cache_dir``, at most ``cache_limit`` bytes: :mod:`shardgen.store.cached`). ``cache_dir``: the
+    one root of what the loader writes locally (:func:`loader.source.plan.cache_root`).
     ``verify``: ``"crc"`` (default) checks every record's framing and payload CRC32 before MXNet
     reads it (once per file version), ``"frame"`` the framing only, ``"sha256"`` also the whole
     file against the manifest, ``"none"`` trusts the files.
@@ -72,21 +74,16 @@ class ShardIter(mx.io.DataIter):
     ahead. ``canonical_parts``: the order's part count (default ``num_parts``; see
     :mod:`loader.pipeline.order`): a state saved on any number of parts resumes on any other.
     What these hold in memory is computed at construction (:mod:`loader.pipeline.memory`);
-    more than half the machine's memory is a LoaderError. ``producer``: ``"thread"``, the one
-    transport (``"process"`` was removed).
+    more than half the machine's memory is a LoaderError.
     """
 
-    def __init__(self, manifest: os.PathLike | str | Location, batch_size: int, *, shuffle: bool = True,
+    def __init__(self, manifest: os.PathLike | str | Store, batch_size: int, *, shuffle: bool = True,
                  seed: int = 0, preprocess_threads: int = 4, prefetch_buffer: int = 8, num_parts: int = 1,
                  part_index: int = 0, last_batch: str = "pad", dates: DateRange = None,
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
                  verify: str = "crc", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
-                 cache_limit: Optional[int | str] = None, producer: str = "thread",
-                 canonical_parts: Optional[int] = None):
-        if producer != "thread":
-            raise LoaderError(f"producer={producer!r}: the producer process was removed; the producer thread is the "
-                              "one transport (README, 'Where the code is')")
+                 cache_limit: Optional[int | str] = None, canonical_parts: Optional[int] = None):
         check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
                         preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
                         native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify,
@@ -94,11 +91,11 @@ class ShardIter(mx.io.DataIter):
         super().__init__(int(batch_size))
         self._closed = False
         self.history: list[dict] = []
-        location = resolve(manifest, cache_dir, cache_limit)
-        self.manifest_path = location.manifest_path
-        self.cache_dir = location.root
+        store = _open(manifest, cache_dir, cache_limit)
+        self.manifest_path = store.where("manifest.json")
+        self.cache_dir = cache_root(cache_dir)
         choice = Choice(pin=generation)
-        manifest_obj = choice.manifest(location)
+        manifest_obj = choice.manifest(store)
         schema = manifest_obj.schema
         known = [lab.name for lab in schema.labels]
         self.label_names = check_label_names(label_names, known)
@@ -116,7 +113,7 @@ class ShardIter(mx.io.DataIter):
             canonical_parts=canonical,
             block=block_samples(records, selected, schema))
         memory = check_memory(params, shuffle_buffer, selected)
-        self.reader = Reader(location, manifest_obj, params, choice=choice, dates=dates, verify=verify,
+        self.reader = Reader(store, self.cache_dir, manifest_obj, params, choice=choice, dates=dates, verify=verify,
                              memory=memory)
         self._describe()
         self._restart_clock()
@@ -137,11 +134,12 @@ class ShardIter(mx.io.DataIter):
             it = cls(manifest, batch_size, **parts, **kwargs)
         else:
             kwargs.pop("generation", None)
-            location = resolve(manifest, kwargs.pop("cache_dir", None), kwargs.pop("cache_limit", None))
-            it = cls(location, batch_size, **parts, **kwargs)  # this worker's newest, until the first batch
+            cache_dir = kwargs.pop("cache_dir", None)
+            store = _open(manifest, cache_dir, kwargs.pop("cache_limit", None))
+            it = cls(store, batch_size, **parts, cache_dir=cache_dir, **kwargs)  # its newest, until the first batch
             it.reader.choice = Choice(kv=kv)  # every reset() agrees
             if kv.num_workers > 1:
-                it._first_agreement = FirstAgreement(kv, location, {**parts, **kwargs})
+                it._first_agreement = FirstAgreement(kv, store, {**parts, "cache_dir": cache_dir, **kwargs})
         report_rank(kv.rank)  # loader.tools.launch labels this worker's lines with it
         return it
 
@@ -275,7 +273,7 @@ class ShardIter(mx.io.DataIter):
         ``downloaded_bytes``: fetched from an object store so far; ``dates_per_block``: the fewest
         dates a block of this epoch spans (far below the dates read: raise ``shuffle_buffer``)."""
         return {**self._epoch_stats(), "last_epoch": dict(self.history[-1]) if self.history else None,
-                "downloaded_bytes": self.reader.location.downloaded_bytes,
+                "downloaded_bytes": self.reader.store.downloaded_bytes,
                 "dates_per_block": self.reader.dates_per_block}
 
     def _epoch_stats(self) -> dict:
@@ -334,3 +332,15 @@ class ShardIter(mx.io.DataIter):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open(manifest: os.PathLike | str | Store, cache_dir: Optional[os.PathLike], cache_limit: object) -> Store:
+    """The store ``manifest`` names, as a reader reads it (an object store through its cache)."""
+    limit = None if cache_limit is None else parse_size(cache_limit, "cache_limit",
+                                                        "a positive number of bytes or a size such as '20GB'",
+                                                        bare_bytes=True)
+    try:
+        with as_loader_errors():
+            return open_reading(manifest, cache_root(cache_dir), limit)
+    except ValueError as exc:
+        raise LoaderError(str(exc)) from None

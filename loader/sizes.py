@@ -8,7 +8,7 @@ from typing import Union
 
 from loader.errors import LoaderError
 
-__all__ = ["UNITS", "parse_size", "say_size"]
+__all__ = ["UNITS", "parse_size"]
 
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -34,9 +34,3 @@ def parse_size(value: Union[int, str], what: str, expected: str, *, bare_bytes: 
         raise LoaderError(f"{what} {value!r} is empty")
     return n
 
-
-def say_size(n: int) -> str:
-    """``n`` bytes for a message: "1,234.5 MB", "12.3 kB", "517 bytes"."""
-    if n >= 10**6:
-        return f"{n / 1e6:,.1f} MB"
-    return f"{n / 1e3:,.1f} kB" if n >= 10**3 else f"{n} bytes"

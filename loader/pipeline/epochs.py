@@ -37,11 +37,11 @@ def _closed_during_reset(plan: EpochPlan) -> LoaderError:
 
 
 class Epochs:
-    def __init__(self, lease: Lease, cap: Optional[int] = None, downloads: bool = False):
-        """``cap``: bytes of shard files a feed group may hold (under a cache_limit, a third of it:
+    def __init__(self, lease: Lease, cap: Optional[int] = None):
+        """``cap``: bytes of shard files a feed group may hold (in a bounded cache, a third of it:
         the group being read, the next one fetched, and the next epoch's first one, which waits
         until this epoch fetched its last)."""
-        self.lease, self.downloads, self.cap = lease, downloads, cap
+        self.lease, self.cap = lease, cap
         self.stream: Optional[EpochStream] = None
         self.ahead: Optional[EpochStream] = None
         self.ending: set = set()  # streams end_current() took out and is stopping: close() waits for them too
@@ -99,9 +99,10 @@ class Epochs:
         if self.ahead is None and self.plan is not None and not self.closed:
             try:
                 current = self.stream
-                # From an object store the next epoch fetches once this one has fetched its last (never
-                # the same file twice at once, nor more than the limit holds).
-                gate = current.feed.done_fetching if self.downloads and current is not None else None
+                # Files made local as reads need them (a cache): the next epoch fetches once this one
+                # has fetched its last (never the same file twice at once, nor more than the cache holds).
+                lazy = current is not None and self.plan.files is not None and not self.plan.files.eager
+                gate = current.feed.done_fetching if lazy else None
                 self.ahead = EpochStream(self.plan, epoch, params, self.arena, cap=self.cap, gate=gate, behind=behind,
                                          on_half=self._half_way, yield_to=self._starving)
             except LoaderError:

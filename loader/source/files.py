@@ -1,9 +1,10 @@
-"""The shard files a plan reads (:class:`PlanFiles`): fetched (an object store; nothing for a
-folder), opened, checked once per file version (``shardgen.format.check``) and linked into the
-plan's folder, each in a subfolder of its own (dmlc lists the folder of every path it is given).
-A file is held open: MXNet reads it through ``/proc/self/fd``, so a file deleted or replaced in the
-store is still the one checked. Reads count their use of a file; under a ``cache_limit`` a file
-no read uses is closed (and may be evicted), else it stays open for later epochs.
+"""The shard files a plan reads (:class:`PlanFiles`): made local by the store (a download for an
+object store's cache; nothing for a folder), opened, checked once per file version
+(``shardgen.format.check``) and linked into the plan's folder, each in a subfolder of its own
+(dmlc lists the folder of every path it is given). A file is held open: MXNet reads it through
+``/proc/self/fd``, so a file deleted or replaced in the store is still the one checked. Reads
+count their use of a file; in a bounded cache a file no read uses is closed (and may be evicted),
+else it stays open for later epochs.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from loader.errors import LoaderError
-from loader.source.location import Location
+from loader.errors import LoaderError, as_loader_errors
 from shardgen.errors import ShardError
 from shardgen.format.check import REBUILD, check_shard
+from shardgen.store import Store
 from shardgen.store.manifest import Manifest, ShardEntry
 
 __all__ = ["PlanFiles", "recheck", "identity"]
@@ -32,26 +33,25 @@ class PlanFiles:
     """The shard files a plan reads, held open: MXNet opens them through ``/proc/self/fd``, so a
     file deleted or replaced in the store mid-epoch is still the one checked and read."""
 
-    def __init__(self, location: Location, manifest: Manifest, shards: tuple, verify: str, who: str,
+    def __init__(self, store: Store, manifest: Manifest, shards: tuple, verify: str, who: str,
                  keep: bool) -> None:
-        self.location, self.schema, self.shards, self.verify = location, manifest.schema, shards, verify
-        self.who, self.keep = who, keep  # keep: never let go of a file once open (no cache_limit)
+        self.store, self.schema, self.shards, self.verify = store, manifest.schema, shards, verify
+        self.who, self.keep = who, keep  # keep: never let go of a file once open (an unbounded cache)
         self.fds: list[int] = [-1] * len(shards)
         self.frames: list = [None] * len(shards)  # ShardFrames of each open file
         self.users = collections.Counter()  # shard -> reads using it
         self.folder: Optional[Path] = None
         self.links: list = [None] * len(shards)  # the link MXNet opens each file by (``<process folder>/fd/<fd>``)
         self.keys: list = [None] * len(shards)  # its key in ``_HELD`` (kept files are shared between plans)
-        self._store = location.store.resolve()
+        self._store = store.local_dir.resolve()
         self.eager = False  # every file opened and checked when the plan was made
         self.checked: dict = {}  # fd -> its file's identity (stat, verify) when recheck() last found it good
         self.lock = threading.Lock()
         self.fetch_lock = threading.Lock()
 
     def ensure(self, ks: Sequence[int], *, use: bool = True, halt: Optional[threading.Event] = None) -> None:
-        """Shards ``ks`` fetched (an object store; ``halt``: waiting for room in a cache under
-        ``cache_limit`` until set), opened, checked and linked; ``use``: counted as used until
-        ``let_go``."""
+        """Shards ``ks`` made local (``halt``: a cache waits for room or for the store until it is
+        set), opened, checked and linked; ``use``: counted as used until ``let_go``."""
         with self.fetch_lock:
             with self.lock:
                 if use:  # counted first: a read let go meanwhile cannot close what this one needs
@@ -60,8 +60,9 @@ class PlanFiles:
             try:
                 missing = [k for k in missing if not self._share(k)]
                 if missing:
-                    self.location.fetch([self.shards[k] for k in missing], who=f"{self.who}-{missing[0]}",
-                                        schema=self.schema, halt=halt)
+                    with as_loader_errors():
+                        self.store.make_local([self.shards[k] for k in missing], who=f"{self.who}-{missing[0]}",
+                                              schema=self.schema, halt=halt)
                 for k in missing:
                     self._open(k)
             except BaseException:
@@ -70,7 +71,7 @@ class PlanFiles:
                 raise
             finally:
                 if missing:
-                    self.location.release(f"{self.who}-{missing[0]}")
+                    self.store.let_go(f"{self.who}-{missing[0]}")
 
     def _key(self, k: int) -> Optional[tuple]:
         s = self.shards[k]
@@ -92,7 +93,7 @@ class PlanFiles:
         now = identity(fd, self.verify)  # before the check: a change during it is checked next time
         if now != seen:
             try:
-                frames = _check(self.location, self._store, fd, self.shards[k], self.schema, self.verify)
+                frames = _check(self.store, self._store, fd, self.shards[k], self.schema, self.verify)
             except BaseException:
                 _release(key)
                 raise
@@ -106,7 +107,7 @@ class PlanFiles:
         fd = _open_shard(store, s)
         try:
             seen = identity(fd, self.verify)
-            frames = _check(self.location, store, fd, s, self.schema, self.verify)
+            frames = _check(self.store, store, fd, s, self.schema, self.verify)
             target = f"/proc/self/fd/{fd}" if _PROC_FD else str(store / s.rec)
             link = f"{self.folder.parent}/fd/{fd}"  # one link per folder: dmlc lists a path's folder to find it
             with _HELD_LOCK:  # (a link folder emptied in another thread is removed under this lock)
@@ -126,7 +127,7 @@ class PlanFiles:
             os.close(fd)
             raise
         if not self.keep:  # the open descriptor holds the file: the cache may evict its name
-            self.location.pin(s)
+            self.store.pin(s.rec, +1)
 
     def let_go(self, ks: Sequence[int]) -> None:
         """Reads of ``ks`` are done with them: without ``keep``, a file no read uses is closed."""
@@ -139,7 +140,7 @@ class PlanFiles:
                 del self.users[k]
                 self._close_one(k)
         for k in free:
-            self.location.unpin(self.shards[k])
+            self.store.pin(self.shards[k].rec, -1)
 
     def _close_one(self, k: int) -> None:
         """Let go of shard ``k``'s file: closed, and its link removed, once no plan holds it (under ``lock``)."""
@@ -156,7 +157,7 @@ class PlanFiles:
                 return self.fds[k] < 0
             self._close_one(k)
         if not self.keep:
-            self.location.unpin(self.shards[k])
+            self.store.pin(self.shards[k].rec, -1)
         return True
 
     def close(self) -> None:
@@ -173,13 +174,13 @@ class PlanFiles:
             if fd >= 0:
                 _drop(fd, keys[k], links[k])
                 if not self.keep:
-                    self.location.unpin(self.shards[k])
+                    self.store.pin(self.shards[k].rec, -1)
 
     def __del__(self) -> None:
         self.close()
 
 
-# Kept files (no cache_limit) open in this process, shared by the plans that read them: a new
+# Kept files (no bound on the cache) open in this process, shared by the plans that read them: a new
 # generation's plan opens, checks and links only its new shards (400 shards: 53 ms of opens, checks
 # and links in the caller's reset() before). key -> [fd, frames, link, identity, plans holding it].
 _HELD: dict = {}
@@ -246,7 +247,7 @@ def recheck(plan: Any, schema: Any, verify: str) -> bool:
         return False
     store = os.path.join(str(plan.store), "")
     for k, (s, fd) in enumerate(zip(plan.shards, list(files.fds))):
-        if fd < 0:  # not open (an object store's shard no read needs now)
+        if fd < 0:  # not open (a cached shard no read needs now)
             continue
         seen = identity(fd, verify)
         if files.checked.get(fd) == seen:
@@ -254,8 +255,8 @@ def recheck(plan: Any, schema: Any, verify: str) -> bool:
         try:
             check_shard(fd, store + s.rec, store + s.idx, s, schema, verify=verify)
         except ShardError as exc:
-            advice = files.location.drop_damaged(s)
-            if files.location.downloads and not files.forget(k):
+            advice = files.store.forget_local(s)
+            if advice is not None and not files.forget(k):
                 advice = advice.replace("the next reset()", "a new ShardIter")
             raise LoaderError(_told(str(exc), advice)) from None
         changed = True
@@ -282,20 +283,22 @@ def _open_shard(store: Path, s: ShardEntry) -> int:
         raise LoaderError(f"{rec}: cannot open the shard of {s.date} ({exc.strerror})") from None
 
 
-def _check(location: Location, store: Path, fd: int, s: ShardEntry, schema: Any, verify: str):
-    """``check_shard`` of one open shard file; an index the location left out is fetched and the
+def _check(source: Store, store: Path, fd: int, s: ShardEntry, schema: Any, verify: str):
+    """``check_shard`` of one open shard file; an index the store left out is fetched and the
     check run again."""
     try:
         return check_shard(fd, str(store / s.rec), str(store / s.idx), s, schema, verify=verify)
     except ShardError as exc:
-        if not location.fetch_index(s):
-            raise LoaderError(_told(str(exc), location.drop_damaged(s))) from None
+        with as_loader_errors():
+            fetched = source.make_index_local(s)
+        if not fetched:
+            raise LoaderError(_told(str(exc), source.forget_local(s))) from None
     try:
         return check_shard(fd, str(store / s.rec), str(store / s.idx), s, schema, verify=verify)
     except ShardError as exc:
-        raise LoaderError(_told(str(exc), location.drop_damaged(s))) from None
+        raise LoaderError(_told(str(exc), source.forget_local(s))) from None
 
 
-def _told(message: str, what_to_do: str) -> str:
-    """A check's message with the location's advice instead of the store's."""
-    return message.replace(REBUILD, what_to_do)
+def _told(message: str, what_to_do: Optional[str]) -> str:
+    """A check's message with the store's advice (a cache's: it dropped its copy), if it gives one."""
+    return message if what_to_do is None else message.replace(REBUILD, what_to_do)

@@ -37,11 +37,13 @@ from typing import Any, Optional
 
 import mxnet as mx
 
-from loader.errors import LoaderError, StoreUnreachableError, mxnet_reason
-from loader.source.location import Location
+from loader.errors import LoaderError, StoreUnreachableError, as_loader_errors, mxnet_reason
+from loader.source.selection import load_manifest
+from shardgen.errors import ShardgenError
+from shardgen.store import Store
 from shardgen.store.manifest import Manifest
 
-__all__ = ["AGREE_KEY_BASE", "Choice", "agree"]
+__all__ = ["AGREE_KEY_BASE", "Choice", "agree", "newest", "generation_of", "held_again"]
 
 log = logging.getLogger(__name__)
 AGREE_KEY_BASE = 1 << 30  # integer kvstore keys from here on are the loader's (Gluon uses 0, 1, ...)
@@ -88,25 +90,46 @@ class Choice:
         self.kv = kv
 
     @staticmethod
-    def propose(location: Location, held: Optional[Manifest] = None) -> Manifest:
+    def propose(store: Store, held: Optional[Manifest] = None) -> Manifest:
         """The newest generation this process sees; ``held`` (with a warning) when the store
         cannot be reached."""
         try:
-            return location.manifest()
+            return newest(store)
         except StoreUnreachableError as exc:
             if held is None:
                 raise
-            log.warning("%s; reading generation %d again (the next reset() asks the store again)", exc,
-                        held.generation)
-            return held
+            return held_again(exc, held)
 
-    def manifest(self, location: Location, held: Optional[Manifest] = None) -> Manifest:
+    def manifest(self, store: Store, held: Optional[Manifest] = None) -> Manifest:
         """The manifest of the generation to read next (a collective call with a kvstore);
         ``held``: the one read now."""
         if self.pin is not None:
-            return location.generation(self.pin)
-        newest = self.propose(location, held)
+            return generation_of(store, self.pin)
+        found = self.propose(store, held)
         if self.kv is None:
-            return newest
-        agreed = agree(self.kv, newest.generation)
-        return newest if agreed == newest.generation else location.generation(agreed)
+            return found
+        agreed = agree(self.kv, found.generation)
+        return found if agreed == found.generation else generation_of(store, agreed)
+
+
+def newest(store: Store) -> Manifest:
+    """The newest manifest of ``store`` (an object store's: fetched into its cache)."""
+    with as_loader_errors():
+        return load_manifest(store.newest_manifest_file())
+
+
+def generation_of(store: Store, generation: int) -> Manifest:
+    """Generation ``generation`` exactly; LoaderError naming it when it is gone."""
+    try:
+        with as_loader_errors():
+            return store.load_generation(generation)
+    except StoreUnreachableError:
+        raise
+    except (LoaderError, ShardgenError) as exc:
+        raise LoaderError(f"cannot open generation {generation} of {store.where()}: {exc}") from None
+
+
+def held_again(exc: BaseException, held: Manifest) -> Manifest:
+    """The store could not be reached: ``held``, the generation read now, is read again."""
+    log.warning("%s; reading generation %d again (the next reset() asks the store again)", exc, held.generation)
+    return held

@@ -9,8 +9,12 @@ says how dmlc is made to stop there), and joins whole files in between (a record
 distance to the next offset, which must not cover another file's head or tail).
 
 Files are opened, checked and linked into the plan's folder once (``PlanFiles.ensure``): all of
-them when the plan is made for a store folder, shard by shard as reads need them for an object
-store, whose files a cache under ``cache_limit`` lets go of once read (``PlanFiles.let_go``).
+them when the plan is made for a store read in place, shard by shard as reads need them for one
+read through a cache, whose files a bounded cache lets go of once read (``PlanFiles.let_go``).
+
+Everything the loader writes locally lives under ONE root, ``cache_dir`` (default
+``$XDG_CACHE_HOME/shardgen``, else ``~/.cache/shardgen``): the plan folders of this host's
+processes in ``<cache_dir>/plans/``, and an object store's cache (``shardgen.store.cached``).
 """
 
 from __future__ import annotations
@@ -30,15 +34,24 @@ import numpy as np
 
 from loader.errors import LoaderError
 from loader.source.files import PlanFiles, recheck
-from loader.source.location import Location
 from shardgen.format.check import VERIFY_MODES, has_checksums
 from shardgen.format.index import reader_index
 from shardgen.fsutil import HOST_TOKEN, pid_alive
+from shardgen.store import Store
 from shardgen.store.manifest import Manifest, ShardEntry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EpochPlan", "PlanFiles", "Read", "ReaderSource", "reader_source", "make_plan", "recheck"]
+__all__ = ["EpochPlan", "PlanFiles", "Read", "ReaderSource", "reader_source", "make_plan", "recheck", "cache_root"]
+PLANS = "plans"  # <cache_dir>/plans: this host's plan folders (an index and one link per shard)
+
+
+def cache_root(cache_dir: Optional[os.PathLike] = None) -> Path:
+    """The loader's local root: ``cache_dir``, else ``$XDG_CACHE_HOME/shardgen``, else ``~/.cache/shardgen``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "shardgen"
 
 
 @dataclass(frozen=True)
@@ -157,11 +170,11 @@ def _make_folder(folder: Path) -> None:
                 raise
 
 
-def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, ...], *, verify: str = "crc",
+def make_plan(store: Store, root: Path, manifest: Manifest, shards: tuple[ShardEntry, ...], *, verify: str = "crc",
               who: str = "", eager: Optional[bool] = None) -> EpochPlan:
-    """A plan over ``shards`` with its own folder for MXNet. ``eager`` (default: a store folder):
-    every file is opened and checked now, so what is wrong with one is said by ``ShardIter()`` or
-    ``reset()``; else (an object store) files are fetched and checked as reads need them.
+    """A plan over ``shards`` of ``store`` with its own folder for MXNet under ``root``. ``eager``
+    (default: a store read in place): every file is opened and checked now, so what is wrong with one
+    is said by ``ShardIter()`` or ``reset()``; else files are fetched and checked as reads need them.
 
     dmlc resolves each ``.rec`` path (and the index) by listing its folder and ``stat``-ing every
     entry there, which fails if a file is renamed meanwhile -- as the watcher's temp files are in
@@ -171,27 +184,27 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
     """
     if verify not in VERIFY_MODES:
         raise LoaderError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
-    store = location.store.resolve()
+    folder_read = store.local_dir.resolve()
     if not shards:
         span = (f"its {len(manifest.shards)} dates run from {manifest.shards[0].date} to {manifest.shards[-1].date}"
                 if manifest.shards else "it lists no shard (run `shardgen build`)")
-        raise LoaderError(f"{location.manifest_path}: no shards selected in generation {manifest.generation} "
+        raise LoaderError(f"{store.where('manifest.json')}: no shards selected in generation {manifest.generation} "
                           f"({span}; check `dates`)")
-    _notice_old_shards(location, shards, verify)
-    eager = not location.downloads if eager is None else eager
-    plans = location.plans.resolve()
+    _notice_old_shards(store, shards, verify)
+    eager = store.in_place if eager is None else eager
+    plans = (root / PLANS).resolve()
     mine = plans / f"{HOST_TOKEN}-{os.getpid()}"
     if ";" in str(mine):
         raise LoaderError(f"{mine}: a path given to MXNet may not contain ';' (it joins .rec paths with it)")
-    _ensure_fd_room(len(shards) if eager or location.cache_limit is None else 64)
-    files = PlanFiles(location, manifest, shards, verify, who or f"plan-{id(shards)}",
-                      keep=location.cache_limit is None)
+    keep = store.group_bytes() is None  # no bound on what reading holds: a file once open stays open
+    _ensure_fd_room(len(shards) if eager or keep else 64)
+    files = PlanFiles(store, manifest, shards, verify, who or f"plan-{id(shards)}", keep=keep)
     try:
-        key = hashlib.sha256(json.dumps([str(store)] + [s.to_json() for s in shards]).encode()).hexdigest()[:12]
+        key = hashlib.sha256(json.dumps([str(folder_read)] + [s.to_json() for s in shards]).encode()).hexdigest()[:12]
         folder = mine / f"{next(_SEQ):05d}-{key}"
         try:
             _clean_dead_processes(plans)
-            _clean_dead_processes(location.root)  # where versions before 2026-12-05 put them
+            _clean_dead_processes(root)  # where versions before 2026-12-05 put them
             shutil.rmtree(folder, ignore_errors=True)
             _make_folder(folder)
         except OSError as exc:
@@ -204,21 +217,21 @@ def make_plan(location: Location, manifest: Manifest, shards: tuple[ShardEntry, 
     except BaseException:
         files.close()
         raise
-    return EpochPlan(store, manifest.generation, manifest.schema.fingerprint, shards, folder, files)
+    return EpochPlan(folder_read, manifest.generation, manifest.schema.fingerprint, shards, folder, files)
 
 
 _NOTICED: set = set()
 
 
-def _notice_old_shards(location: Location, shards: tuple, verify: str) -> None:
+def _notice_old_shards(store: Store, shards: tuple, verify: str) -> None:
     """One warning per store and process: shards written before record checksums are read with
     their framing checked, not their content, until they are rebuilt."""
     old = [s.date for s in shards if not has_checksums(s)]
-    if verify == "crc" and old and location.manifest_path not in _NOTICED:
-        _NOTICED.add(location.manifest_path)
+    if verify == "crc" and old and store.where() not in _NOTICED:
+        _NOTICED.add(store.where())
         log.warning("%s: %d shard(s) (%s%s) were written before record checksums: their content is checked by "
                     "frame only until rebuilt (`shardgen build --force` for their dates); `shardgen verify` "
-                    "lists them", location.manifest_path, len(old), ", ".join(old[:3]), ", ..." if len(old) > 3 else "")
+                    "lists them", store.where(), len(old), ", ".join(old[:3]), ", ..." if len(old) > 3 else "")
 
 
 def _clean_dead_processes(plans: Path) -> None:

@@ -1,4 +1,4 @@
-"""Which shards an epoch reads: the manifest (a file or a store folder), the ``(start, end)``
+"""Which shards an epoch reads: the manifest (parsed once per version of its file), the ``(start, end)``
 date selection, and the ``date`` label turned back into dates."""
 
 from __future__ import annotations
@@ -13,17 +13,11 @@ import numpy as np
 
 from loader.errors import LoaderError
 from shardgen.errors import ManifestError
-from shardgen.store.manifest import MANIFEST_NAME, Manifest, ShardEntry
+from shardgen.store.manifest import Manifest, ShardEntry
 
-__all__ = ["DateRange", "manifest_path_of", "load_manifest", "normalize_dates", "select_shards", "to_datetime64"]
+__all__ = ["DateRange", "load_manifest", "normalize_dates", "select_shards", "to_datetime64"]
 
 DateRange = Optional[Sequence[Optional[str]]]
-
-
-def manifest_path_of(path: Path) -> Path:
-    """Accept a manifest file or a store folder (what is not a file is taken as a folder)."""
-    path = Path(path)
-    return path if path.is_file() else path / MANIFEST_NAME
 
 
 _PARSED: dict = {}  # path -> (file identity, Manifest): parsed again only when the file changed

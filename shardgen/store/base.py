@@ -36,6 +36,7 @@ from shardgen.store.naming import (
     sidecar_name,
     snapshot_name,
 )
+from shardgen.store.reading import ReadInPlace
 from shardgen.store.sidecar import Sidecar
 
 __all__ = ["Store", "WriterLockLike", "check_schema"]
@@ -72,7 +73,7 @@ def check_schema(manifest: Manifest, schema: Schema, where: str) -> Manifest:
     return manifest
 
 
-class Store(ABC):
+class Store(ReadInPlace, ABC):
     """A store: shard files, ``manifest.json``, snapshots, leases and locks, by their names.
 
     ``staging`` is the local folder this process writes shard files in before ``put_shard`` (a

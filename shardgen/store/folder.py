@@ -55,6 +55,10 @@ class FolderStore(Store):
     def __hash__(self) -> int:
         return hash(self.dir)
 
+    @property
+    def local_dir(self) -> Path:
+        return self.dir
+
     def path(self, name: str) -> Path:
         return self.dir / name
 

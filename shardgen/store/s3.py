@@ -39,15 +39,16 @@ log = logging.getLogger(__name__)
 
 STAGING_DIR = ".shardgen-staging"  # default staging: <folder>/.shardgen-staging/<bucket>/<prefix>
 _MADE: list = []  # staging folders this process created: removed when it exits, if they are empty
-atexit.register(remove_empty_dirs, _MADE)
 
 
 class S3Store(Store):
     """The store ``url`` (``s3://bucket/prefix``), or the one an ``ObjectStore`` holds; shard files
     are written in ``staging`` (default: ``./.shardgen-staging/<bucket>/<prefix>``) before upload."""
 
+    in_place = False  # read through its cache (``shardgen.store.cached``)
+
     def __init__(self, url, *, staging: Optional[Path] = None):
-        self.objects = url if isinstance(url, ObjectStore) else ObjectStore(url)
+        self.objects = ObjectStore(url) if isinstance(url, str) else url  # or another kind's client
         self.url = self.objects.url
         default = Path(STAGING_DIR) / self.objects.bucket / self.objects.prefix
         self.staging = Path(staging if staging is not None else default).absolute()
@@ -136,7 +137,10 @@ class S3Store(Store):
         return ObjectHeartbeat(self.objects, name)
 
     def stage(self) -> Path:
-        _MADE.extend(make_dirs(self.staging))
+        made = make_dirs(self.staging)
+        if made and not _MADE:  # the first folder made: removed at exit if empty (nothing is registered at import)
+            atexit.register(remove_empty_dirs, _MADE)
+        _MADE.extend(made)
         return self.staging
 
     def put_shard(self, sidecar: Sidecar, name: str) -> Sidecar:

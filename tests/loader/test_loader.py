@@ -553,10 +553,3 @@ def test_a_resume_at_an_epochs_end_adds_no_figures_of_its_own(store, cache):
         it.reset()
         last = it.stats["last_epoch"]
         assert last["batches"] == n and last["seconds"] > 0 and last["samples_per_s"] > 0, last
-
-
-def test_producer_thread_is_still_accepted_and_the_removed_process_producer_says_so(store, cache):
-    with ShardIter(store, 8, cache_dir=cache, producer="thread") as it:
-        assert it.next().data[0].shape[0] == 8
-    with pytest.raises(LoaderError, match="producer='process': the producer process was removed"):
-        ShardIter(store, 8, cache_dir=cache, producer="process")

@@ -9,9 +9,11 @@ import pytest
 from conftest import make_store
 from test_s3_loader import upload_store
 
-from loader import LoaderError
-from loader.source.objcache import DOWNLOAD_THREADS, ObjectCache
+from shardgen.errors import (
+    ShardgenError as LoaderError,  # what the cached store raises (the loader says it as a LoaderError)
+)
 from shardgen.store import S3Store
+from shardgen.store.cached import DOWNLOAD_THREADS, CachedStore
 from shardgen.store.manifest import Manifest
 
 
@@ -58,28 +60,28 @@ def _in_thread(fn, seconds, halt=None, stop=None):
 
 
 def test_eviction_frees_the_least_recently_used_first_and_no_more_than_asked(remote, tmp_path):
-    cache = ObjectCache(S3Store(remote[0]), tmp_path / "cache", 10**6)
+    cache = CachedStore(S3Store(remote[0]), tmp_path / "cache", 10**6)
     _files(cache.folder, {"old.rec": 300, "mid.rec": 200, "new.rec": 100, "newest.rec": 0})
-    assert cache._evict(1500) == 0  # two files' worth: the two used longest ago
-    assert sorted(p.name for p in cache._entries()) == ["new.rec", "newest.rec"]
-    assert cache._evict(1000) == 0  # exactly one file's worth: one file
-    assert [p.name for p in cache._entries()] == ["newest.rec"]
-    assert cache._evict(0) == 0 and [p.name for p in cache._entries()] == ["newest.rec"]
+    assert cache.room._evict(1500) == 0  # two files' worth: the two used longest ago
+    assert sorted(p.name for p in cache.room._entries()) == ["new.rec", "newest.rec"]
+    assert cache.room._evict(1000) == 0  # exactly one file's worth: one file
+    assert [p.name for p in cache.room._entries()] == ["newest.rec"]
+    assert cache.room._evict(0) == 0 and [p.name for p in cache.room._entries()] == ["newest.rec"]
 
 
 def test_a_cache_limit_of_exactly_three_of_the_largest_shards_is_enough(remote, tmp_path):
     url, manifest = remote
     shards = list(manifest.shards)
-    probe = ObjectCache(S3Store(url), tmp_path / "probe", 10**9)
-    least = 3 * max(s.bytes for s in shards) + probe.meta_bytes()
-    ObjectCache(S3Store(url), tmp_path / "exact", least).check_room(shards)
+    probe = CachedStore(S3Store(url), tmp_path / "probe", 10**9)
+    least = 3 * max(s.bytes for s in shards) + probe.room.meta_bytes()
+    CachedStore(S3Store(url), tmp_path / "exact", least).check_room(shards)
     with pytest.raises(LoaderError, match=f"raise cache_limit to at least {least:,} bytes"):
-        ObjectCache(S3Store(url), tmp_path / "less", least - 1).check_room(shards)
+        CachedStore(S3Store(url), tmp_path / "less", least - 1).check_room(shards)
 
 
 def test_a_failed_download_cancels_the_downloads_not_started(remote, tmp_path, monkeypatch):
     url, manifest = remote
-    cache = ObjectCache(S3Store(url), tmp_path / "cache", None)
+    cache = CachedStore(S3Store(url), tmp_path / "cache", None)
     started, lock = [], threading.Lock()
 
     def download(self, name, shard, kind):
@@ -90,10 +92,10 @@ def test_a_failed_download_cancels_the_downloads_not_started(remote, tmp_path, m
             raise LoaderError(f"{name}: download failed (on purpose)")
         time.sleep(0.2)
 
-    monkeypatch.setattr(ObjectCache, "_download", download)
+    monkeypatch.setattr(CachedStore, "_download", download)
     shards = list(manifest.shards)
     with pytest.raises(LoaderError, match="on purpose"):
-        cache.fetch(shards, who="test")
+        cache.make_local(shards, who="test")
     assert len(shards) > 2 * DOWNLOAD_THREADS
     assert len(started) <= DOWNLOAD_THREADS + 1, f"{len(started)} downloads started after the first failed"
 
@@ -108,12 +110,12 @@ def test_under_a_limit_a_feed_group_holds_at_most_a_third_of_the_room(remote, tm
 
     url, manifest = remote
     limit = sum(s.bytes for s in manifest.shards) // 3
-    probe = ObjectCache(S3Store(url), tmp_path / "probe", None)
-    probe.pull_manifest()
+    probe = CachedStore(S3Store(url), tmp_path / "probe", None)
+    probe.newest_manifest_file()
     seen, real = [], feed._group
 
     def group(pieces, sizes, cap):
-        assert cap is not None and 3 * cap + probe.meta_bytes() <= limit, \
+        assert cap is not None and 3 * cap + probe.room.meta_bytes() <= limit, \
             f"a feed group capped at {cap} under cache_limit {limit}"
         groups = real(pieces, sizes, cap)
         seen.extend(len(g) == 1 or sum(sizes[k] for k, _, _ in g) <= cap for g in groups)
@@ -144,7 +146,7 @@ def local_remote(tmp_path):
 
 
 def _least(cache, shards):
-    return 3 * max(s.bytes for s in shards) + cache.meta_bytes()
+    return 3 * max(s.bytes for s in shards) + cache.room.meta_bytes()
 
 
 def test_a_fetch_too_big_for_the_limit_beside_nothing_in_use_fails_at_once(local_remote, tmp_path):
@@ -153,12 +155,12 @@ def test_a_fetch_too_big_for_the_limit_beside_nothing_in_use_fails_at_once(local
     when its own files counted as in use)."""
     remote, manifest = local_remote
     shards = list(manifest.shards)
-    cache = ObjectCache(S3Store(remote), tmp_path / "cache", 10**9)
-    cache.pull_manifest()
-    cache.limit = _least(cache, shards)  # (the mirror of another process's limit)
-    assert sum(s.bytes for s in shards) > cache.limit
+    cache = CachedStore(S3Store(remote), tmp_path / "cache", 10**9)
+    cache.newest_manifest_file()
+    cache.room.limit = _least(cache, shards)  # (the mirror of another process's limit)
+    assert sum(s.bytes for s in shards) > cache.cache_limit
     halt = threading.Event()
-    exc, took = _in_thread(lambda: cache.fetch(shards, who="r", schema=manifest.schema, halt=halt), 10, halt)
+    exc, took = _in_thread(lambda: cache.make_local(shards, who="r", schema=manifest.schema, halt=halt), 10, halt)
     assert isinstance(exc, LoaderError) and "is full" in str(exc) and "more is needed" in str(exc), exc
     assert took < 5
 
@@ -168,23 +170,23 @@ def test_a_pinned_file_is_never_evicted_and_an_unpinned_one_is(local_remote, tmp
     that needs its room is refused while it is open; once closed (pins back to 0) it is evicted."""
     remote, manifest = local_remote
     big = sorted(manifest.shards, key=lambda s: -s.bytes)
-    probe = ObjectCache(S3Store(remote), tmp_path / "probe", None)
-    probe.pull_manifest()
-    limit = sum(s.bytes for s in big[:3]) + probe.meta_bytes() + 10
-    cache = ObjectCache(S3Store(remote), tmp_path / "cache", limit)
-    cache.pull_manifest()
-    cache.fetch(big[:1], who="a", schema=manifest.schema)
+    probe = CachedStore(S3Store(remote), tmp_path / "probe", None)
+    probe.newest_manifest_file()
+    limit = sum(s.bytes for s in big[:3]) + probe.room.meta_bytes() + 10
+    cache = CachedStore(S3Store(remote), tmp_path / "cache", limit)
+    cache.newest_manifest_file()
+    cache.make_local(big[:1], who="a", schema=manifest.schema)
     for _ in range(2):
         cache.pin(big[0].rec, +1)  # two descriptors
-    cache.release("a")
+    cache.let_go("a")
     cache.pin(big[0].rec, -1)
     with pytest.raises(LoaderError, match="is full"):
-        cache.fetch(big[1:4], who="b", schema=manifest.schema)
+        cache.make_local(big[1:4], who="b", schema=manifest.schema)
     assert (cache.folder / big[0].rec).is_file(), "a file held open was evicted"
-    cache.release("b")
+    cache.let_go("b")
     cache.pin(big[0].rec, -1)  # the last descriptor closed
     halt = threading.Event()
-    exc, took = _in_thread(lambda: cache.fetch(big[1:4], who="b", schema=manifest.schema, halt=halt), 10, halt)
+    exc, took = _in_thread(lambda: cache.make_local(big[1:4], who="b", schema=manifest.schema, halt=halt), 10, halt)
     assert exc is None and not (cache.folder / big[0].rec).exists()
 
 
@@ -193,26 +195,26 @@ def test_the_room_for_metadata_holds_a_new_manifest_beside_the_old_and_three_fee
     manifest twice (and an eighth more: a shard more); a feed group is a third of what that leaves,
     so three groups and the manifests fit the limit."""
     remote, manifest = local_remote
-    cache = ObjectCache(S3Store(remote), tmp_path / "cache", 10**6)
-    cache.pull_manifest()
-    size = cache.manifest_path.stat().st_size
-    assert cache.meta_bytes() >= 2 * size + size // 8
+    cache = CachedStore(S3Store(remote), tmp_path / "cache", 10**6)
+    cache.newest_manifest_file()
+    size = cache.room.manifest_path.stat().st_size
+    assert cache.room.meta_bytes() >= 2 * size + size // 8
     for limit in (_least(cache, manifest.shards), 10**5, 10**6):
-        cache.limit = limit
-        assert 3 * cache.group_bytes() + cache.meta_bytes() <= limit
+        cache.room.limit = limit
+        assert 3 * cache.group_bytes() + cache.room.meta_bytes() <= limit
 
 
 @pytest.mark.parametrize("budget", ["0", "1"])
 def test_an_outage_wait_of_0_fails_at_once_without_retrying(local_remote, tmp_path, monkeypatch, budget):
     """``SHARDGEN_OUTAGE_WAIT_S=0``: a mid-epoch fetch that cannot reach the store fails at once,
     after one try (here: one request); with 1 s it tries again until the second is over."""
-    from loader.errors import StoreUnreachableError
+    from shardgen.store.objurl import StoreUnreachable as StoreUnreachableError
 
     remote, manifest = local_remote
     monkeypatch.setenv("SHARDGEN_OUTAGE_WAIT_S", budget)
-    cache = ObjectCache(S3Store(remote), tmp_path / "cache", None)
+    cache = CachedStore(S3Store(remote), tmp_path / "cache", None)
     remote.down, remote.requests = True, 0
-    exc, took = _in_thread(lambda: cache.fetch(manifest.shards[:1], who="r", schema=manifest.schema,
+    exc, took = _in_thread(lambda: cache.make_local(manifest.shards[:1], who="r", schema=manifest.schema,
                                                halt=threading.Event()), 10)
     assert isinstance(exc, StoreUnreachableError), exc
     if budget == "0":
@@ -225,7 +227,7 @@ def test_the_next_generation_is_fetched_ahead_only_once_this_epoch_has_fetched(l
     """``fetch_ahead(select, after)``: nothing is asked of the store before ``after`` is set (this
     epoch's own downloads first), then the newest generation's shards come."""
     remote, manifest = local_remote
-    cache = ObjectCache(S3Store(remote), tmp_path / "cache", None)
+    cache = CachedStore(S3Store(remote), tmp_path / "cache", None)
     after, remote.requests = threading.Event(), 0
     cache.fetch_ahead(lambda m: m.shards, after)
     time.sleep(1.0)
@@ -267,23 +269,23 @@ def test_the_snapshots_pulled_count_in_the_room_for_metadata(tmp_path):
 
     local = tmp_path / "local"
     generations(local, 4)
-    cache = ObjectCache(S3Store(LocalObjects(local)), tmp_path / "cache", 10**9)
-    cache.pull_manifest()
-    before = cache.meta_bytes()
+    cache = CachedStore(S3Store(LocalObjects(local)), tmp_path / "cache", 10**9)
+    cache.newest_manifest_file()
+    before = cache.room.meta_bytes()
     for g in range(1, 5):
-        assert cache.pull_snapshot(g)
+        assert cache.manifest_bytes(f"generations/{g}.json")
     pulled = sum(p.stat().st_size for p in (cache.folder / "generations").iterdir())
-    assert pulled > 0 and cache.meta_bytes() == before + pulled
+    assert pulled > 0 and cache.room.meta_bytes() == before + pulled
 
 
 def test_eviction_takes_the_file_read_longest_ago_not_the_one_downloaded_longest_ago(remote, tmp_path):
     """A file is used when it is read (its atime), not only when it was downloaded (its mtime): one
     downloaded an hour ago and read 10 s ago stays; one downloaded and last read 5 minutes ago goes
     (the review of issue 56: ordered by download time alone, the file just read went)."""
-    cache = ObjectCache(S3Store(remote[0]), tmp_path / "cache", 10**6)
+    cache = CachedStore(S3Store(remote[0]), tmp_path / "cache", 10**6)
     now = time.time()
     for name, (read, downloaded) in {"read.rec": (10, 3600), "unread.rec": (300, 300)}.items():
         (cache.folder / name).write_bytes(b"x" * 1000)
         os.utime(cache.folder / name, (now - read, now - downloaded))
-    assert cache._evict(1000) == 0
-    assert [p.name for p in cache._entries()] == ["read.rec"]
+    assert cache.room._evict(1000) == 0
+    assert [p.name for p in cache.room._entries()] == ["read.rec"]

@@ -1,7 +1,7 @@
 """A worker reading an object store fetches only the shards its part reads (issue 36), worked out
 from the manifest's window counts alone, and reads exactly the batches a worker reading a folder
 reads: the order is a value (loader.pipeline.order), the same for every store. Shown on a store
-folder whose location is made to behave as a download's (the S3 path itself: test_s3_loader)."""
+folder made to be read as a cache is (files made local as reads need them) (the S3 path itself: test_s3_loader)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from conftest import make_store
 
 from loader import ShardIter
-from loader.source.location import FolderLocation
+from shardgen.store import FolderStore
 
 # 240 windows: of 8 parts, most bounds fall on a shard's edge (30, 90, 120, ...), one inside (60);
 # of 5 parts, all inside a shard (48, 96, ...) and, packed by 4, inside a record.
@@ -45,7 +45,7 @@ def test_a_part_fetches_only_its_own_shards_and_reads_the_folder_s_batches(tmp_p
         path.write_text(json.dumps(manifest))
     kw = dict(seed=3, cache_dir=tmp_path / "cache", readers=2, shuffle_buffer=16, native_batch=4)
     fetched: set = set()
-    real_fetch = FolderLocation.fetch
+    real_fetch = FolderStore.make_local
 
     def fetch(self, shards, **kw):
         fetched.update(s.date for s in shards)
@@ -56,8 +56,8 @@ def test_a_part_fetches_only_its_own_shards_and_reads_the_folder_s_batches(tmp_p
             with ShardIter(store, 5, num_parts=parts, part_index=part, **kw) as it:
                 want = arrays(it)
             with monkeypatch.context() as m:
-                m.setattr(FolderLocation, "downloads", True)
-                m.setattr(FolderLocation, "fetch", fetch)
+                m.setattr(FolderStore, "in_place", False)
+                m.setattr(FolderStore, "make_local", fetch)
                 fetched.clear()
                 with ShardIter(store, 5, num_parts=parts, part_index=part, **kw) as it:
                     got = arrays(it)

@@ -1,6 +1,6 @@
 """A stateful model of the object cache under a ``cache_limit`` (issue 56, "what to build" 1c): random
 fetches by several readers, pins (a file held open) and unpins, releases, damaged copies dropped and
-new generations, against the real ``ObjectCache`` over an object store served from a local folder
+new generations, against the real ``CachedStore`` over an object store served from a local folder
 (``LocalObjects``: the cache's own download path, without a server). Whatever the steps, the cache
 never holds more than its limit on disk (a new manifest written beside the old one included), never
 evicts a file held open or one a reader's fetch still wants, refuses only a fetch that cannot fit
@@ -18,9 +18,11 @@ from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from loader import LoaderError
-from loader.source.objcache import ObjectCache
+from shardgen.errors import (
+    ShardgenError as LoaderError,  # what the cached store raises (the loader says it as a LoaderError)
+)
 from shardgen.store import S3Store
+from shardgen.store.cached import CachedStore
 from shardgen.store.manifest import Manifest
 from shardgen.store.naming import MANIFEST_NAME
 from shardgen.store.objstore import ObjectStore
@@ -94,7 +96,7 @@ class CacheModel(RuleBasedStateMachine):
         m = len(self.manifests[-1])
         self.least = 3 * max(sizes) + 2 * m + m // 8
         self.limit: Optional[int] = None
-        self.cache: Optional[ObjectCache] = None
+        self.cache: Optional[CachedStore] = None
         self.wanted: dict = {}  # who -> names its last fetch wants (until released)
         self.pins: dict = {}  # name -> times held open
         self.fetched_since_publish = True
@@ -106,7 +108,7 @@ class CacheModel(RuleBasedStateMachine):
     def _meta(self) -> int:
         """What the cache must leave for metadata: the manifest twice (the next one is written beside
         it) and an eighth more (it may list a shard more)."""
-        m = self.cache.manifest_path.stat().st_size
+        m = self.cache.room.manifest_path.stat().st_size
         return 2 * m + m // 8
 
     def _size(self, name: str) -> int:
@@ -117,8 +119,8 @@ class CacheModel(RuleBasedStateMachine):
     def start(self, extra, scale):
         total = sum(s.bytes for s in Manifest.parse(self.manifests[-1], "m").shards)
         self.limit = self.least + extra + int(scale * total / 2)
-        self.cache = ObjectCache(S3Store(self.remote), self.folder, self.limit)
-        self.cache.pull_manifest()
+        self.cache = CachedStore(S3Store(self.remote), self.folder, self.limit)
+        self.cache.newest_manifest_file()
 
     @rule(data=st.data(), who=st.sampled_from(["r0", "r1", "r2"]))
     @precondition(lambda self: self.cache is not None)
@@ -132,11 +134,11 @@ class CacheModel(RuleBasedStateMachine):
         need = self._meta() + sum(sizes.get(n) or self._size(n) for n in kept)
         self.wanted[who] = names
         try:
-            self.cache.fetch(picked, who=who, schema=self.manifest.schema)
+            self.cache.make_local(picked, who=who, schema=self.manifest.schema)
         except LoaderError as exc:
             assert need > self.limit, f"refused though {need} bytes fit the limit {self.limit}: {exc}"
             assert "is full of files" in str(exc), exc
-            self.cache.release(who)  # as a plan's fetch does when it fails
+            self.cache.let_go(who)  # as a plan's fetch does when it fails
             self.wanted.pop(who)
             return
         assert need <= self.limit, f"fetched {sorted(names)}: {need} bytes in use under a limit of {self.limit}"
@@ -163,7 +165,7 @@ class CacheModel(RuleBasedStateMachine):
     @rule(who=st.sampled_from(["r0", "r1", "r2"]))
     @precondition(lambda self: self.cache is not None)
     def release(self, who):
-        self.cache.release(who)
+        self.cache.let_go(who)
         self.wanted.pop(who, None)
 
     @rule(data=st.data())
@@ -172,7 +174,7 @@ class CacheModel(RuleBasedStateMachine):
         """A cached copy found damaged goes: the next fetch downloads it again."""
         shard = data.draw(st.sampled_from(self.manifest.shards))
         if shard.rec not in self.pins and not any(shard.rec in w for w in self.wanted.values()):
-            self.cache.drop(shard)
+            self.cache.forget_local(shard)
             assert not (self.folder / shard.rec).exists()
 
     @rule()
@@ -182,8 +184,8 @@ class CacheModel(RuleBasedStateMachine):
         """A publish (a date more); the reader pulls it, as at reset(), and fetches before the next."""
         before = _on_disk(self.folder)
         self.remote.current += 1
-        self.cache.pull_manifest()
-        new = self.cache.manifest_path.stat().st_size
+        self.cache.newest_manifest_file()
+        new = self.cache.room.manifest_path.stat().st_size
         assert before + new <= self.limit, (f"the new manifest ({new} bytes) beside the {before} bytes held "
                                             f"exceeds the limit {self.limit}")
         self.fetched_since_publish = False
@@ -201,12 +203,12 @@ class CacheModel(RuleBasedStateMachine):
     @invariant()
     def three_feed_groups_fit_beside_the_manifest(self):
         if self.cache is not None:
-            assert 3 * self.cache.group_bytes() + self.cache.meta_bytes() <= self.limit
+            assert 3 * self.cache.group_bytes() + self.cache.room.meta_bytes() <= self.limit
 
     def teardown(self):
         if self.cache is not None:
             for who in list(self.wanted):
-                self.cache.release(who)
+                self.cache.let_go(who)
 
 
 def test_the_cache_never_exceeds_its_limit_nor_evicts_a_file_in_use(tmp_path):

@@ -112,7 +112,7 @@ def test_the_default_two_readers_stream_a_part_under_a_limit_below_it(s3, tmp_pa
     seen = []
     with ShardIter(url, 8, cache_dir=tmp_path / "cache", seed=1, native_batch=4, shuffle_buffer=16,
                    cache_limit=40_000) as it:
-        assert it.reader.location.cache_limit == 40_000
+        assert it.reader.store.cache_limit == 40_000
         for _ in range(8):
             seen.append(sum(len(batch_ids(b)) for b in it))
             it.reset()
@@ -141,12 +141,12 @@ def test_epochs_at_the_least_limit_never_wait_for_room_the_next_epoch_holds(s3, 
     import threading
     import time
 
-    from loader.source import room
+    from shardgen.store import room
 
     monkeypatch.setattr(room, "ROOM_WAIT_S", 5.0)  # a wait that cannot end fails in seconds, not 10 minutes
     url, _ = _store(s3, tmp_path)
     probe = ShardIter(url, 8, cache_dir=tmp_path / "probe", cache_limit=10**9)
-    least = 3 * max(s.bytes for s in probe.plan.shards) + probe.reader.location.cache.meta_bytes()
+    least = 3 * max(s.bytes for s in probe.plan.shards) + probe.reader.store.room.meta_bytes()
     probe.close()
     # Blocks of about 5 shards: more than the limit holds, so they come in groups it caps; while a slow
     # consumer reads one block, the next one's reads stay open and the feed waits for room.

@@ -64,7 +64,7 @@ def test_reads_every_window_the_local_store_reads_and_caches_it(s3, tmp_path):
         want = [read_epoch(it), (it.reset(), read_epoch(it))[1]]
     with ShardIter(url + "/manifest.json", 8, seed=5, cache_dir=cache) as it:
         got = [read_epoch(it), (it.reset(), read_epoch(it))[1]]
-        downloads = it.reader.location.cache.downloads
+        downloads = it.reader.store.downloads
     # Streamed block by block (loader.pipeline.feed), in the folder's order: the order is a value.
     assert got == want
     for g in got:
@@ -75,7 +75,7 @@ def test_reads_every_window_the_local_store_reads_and_caches_it(s3, tmp_path):
         assert (cache / "objects" / "data" / "store" / s.rec).read_bytes() == (local / s.rec).read_bytes()
     with ShardIter(url, 8, seed=5, cache_dir=cache) as it:  # a second reader finds everything cached
         assert read_epoch(it) == got[0]
-        assert it.reader.location.cache.downloads == downloads
+        assert it.reader.store.downloads == downloads
 
 
 def test_a_reader_lease_lives_in_the_object_store(s3, tmp_path):
@@ -92,14 +92,14 @@ def test_a_new_generation_downloads_only_what_is_new(s3, tmp_path):
     cache = tmp_path / "cache"
     with ShardIter(url, 8, cache_dir=cache) as it:
         read_epoch(it)
-        first = it.reader.location.cache.downloads
+        first = it.reader.store.downloads
         make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation with one more date
         upload_store(s3, local)
         it.reset()
         assert it.generation == Manifest.load(local / "manifest.json").generation
         ids = sorted(i for b in it for i in batch_ids(b))
         assert len(ids) == 151
-        assert it.reader.location.cache.downloads - first == 1  # the new date's .rec only
+        assert it.reader.store.downloads - first == 1  # the new date's .rec only
 
 
 def test_fetching_ahead_takes_no_index_the_reading_does_not_need(s3, tmp_path):
@@ -109,7 +109,7 @@ def test_fetching_ahead_takes_no_index_the_reading_does_not_need(s3, tmp_path):
     cache = tmp_path / "cache"
     with ShardIter(url, 8, cache_dir=cache) as it:
         read_epoch(it)
-        mirror = it.reader.location.cache
+        mirror = it.reader.store
     before = mirror.downloads
     make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation with one more date
     upload_store(s3, local)
@@ -117,7 +117,7 @@ def test_fetching_ahead_takes_no_index_the_reading_does_not_need(s3, tmp_path):
         mirror._ahead.join(30)
     mirror.fetch_ahead(lambda m: m.shards)  # no reader holds a file now: every shard is "new"
     mirror._ahead.join(30)
-    folder = mirror.manifest_path.parent
+    folder = mirror.folder
     assert (folder / "2024-01-05.rec").is_file()
     assert not list(folder.glob("*.idx"))
     assert mirror.downloads - before == 1
@@ -296,7 +296,7 @@ def test_the_server_dying_mid_epoch_names_the_object_and_a_saved_state_resumes_o
     with ShardIter(url, 8, **KW, cache_dir=cache) as it:
         for _ in it:
             pass
-        ahead = it.reader.location.cache._ahead
+        ahead = it.reader.store._ahead
         if ahead is not None:  # the half-way fetch ahead found nothing new: let it end first
             ahead.join(30)
         make_store(local, {**MANY, "2024-01-15": 20})  # a new generation with one more date
@@ -358,7 +358,7 @@ def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_r
     try:
         with ShardIter(url, 8, cache_dir=cache, **kw) as it:
             epochs = [read_epoch(it), (it.reset(), read_epoch(it))[1]]
-            downloads = it.reader.location.cache.downloads
+            downloads = it.reader.store.downloads
     finally:
         stop.set()
         watcher.join()
@@ -383,7 +383,7 @@ import json, sys
 from loader import ShardIter
 with ShardIter(sys.argv[1], 8, seed=1, cache_dir=sys.argv[2]) as it:
     ids = sorted(int(i) for b in it for i in b.label[0].asnumpy()[: 8 - b.pad])
-    print(json.dumps({"downloads": it.reader.location.cache.downloads, "n": len(ids)}))
+    print(json.dumps({"downloads": it.reader.store.downloads, "n": len(ids)}))
 """
 
 
@@ -518,7 +518,7 @@ def test_an_endpoint_url_without_a_scheme_is_one_clear_error(s3, tmp_path, monke
 
 
 def test_a_download_that_would_nearly_fill_the_disk_is_refused(s3, tmp_path, monkeypatch):
-    from loader.source import room as objcache
+    from shardgen.store import room as objcache
 
     _, url = store_with(s3, tmp_path)
     free = shutil.disk_usage(tmp_path).free
@@ -580,7 +580,7 @@ def test_a_disk_that_fills_mid_download_is_one_clear_line_and_leaves_no_partial_
 def test_the_next_generations_shards_are_fetched_half_way_through_an_epoch(s3, tmp_path):
     local, url = store_with(s3, tmp_path)
     with ShardIter(url, 8, cache_dir=tmp_path / "cache") as it:
-        cache = it.reader.location.cache
+        cache = it.reader.store
         make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation, published mid-epoch
         upload_store(s3, local)
         for _ in range(it.batches_per_epoch // 2 + 1):
@@ -654,22 +654,22 @@ def test_the_store_lost_after_the_manifest_before_the_new_shards_reads_the_held_
         assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(131))
         make_store(local, {**COUNTS, "2024-01-05": 20})  # after the fetch-ahead: its shard is not cached
         upload_store(s3, local)
-        location = it.reader.location
-        real = location.manifest
+        store = it.reader.store
+        real = store.newest_manifest_file
 
-        def then_the_store_goes() -> Manifest:
+        def then_the_store_goes():
             manifest = real()
             s3.stop()
             return manifest
 
-        monkeypatch.setattr(location, "manifest", then_the_store_goes)
+        monkeypatch.setattr(store, "newest_manifest_file", then_the_store_goes)
         with caplog.at_level(logging.WARNING):
             it.reset()
         said = loader_warnings(caplog)
         assert len(said) == 1 and "2024-01-05" in said[0] and f"reading generation {held} again" in said[0], said
         assert it.generation == held
         assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(131))
-        monkeypatch.setattr(location, "manifest", real)
+        monkeypatch.setattr(store, "newest_manifest_file", real)
         s3.start()
         it.reset()
         assert it.generation > held
@@ -733,7 +733,7 @@ def test_a_worker_that_cannot_reach_the_store_reads_rank_0s_generation_or_fails(
     s3.start()
     with ShardIter(url, 8, seed=5, cache_dir=tmp_path / "cache2", generation=g1) as it:  # a new worker, on g1
         it.reader.choice = Choice(kv=RankOne(g2))
-        cache = it.reader.location.cache
+        cache = it.reader.store
         for _ in range(it.batches_per_epoch // 2 + 1):  # half way: the newest generation is fetched ahead
             it.next()
         deadline = time.monotonic() + 20

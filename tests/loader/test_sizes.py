@@ -11,8 +11,9 @@ from conftest import batch_ids, make_store
 
 from loader import LoaderError, ShardIter
 from loader.sizes import parse_size
-from loader.source.location import FolderLocation, cache_root, resolve
+from loader.source.plan import cache_root
 from shardgen.fsutil import HOST_TOKEN
+from shardgen.store import FolderStore, open_reading
 
 EXPECTED = "a size such as '20GB'"
 
@@ -46,7 +47,7 @@ def test_a_missing_store_is_named_with_its_manifest(tmp_path):
 
 def test_cache_limit_is_refused_for_a_folder_store(tmp_path):
     make_store(tmp_path / "s", {"2024-01-02": 20})
-    with pytest.raises(LoaderError, match="cache_limit is only used for s3:// stores"):
+    with pytest.raises(LoaderError, match=r"cache_limit is only used for stores on an object store \(s3://\)"):
         ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c", cache_limit="1GB")
 
 
@@ -54,10 +55,10 @@ def test_a_manifest_file_its_folder_and_its_default_name_are_one_store(tmp_path)
     store = tmp_path / "s"
     make_store(store, {"2024-01-02": 30, "2024-01-03": 20})
     shutil.copy(store / "manifest.json", store / "pinned.json")  # a copy under another name, in the store
-    for given in (store, store / "manifest.json", str(store / "manifest.json"), store / "pinned.json"):
-        location = resolve(given, tmp_path / "c")
-        assert isinstance(location, FolderLocation)
-        assert location.store == store and location.manifest_path.parent == store, given
+    with pytest.raises(LoaderError, match="pinned.json: a store is read from its folder or its manifest.json"):
+        ShardIter(store / "pinned.json", 5, cache_dir=tmp_path / "c")
+    for given in (store, store / "manifest.json", str(store / "manifest.json")):
+        assert open_reading(given, tmp_path / "c") == FolderStore(store), given
         with ShardIter(given, 5, shuffle=False, cache_dir=tmp_path / "c") as it:
             assert len(list((store / "leases").glob("*.json"))) == 1, "the reader lease is in the store"
             assert sorted(i for b in it for i in batch_ids(b)) == list(range(50)), given

@@ -1,4 +1,4 @@
-"""What a ``cache_limit`` bounds in an object store's cache (:mod:`loader.source.objcache`), in one
+"""What a ``cache_limit`` bounds in an object store's cache (:mod:`shardgen.store.cached`), in one
 accounting: the files in place, the downloads under way (each counted in flight until it is in
 place, then on disk, never both) and room for the manifest and snapshots. Files no read uses are
 evicted, least recently used first, to make room; a file held open (``pin``) is never evicted, as
@@ -9,20 +9,22 @@ needed. A cache under a limit is one reader's alone (an ``flock``, and a claim i
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import shutil
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
-from loader.errors import LoaderError
-from loader.sizes import say_size
+from shardgen.errors import ShardgenError
 from shardgen.store.naming import MANIFEST_NAME, SNAPSHOT_DIR
 
-__all__ = ["Room", "LOCKS"]
+__all__ = ["Room", "LOCKS", "NoRoom", "say_size"]
 
 log = logging.getLogger(__name__)
 LOCKS = ".locks"
@@ -33,6 +35,17 @@ _CLAIMS: dict = {}  # cache folder -> (fd, flock mode) this process holds on its
 _CLAIMS_LOCK = threading.Lock()
 
 
+class NoRoom(ShardgenError):
+    """The cache (or its disk) cannot hold what a read needs; the message says how much is missing."""
+
+
+def say_size(n: int) -> str:
+    """``n`` bytes for a message: "1,234.5 MB", "12.3 kB", "517 bytes"."""
+    if n >= 10**6:
+        return f"{n / 1e6:,.1f} MB"
+    return f"{n / 1e3:,.1f} kB" if n >= 10**3 else f"{n} bytes"
+
+
 def _some_dates(shards) -> str:
     """The dates of ``shards`` for a message: the first three, then "..."."""
     dates = sorted({s.date for s in shards})
@@ -40,10 +53,45 @@ def _some_dates(shards) -> str:
 
 
 class Room:
-    """The accounting half of an ``ObjectCache`` (its ``folder``, ``limit``, ``wanted``, ``pinned``,
-    ``_inflight`` and locks)."""
+    """The room of the cache ``folder`` under ``limit`` bytes (None: the disk's): who wants which
+    files (never evicted), the files held open, the downloads under way."""
 
-    def _claim_folder(self) -> None:
+    def __init__(self, folder: Path, limit: Optional[int], url: str):
+        self.folder, self.limit, self.url = folder, limit, url
+        self.wanted: dict[str, set] = {}  # who -> names its reads use (never evicted)
+        self.pinned: collections.Counter = collections.Counter()  # name -> open descriptors (never evicted)
+        self.streamers: set = set()  # iterators streaming into this cache (``claim``)
+        self._inflight: dict = {}  # name -> bytes of a download under way (not counted on disk yet)
+        self.lock = threading.Lock()
+        self._room = threading.Lock()  # one fetch at a time makes room (and counts its bytes in)
+        self._freed = threading.Condition(self.lock)  # something was released or unpinned
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.folder / MANIFEST_NAME
+
+    def want(self, who: str, names) -> None:
+        with self.lock:
+            self.wanted[who] = set(names)
+
+    def in_use(self) -> set:
+        """Names some reader wants or holds open."""
+        with self.lock:
+            return set().union(*self.wanted.values(), self.pinned)
+
+    def release(self, who: str) -> None:
+        with self.lock:
+            self.wanted.pop(who, None)
+            self.streamers.discard(who)
+            self._freed.notify_all()
+
+    def landed(self, names) -> None:
+        """Downloads in place (counted on disk from now on), or failed."""
+        with self._room:
+            for n in names:
+                self._inflight.pop(n, None)
+
+    def claim_folder(self) -> None:
         """Under ``cache_limit`` the cache is this process's alone (its evictions assume no other
         process fetched ahead into it): an exclusive ``flock`` on ``.locks/limit``, else a shared
         one, which another process with a limit cannot then take. Held by this process from then on."""
@@ -58,7 +106,7 @@ class Room:
                 except OSError:
                     if held is None:
                         os.close(fd)
-                    raise LoaderError(f"{self.folder}: another process reads this cache"
+                    raise NoRoom(f"{self.folder}: another process reads this cache"
                                       f"{' under cache_limit' if self.limit is None else ''}; a cache under "
                                       "cache_limit is one reader's alone (its evictions would remove files another "
                                       "fetched ahead): give each process its own cache_dir (e.g. --cache-dir "
@@ -68,10 +116,10 @@ class Room:
 
     def claim(self, who: str) -> None:
         """``who`` (an iterator) streams into this cache: under ``cache_limit``, alone in this process."""
-        with self._lock:
+        with self.lock:
             others = self.streamers - {who}
             if self.limit is not None and others:
-                raise LoaderError(f"{self.folder}: another ShardIter of this process streams into this cache under "
+                raise NoRoom(f"{self.folder}: another ShardIter of this process streams into this cache under "
                                   "cache_limit; a cache under cache_limit is one reader's alone: give each its own "
                                   "cache_dir")
             self.streamers.add(who)
@@ -79,13 +127,13 @@ class Room:
     def pin(self, name: str, delta: int) -> None:
         """A descriptor on ``name`` opened (+1) or closed (-1): an open file's bytes stay on disk
         whatever its name, so it is never evicted (nor counted as evictable) while open."""
-        with self._lock:
+        with self.lock:
             self.pinned[name] += delta
             if self.pinned[name] <= 0:
                 del self.pinned[name]
                 self._freed.notify_all()
 
-    def _make_room(self, missing: list, files: dict, halt: Optional[threading.Event]) -> None:
+    def make_room(self, missing: list, files: dict, halt: Optional[threading.Event]) -> None:
         """Evict what no epoch of ours uses until the new files fit beside the downloads already
         under way (``_inflight``: each counted until it is in place, then on disk, never both);
         refuse to fill the disk. With ``halt``, a cache full of files in use waits for them to be
@@ -98,9 +146,9 @@ class Room:
                 if self._make_room_now(incoming, missing, files, last=halt is None):
                     self._inflight.update(sizes)
                     return
-            with self._lock:
+            with self.lock:
                 if halt.is_set():
-                    raise LoaderError("the iterator was closed (or reset) while a download waited for room")
+                    raise NoRoom("the iterator was closed (or reset) while a download waited for room")
                 held = set().union(*self.wanted.values(), self.pinned) - set(files)
                 if not held or time.monotonic() - waited > ROOM_WAIT_S:
                     halt = None  # nothing in use will be let go (or not for long): the next try says what is full
@@ -113,11 +161,11 @@ class Room:
             if left > 0 and not last:
                 return False
             if left > 0:
-                raise LoaderError(f"{self.folder}: cache_limit {say_size(self.limit)} is full of files other "
+                raise NoRoom(f"{self.folder}: cache_limit {say_size(self.limit)} is full of files other "
                                   f"processes are using; {say_size(left)} more is needed for this epoch")
         free = shutil.disk_usage(self.folder).free
         if incoming + _RESERVE > free:
-            raise LoaderError(f"{self.folder}: downloading {_some_dates(files[n][0] for n in missing)} "
+            raise NoRoom(f"{self.folder}: downloading {_some_dates(files[n][0] for n in missing)} "
                               f"needs {say_size(incoming)} more, but the "
                               f"disk has {say_size(free)} free (keeping {say_size(_RESERVE)}); free space, set "
                               "cache_limit, or pass another cache_dir")
@@ -147,7 +195,7 @@ class Room:
         meta = self.meta_bytes()
         if 3 * big.bytes + meta > self.limit:
             need = 3 * big.bytes + meta
-            raise LoaderError(f"{self.remote.url}: cache_limit {say_size(self.limit)} is too small to stream this "
+            raise NoRoom(f"{self.url}: cache_limit {say_size(self.limit)} is too small to stream this "
                               f"part: it must hold 3 of its largest shard ({big.date}, {say_size(big.bytes)}) at once "
                               f"(one being read, one fetched ahead, one for the next epoch) beside the manifest and "
                               f"snapshots ({say_size(meta)}); raise cache_limit to at least {need:,} bytes "
@@ -168,7 +216,7 @@ class Room:
         """Evict until ``excess`` bytes are freed; what could not be freed."""
         if excess <= 0:
             return 0
-        with self._lock:
+        with self.lock:
             keep = set().union(*self.wanted.values(), self.pinned)
         candidates = []
         for p in self._entries():
@@ -179,7 +227,7 @@ class Room:
         for _, path, size in sorted(candidates, key=lambda c: c[0]):
             if excess <= 0:
                 break
-            with self._file_lock(path.name, wait=False) as mine:
+            with self.file_lock(path.name, wait=False) as mine:
                 if not mine:
                     continue
                 with contextlib.suppress(FileNotFoundError):
@@ -188,3 +236,19 @@ class Room:
                     log.info("evicted %s from the object cache", path.name)
         return max(0, excess)
 
+    @contextlib.contextmanager
+    def file_lock(self, name: str, *, wait: bool = True):
+        """This host's lock on file ``name`` of the cache (one downloads it, or evicts it, at a time):
+        yields False if ``wait`` is off and another holds it."""
+        fd = os.open(self.folder / LOCKS / (name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EACCES):
+                    yield False
+                    return
+                raise
+            yield True
+        finally:
+            os.close(fd)

@@ -1,0 +1,319 @@
+"""An object store read through a local cache (``CachedStore``): what a ``ShardIter`` on
+``s3://bucket/prefix`` reads, the one place the loader's downloads happen.
+
+Shards are downloaded into a local cache folder that mirrors the store
+(``<cache_dir>/objects/<bucket>/<prefix>/``: the same file names) as reads need them, and read
+natively from there, exactly as a store folder is, every shard checked before MXNet reads it. So:
+
+* the manifest is fetched whenever a reader asks for the newest one (construction, ``reset()``), a
+  generation's snapshot once (snapshots never change);
+* every download goes to a temp file, is checked against the manifest's size and sha256, and
+  only then renamed into place: a file in the cache is whole and verified. Bytes that differ
+  are fetched once more, then refused, naming the date;
+* mid-epoch (a reader's fetch with ``halt``), a store that cannot be reached is waited for, up to
+  ``SHARDGEN_OUTAGE_WAIT_S`` (default 10 minutes); at ``reset()`` the error is raised, and the
+  loader reads the generation it holds again;
+* once an epoch fetched its own shards, a newer generation's are fetched in the background
+  (``fetch_ahead``), unless under a ``cache_limit``;
+* several processes may share one cache folder without a ``cache_limit`` (say, the ``dist_sync``
+  workers of a host): a per-file ``flock`` makes one of them download each file while the others
+  wait for it. What a ``cache_limit`` bounds, and how: :mod:`shardgen.store.room`.
+
+Why not fsspec's ``filecache``: it checks no hash, and its cache index is not safe to share
+between processes. The cache here is a folder of plain files, named as in the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from shardgen.errors import ConfigError
+from shardgen.format.check import needs_index
+from shardgen.fsutil import atomic_write, clean_temp_files
+from shardgen.store.manifest import Manifest, ShardEntry
+from shardgen.store.naming import MANIFEST_NAME, SNAPSHOT_DIR
+from shardgen.store.objstore import ObjectStoreError, StoreUnreachable
+from shardgen.store.room import LOCKS, NoRoom, Room
+from shardgen.store.s3 import S3Store
+
+__all__ = ["CachedStore", "DOWNLOAD_THREADS", "outage_wait_s"]
+
+log = logging.getLogger(__name__)
+DOWNLOAD_THREADS = 8
+OUTAGE_WAIT_S = 600.0  # default budget for waiting out a store outage mid-epoch (SHARDGEN_OUTAGE_WAIT_S)
+OUTAGE_RETRY_S = 5.0  # between two tries while waiting
+OBJECTS = "objects"  # <cache_dir>/objects/<bucket>/<prefix>: the caches of object stores
+_CACHES: dict[Path, CachedStore] = {}  # one per cache folder in a process: the iterators of a store share it
+_CACHES_LOCK = threading.Lock()
+
+
+def outage_wait_s() -> float:
+    """Seconds a mid-epoch fetch waits for a store that cannot be reached: ``SHARDGEN_OUTAGE_WAIT_S``
+    (0: fail at once, after the store's own retries), else 10 minutes."""
+    text = os.environ.get("SHARDGEN_OUTAGE_WAIT_S", "")
+    try:
+        value = float(text) if text.strip() else OUTAGE_WAIT_S
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 7 * 86400:  # nan, inf and negatives too
+        raise ConfigError(f"SHARDGEN_OUTAGE_WAIT_S must be a number of seconds in [0, 604800] (a week), got "
+                          f"{text!r}")
+    return value
+
+
+class CachedStore(S3Store):
+    """The store on an object store that ``store`` is, read through the cache folder ``folder``
+    under ``limit`` bytes (None: the disk's room). ``CachedStore.of`` shares one per folder."""
+
+    in_place = False
+
+    @classmethod
+    def of(cls, store: S3Store, cache_dir: Path, limit: Optional[int]) -> CachedStore:
+        """The cached store of ``store`` under ``<cache_dir>/objects``, made once per folder and limit."""
+        if isinstance(store, CachedStore) and limit in (None, store.cache_limit):
+            return store  # a reader's store, handed on (``for_kvstore``)
+        folder = (Path(cache_dir) / OBJECTS / store.objects.bucket / store.objects.prefix).resolve()
+        with _CACHES_LOCK:
+            found = _CACHES.get(folder)
+            if found is None or found.cache_limit != limit:
+                found = _CACHES[folder] = cls(store, folder, limit)
+        return found
+
+    def __init__(self, store: S3Store, folder: Path, limit: Optional[int]):
+        super().__init__(store.objects, staging=store.staging)
+        outage_wait_s()  # a bad SHARDGEN_OUTAGE_WAIT_S is said now, not during an outage
+        self.folder = Path(folder)
+        self.room = Room(self.folder, limit, self.url)  # it owns the limit
+        self.downloads = 0  # files this process downloaded (not found in the cache)
+        self.downloaded_bytes = 0  # and their bytes
+        self._ahead: Optional[threading.Thread] = None
+        self._ensure_folder()
+        self.room.claim_folder()
+        for path in clean_temp_files(self.folder):  # downloads of killed processes of this host
+            log.info("removed %s left by a dead process", path.name)
+        self.objects.check()
+
+    def __repr__(self) -> str:
+        return f"CachedStore({self.url!r}, {str(self.folder)!r}, limit={self.cache_limit})"
+
+    @property
+    def local_dir(self) -> Path:
+        return self.folder
+
+    @property
+    def cache_limit(self) -> Optional[int]:
+        return self.room.limit
+
+    # -- manifests ----------------------------------------------------------------------------------
+
+    def newest_manifest_file(self) -> Path:
+        """The store's newest manifest in the cache (checked before it replaces the old one)."""
+        data = self.read(MANIFEST_NAME)
+        if data is None:
+            raise self.no_manifest()
+        Manifest.parse(data, self.where(MANIFEST_NAME))
+        self._ensure_folder()
+        atomic_write(self.folder / MANIFEST_NAME, data, fsync=False)
+        return self.folder / MANIFEST_NAME
+
+    def manifest_bytes(self, name: str = MANIFEST_NAME) -> Optional[bytes]:
+        """A snapshot from the cache if it holds it (snapshots never change), else from the store (kept)."""
+        if name == MANIFEST_NAME:
+            return super().manifest_bytes(name)
+        with contextlib.suppress(OSError):
+            return (self.folder / name).read_bytes()
+        data = super().manifest_bytes(name)
+        if data is not None:
+            (self.folder / SNAPSHOT_DIR).mkdir(exist_ok=True)
+            atomic_write(self.folder / name, data, fsync=False)
+        return data
+
+    # -- shards ------------------------------------------------------------------------------------
+
+    def make_local(self, shards: Iterable[ShardEntry], *, who: str, schema=None,
+                   halt: Optional[threading.Event] = None) -> None:
+        """Every file of ``shards`` in the cache, checked. With the ``schema``, a shard comes without
+        its ``.idx`` unless reading it needs one (``needs_index``; ``make_index_local`` gets it later
+        if the check asks for it after all). ``halt``: mid-epoch, an outage is waited out (and a full
+        cache waits for room) until it is set."""
+        waited_since, shards = None, list(shards)
+        while True:
+            try:
+                self._fetch_once(shards, who, schema, halt)
+                break
+            except StoreUnreachable as exc:
+                # At reset() (no ``halt``) the loader reads the generation it holds again instead.
+                budget, now = outage_wait_s(), time.monotonic()
+                if halt is None or budget == 0:
+                    raise
+                if waited_since is None:
+                    waited_since = now
+                    log.warning("%s; waiting up to %.0f s for the store (SHARDGEN_OUTAGE_WAIT_S) before the epoch "
+                                "fails; it goes on where it was", exc, budget)
+                elif now - waited_since >= budget:
+                    raise StoreUnreachable(f"{exc}; still after waiting {now - waited_since:.0f} s "
+                                           f"(SHARDGEN_OUTAGE_WAIT_S={budget:g})") from None
+                if halt.wait(min(OUTAGE_RETRY_S, budget - (now - waited_since))):
+                    raise
+        if waited_since is not None:
+            log.warning("%s: reachable again after %.0f s", self.url, time.monotonic() - waited_since)
+
+    def _fetch_once(self, shards: list, who: str, schema, halt: Optional[threading.Event]) -> None:
+        t0 = time.perf_counter()
+        self._ensure_folder()
+        files = {}
+        for s in shards:
+            files[s.rec] = (s, "rec")
+            if schema is None or needs_index(s, schema) or (self.folder / s.idx).exists():
+                files[s.idx] = (s, "idx")
+        self.room.want(who, files)
+        missing = [n for n in files if not self._cached(n, files[n])]
+        if missing:
+            self.room.make_room(missing, files, halt)  # counted in flight until each file is in place
+            try:
+                self._download_all(missing, files)
+            finally:
+                self.room.landed(missing)
+            log.info("%s: %d files downloaded in %.1fs", self.url, len(missing), time.perf_counter() - t0)
+
+    def _download_all(self, missing: list, files: dict) -> None:
+        def one(name: str) -> None:
+            try:
+                self._download(name, *files[name])
+            finally:
+                self.room.landed([name])
+
+        with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(missing)), thread_name_prefix="shardgen-fetch") as pool:
+            downloads = [pool.submit(one, n) for n in missing]
+            try:
+                for done in downloads:
+                    done.result()  # the first download's error, if any
+            except BaseException:
+                for later in downloads:  # not started: never (each would retry a store that is gone)
+                    later.cancel()
+                raise
+
+    def make_index_local(self, shard: ShardEntry) -> bool:
+        if (self.folder / shard.idx).is_file():
+            return False
+        self.room.want(f"index-{shard.idx}", [shard.idx])
+        try:
+            if not self._cached(shard.idx, (shard, "idx")):
+                self._download(shard.idx, shard, "idx")
+        finally:
+            self.room.release(f"index-{shard.idx}")
+        return True
+
+    def _ensure_folder(self) -> None:
+        try:
+            (self.folder / LOCKS).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise NoRoom(f"{self.folder}: cannot create the object cache ({exc.strerror}); pass cache_dir= "
+                         "a writable folder") from None
+
+    def let_go(self, who: str) -> None:
+        self.room.release(who)
+
+    def _cached(self, name: str, what: tuple) -> bool:
+        """Whether ``name`` is in the cache as this shard needs it: for a ``.rec``, the size and
+        the sha256 it was verified against at download (a store rebuilt under the same URL, or
+        another endpoint's bucket of the same name, has other hashes: downloaded again)."""
+        shard, kind = what
+        try:
+            size = (self.folder / name).stat().st_size
+            if kind == "rec":
+                return size == shard.bytes and self._marker(name).read_text() == shard.sha256
+        except OSError:
+            return False
+        return size > 0
+
+    def _marker(self, name: str) -> Path:
+        return self.folder / LOCKS / (name + ".sha256")
+
+    def forget_local(self, shard: ShardEntry) -> str:
+        """A cached copy found damaged on disk goes (its marker first): the next fetch downloads it."""
+        with self.room.file_lock(shard.rec):
+            for path in (self._marker(shard.rec), self.folder / shard.rec):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+        return (f"the cached copy was removed: the next reset() downloads it again (`shardgen verify` on "
+                f"{self.url} checks the store's own)")
+
+    def _download(self, name: str, shard: ShardEntry, kind: str) -> None:
+        with self.room.file_lock(name):
+            if self._cached(name, (shard, kind)):
+                return  # another process fetched it while we waited
+            self.downloads += 1
+            try:
+                if kind == "rec":
+                    with contextlib.suppress(FileNotFoundError):
+                        self._marker(name).unlink()
+                    self.objects.download(name, self.folder / name, size=shard.bytes, sha256=shard.sha256,
+                                          what=f"shard {shard.date}")
+                    atomic_write(self._marker(name), shard.sha256.encode(), fsync=False)
+                else:
+                    self.objects.download(name, self.folder / name, what=f"index of {shard.date}")
+                with self.room.lock:
+                    self.downloaded_bytes += (self.folder / name).stat().st_size
+            except StoreUnreachable as exc:  # reset() may go on with the generation it holds
+                raise StoreUnreachable(f"{shard.date}: {exc}") from None
+            except ObjectStoreError as exc:
+                raise ObjectStoreError(f"{shard.date}: {exc}") from None
+            except OSError as exc:
+                raise NoRoom(f"{shard.date}: cannot write {self.folder / name} ({exc.strerror})") from None
+
+    # -- the room, and ahead of the next epoch ------------------------------------------------------
+
+    def claim(self, who: str) -> None:
+        self.room.claim(who)
+
+    def check_room(self, shards: list) -> None:
+        self.room.check_room(shards)
+
+    def group_bytes(self) -> Optional[int]:
+        return self.room.group_bytes()
+
+    def pin(self, name: str, delta: int) -> None:
+        self.room.pin(name, delta)
+
+    def fetch_part(self, shards: Iterable[ShardEntry], *, who: str, schema=None) -> None:
+        """A cache that holds the whole part (no ``cache_limit``) fetches a new generation's part now."""
+        if self.cache_limit is None:
+            try:
+                self.make_local(shards, who=who, schema=schema)
+            finally:
+                self.let_go(who)
+
+    def fetch_ahead(self, select: Callable, after: Optional[threading.Event] = None) -> None:
+        """In the background, once ``after`` is set: the newest generation's shards (``select(manifest)``
+        picks them), if they fit and there is no ``cache_limit``; nothing is said if it fails
+        (``reset()`` will fetch and say why)."""
+        if self.cache_limit is not None or (self._ahead is not None and self._ahead.is_alive()):
+            return
+
+        def run():
+            try:
+                if after is not None:
+                    after.wait()
+                manifest = self.load_manifest()
+                if manifest is None:
+                    return
+                self.manifest_bytes(f"{SNAPSHOT_DIR}/{manifest.generation}.json")  # the cache can serve it offline
+                busy = self.room.in_use()
+                new = [s for s in select(manifest) if s.rec not in busy]
+                if new:
+                    self.make_local(new, who="ahead", schema=manifest.schema)  # no .idx the reading won't need
+            except Exception as exc:  # noqa: BLE001 - a background hint only
+                log.info("%s: fetching the next generation ahead failed (%s)", self.url, exc)
+            finally:
+                self.let_go("ahead")
+
+        self._ahead = threading.Thread(target=run, name="shardgen-fetch-ahead", daemon=True)
+        self._ahead.start()
