@@ -27,9 +27,9 @@ def upload_store(s3, local, prefix="store"):
     """A store folder put into the bucket through S3 (object names are the store's file names), in
     publishing order: shards, then snapshots, then ``manifest.json``. Objects already there are
     skipped (published files never change)."""
-    from shardgen.store.objstore import ObjectStore
+    from shardgen.store import open_store
 
-    remote = ObjectStore(s3.url(prefix))
+    remote = open_store(s3.url(prefix)).objects
     there = remote.list()
     files = sorted((p for p in local.rglob("*") if p.is_file() and not p.name.startswith(".")
                     and "leases" not in p.parts), key=lambda p: (p.name == "manifest.json", "generations" in p.parts))
