@@ -31,6 +31,7 @@ from loader.source.selection import DateRange, normalize_dates, select_shards
 from shardgen.store import Store
 from shardgen.store.lease import Lease
 from shardgen.store.manifest import Manifest, ShardEntry
+from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["Reader"]
 
@@ -53,10 +54,11 @@ class Reader:
         self.phases: tuple = ()  # the phases of this epoch read before the current one (a resumed state)
         with as_loader_errors():
             store.claim(f"iter-{id(self)}")  # a bounded cache is one iterator's alone
-        if store.group_bytes() is not None:
+        cap = store.group_bytes()  # None: no bound on what reading holds
+        if cap is not None:
             join_closing(60)  # iterators dropped unclosed let go of their files first (their close thread)
         # The lease tells gc which generation we read.
-        self.epochs = Epochs(Lease(store), store.group_bytes())
+        self.epochs = Epochs(Lease(store), cap)
         me = weakref.ref(self)  # threads reach the epochs, never the reader (its finalizer must run)
         self.epochs.on_ahead = lambda: (me() or _Gone)._ahead_opened()
         self._finalizer = weakref.finalize(self, _let_go, store, f"iter-{id(self)}", self.epochs)
@@ -75,7 +77,7 @@ class Reader:
     @property
     def where(self) -> str:
         """The store's manifest, as messages name it."""
-        return self.store.where("manifest.json")
+        return self.store.where(MANIFEST_NAME)
 
     @property
     def plan(self) -> Optional[EpochPlan]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import mxnet as mx
@@ -37,6 +38,7 @@ from loader.source.generations import Choice
 from loader.source.plan import cache_root
 from loader.source.selection import DateRange, normalize_dates, select_shards
 from shardgen.store import Store, open_reading
+from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["ShardIter"]
 
@@ -91,9 +93,9 @@ class ShardIter(mx.io.DataIter):
         super().__init__(int(batch_size))
         self._closed = False
         self.history: list[dict] = []
-        store = _open(manifest, cache_dir, cache_limit)
-        self.manifest_path = store.where("manifest.json")
         self.cache_dir = cache_root(cache_dir)
+        store = _open(manifest, self.cache_dir, cache_limit)
+        self.manifest_path = store.where(MANIFEST_NAME)
         choice = Choice(pin=generation)
         manifest_obj = choice.manifest(store)
         schema = manifest_obj.schema
@@ -135,7 +137,7 @@ class ShardIter(mx.io.DataIter):
         else:
             kwargs.pop("generation", None)
             cache_dir = kwargs.pop("cache_dir", None)
-            store = _open(manifest, cache_dir, kwargs.pop("cache_limit", None))
+            store = _open(manifest, cache_root(cache_dir), kwargs.pop("cache_limit", None))
             it = cls(store, batch_size, **parts, cache_dir=cache_dir, **kwargs)  # its newest, until the first batch
             it.reader.choice = Choice(kv=kv)  # every reset() agrees
             if kv.num_workers > 1:
@@ -334,13 +336,13 @@ class ShardIter(mx.io.DataIter):
         self.close()
 
 
-def _open(manifest: os.PathLike | str | Store, cache_dir: Optional[os.PathLike], cache_limit: object) -> Store:
-    """The store ``manifest`` names, as a reader reads it (an object store through its cache)."""
+def _open(manifest: os.PathLike | str | Store, root: Path, cache_limit: object) -> Store:
+    """The store ``manifest`` names, as a reader reads it (an object store through its cache under ``root``)."""
     limit = None if cache_limit is None else parse_size(cache_limit, "cache_limit",
                                                         "a positive number of bytes or a size such as '20GB'",
                                                         bare_bytes=True)
     try:
         with as_loader_errors():
-            return open_reading(manifest, cache_root(cache_dir), limit)
+            return open_reading(manifest, root, limit)
     except ValueError as exc:
         raise LoaderError(str(exc)) from None

@@ -42,6 +42,7 @@ from loader.source.selection import load_manifest
 from shardgen.errors import ShardgenError
 from shardgen.store import Store
 from shardgen.store.manifest import Manifest
+from shardgen.store.objurl import StoreUnreachable
 
 __all__ = ["AGREE_KEY_BASE", "Choice", "agree", "newest", "generation_of", "held_again"]
 
@@ -121,11 +122,10 @@ def newest(store: Store) -> Manifest:
 def generation_of(store: Store, generation: int) -> Manifest:
     """Generation ``generation`` exactly; LoaderError naming it when it is gone."""
     try:
-        with as_loader_errors():
-            return store.load_generation(generation)
-    except StoreUnreachableError:
-        raise
-    except (LoaderError, ShardgenError) as exc:
+        return store.load_generation(generation)
+    except StoreUnreachable as exc:
+        raise StoreUnreachableError(str(exc)) from None
+    except ShardgenError as exc:
         raise LoaderError(f"cannot open generation {generation} of {store.where()}: {exc}") from None
 
 

@@ -39,6 +39,7 @@ from shardgen.format.index import reader_index
 from shardgen.fsutil import HOST_TOKEN, pid_alive
 from shardgen.store import Store
 from shardgen.store.manifest import Manifest, ShardEntry
+from shardgen.store.naming import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ def make_plan(store: Store, root: Path, manifest: Manifest, shards: tuple[ShardE
     if not shards:
         span = (f"its {len(manifest.shards)} dates run from {manifest.shards[0].date} to {manifest.shards[-1].date}"
                 if manifest.shards else "it lists no shard (run `shardgen build`)")
-        raise LoaderError(f"{store.where('manifest.json')}: no shards selected in generation {manifest.generation} "
+        raise LoaderError(f"{store.where(MANIFEST_NAME)}: no shards selected in generation {manifest.generation} "
                           f"({span}; check `dates`)")
     _notice_old_shards(store, shards, verify)
     eager = store.in_place if eager is None else eager

@@ -38,7 +38,7 @@ from shardgen.errors import ConfigError
 from shardgen.format.check import needs_index
 from shardgen.fsutil import atomic_write, clean_temp_files
 from shardgen.store.manifest import Manifest, ShardEntry
-from shardgen.store.naming import MANIFEST_NAME, SNAPSHOT_DIR
+from shardgen.store.naming import MANIFEST_NAME, SNAPSHOT_DIR, snapshot_name
 from shardgen.store.objstore import ObjectStoreError, StoreUnreachable
 from shardgen.store.room import LOCKS, NoRoom, Room
 from shardgen.store.s3 import S3Store
@@ -120,8 +120,8 @@ class CachedStore(S3Store):
             raise self.no_manifest()
         Manifest.parse(data, self.where(MANIFEST_NAME))
         self._ensure_folder()
-        atomic_write(self.folder / MANIFEST_NAME, data, fsync=False)
-        return self.folder / MANIFEST_NAME
+        atomic_write(self.room.manifest_path, data, fsync=False)
+        return self.room.manifest_path
 
     def manifest_bytes(self, name: str = MANIFEST_NAME) -> Optional[bytes]:
         """A snapshot from the cache if it holds it (snapshots never change), else from the store (kept)."""
@@ -262,10 +262,8 @@ class CachedStore(S3Store):
                     self.objects.download(name, self.folder / name, what=f"index of {shard.date}")
                 with self.room.lock:
                     self.downloaded_bytes += (self.folder / name).stat().st_size
-            except StoreUnreachable as exc:  # reset() may go on with the generation it holds
-                raise StoreUnreachable(f"{shard.date}: {exc}") from None
-            except ObjectStoreError as exc:
-                raise ObjectStoreError(f"{shard.date}: {exc}") from None
+            except ObjectStoreError as exc:  # its kind kept: unreachable, reset() reads the generation it holds
+                raise type(exc)(f"{shard.date}: {exc}") from None
             except OSError as exc:
                 raise NoRoom(f"{shard.date}: cannot write {self.folder / name} ({exc.strerror})") from None
 
@@ -305,7 +303,7 @@ class CachedStore(S3Store):
                 manifest = self.load_manifest()
                 if manifest is None:
                     return
-                self.manifest_bytes(f"{SNAPSHOT_DIR}/{manifest.generation}.json")  # the cache can serve it offline
+                self.manifest_bytes(snapshot_name(manifest.generation))  # the cache can serve it offline
                 busy = self.room.in_use()
                 new = [s for s in select(manifest) if s.rec not in busy]
                 if new:

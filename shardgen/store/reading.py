@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional
 
 from shardgen.errors import ShardError
 from shardgen.format.check import REBUILD
+from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["ReadInPlace", "REBUILD"]
 
@@ -34,7 +35,7 @@ class ReadInPlace:
 
     def newest_manifest_file(self) -> Path:
         """The newest manifest as a local file (a cache downloads it first)."""
-        return self.local_dir / "manifest.json"
+        return self.local_dir / MANIFEST_NAME
 
     def make_local(self, shards: Iterable, *, who: str, schema=None, halt: Optional[threading.Event] = None) -> None:
         """Every file reading ``shards`` needs is in ``local_dir`` until ``let_go(who)``: ShardError naming
