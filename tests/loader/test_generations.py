@@ -1,6 +1,7 @@
 """Immutable generations: snapshots, pinned readers, dist_sync agreement, rewrites under a new name,
 and manifest names that would escape the store."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -440,6 +441,15 @@ def test_the_finalizer_run_by_gc_in_a_producer_holding_the_arena_lock_does_not_d
     gc.disable()
     try:
         armed.set()
+        # Take batches at a consumer's pace (from the stream: no reference to the iterator) so that a
+        # producer refills: with both queues full before armed.set(), none assembled a batch again and
+        # the trigger never ran (1 run in 6 beside two CPU hogs).
+        stream = epochs.stream
+        for _ in range(20):
+            if collected.wait(0.2):
+                break
+            with contextlib.suppress(LoaderError):
+                stream.get()
         assert collected.wait(10), "no producer thread assembled a batch"
         deadline = time.monotonic() + 10
         while (epochs.plan is not None or epochs.stream is not None) and time.monotonic() < deadline:
