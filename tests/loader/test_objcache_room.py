@@ -289,3 +289,26 @@ def test_eviction_takes_the_file_read_longest_ago_not_the_one_downloaded_longest
         os.utime(cache.folder / name, (now - read, now - downloaded))
     assert cache.room._evict(1000) == 0
     assert [p.name for p in cache.room._entries()] == ["read.rec"]
+
+
+def test_a_process_shares_one_cached_store_per_folder_and_limit(local_remote, tmp_path):
+    """Iterators of a store in one process share its cached store, unless they ask for another
+    cache_limit: then it is a cached store of that limit."""
+    remote, _ = local_remote
+    store = S3Store(remote)
+    first = CachedStore.of(store, tmp_path / "c", 10**7)
+    assert CachedStore.of(store, tmp_path / "c", 10**7) is first
+    other = CachedStore.of(store, tmp_path / "c", 10**8)
+    assert other is not first and other.cache_limit == 10**8
+
+
+def test_nothing_is_fetched_ahead_under_a_cache_limit(local_remote, tmp_path):
+    """A bounded cache holds the epoch being read, not the next generation: no fetch ahead starts."""
+    remote, _ = local_remote
+    cache = CachedStore(S3Store(remote), tmp_path / "cache", 10**9)
+    cache.fetch_ahead(lambda m: m.shards)
+    assert cache._ahead is None
+    unbounded = CachedStore(S3Store(remote), tmp_path / "other", None)
+    unbounded.fetch_ahead(lambda m: m.shards)
+    unbounded._ahead.join(30)
+    assert list((tmp_path / "other").glob("*.rec")), "without a limit the newest generation is fetched ahead"

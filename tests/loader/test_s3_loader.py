@@ -18,6 +18,7 @@ import pytest
 from conftest import ROOT, batch_ids, make_store
 
 from loader import LoaderError, ShardIter
+from loader.errors import StoreUnreachableError
 from shardgen.store.manifest import Manifest
 
 COUNTS = {"2024-01-02": 50, "2024-01-03": 37, "2024-01-04": 44}  # 131 windows
@@ -647,6 +648,7 @@ def test_the_store_lost_after_the_manifest_before_the_new_shards_reads_the_held_
     from shardgen.store import objstore
 
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("SHARDGEN_OUTAGE_WAIT_S", "1")  # were the shards fetched mid-epoch instead: red in seconds
     objstore.forget_clients()
     local, url = store_with(s3, tmp_path)
     with ShardIter(url, 8, seed=5, cache_dir=tmp_path / "cache") as it:
@@ -728,7 +730,7 @@ def test_a_worker_that_cannot_reach_the_store_reads_rank_0s_generation_or_fails(
         g2 = Manifest.load(local / "manifest.json").generation
         s3.stop()
         it.reader.choice = Choice(kv=RankOne(g2))  # rank 0 reached the store: a generation this cache lacks
-        with pytest.raises(LoaderError, match=rf"generations/{g2}\.json: GET failed 1 time; cannot reach"):
+        with pytest.raises(StoreUnreachableError, match=rf"generations/{g2}\.json: GET failed 1 time; cannot reach"):
             it.reset()
     s3.start()
     with ShardIter(url, 8, seed=5, cache_dir=tmp_path / "cache2", generation=g1) as it:  # a new worker, on g1
