@@ -1,4 +1,5 @@
-"""An object store's URL (``s3://bucket/prefix``) and the errors a request to it can end in."""
+"""An object store's URL (``s3://bucket/prefix``); the errors a request to it can end in live in
+:mod:`shardgen.errors` (below every store) and are importable from here too."""
 
 from __future__ import annotations
 
@@ -6,30 +7,10 @@ import contextlib
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from shardgen.errors import ShardgenError
+from shardgen.errors import CredentialsRefused, NoSuchStore, ObjectMismatch, ObjectStoreError, StoreUnreachable
 
 __all__ = ["is_remote", "parse_url", "ObjectInfo", "ObjectStoreError", "StoreUnreachable", "CredentialsRefused",
            "ObjectMismatch", "NoSuchStore", "store_errors_as"]
-
-
-class ObjectStoreError(ShardgenError):
-    """An object store refused or failed a request; the message names the URL."""
-
-
-class StoreUnreachable(ObjectStoreError):
-    """The endpoint cannot be reached (down, refused, timed out) after the retries."""
-
-
-class CredentialsRefused(ObjectStoreError):
-    """The server refused our credentials, or there are none."""
-
-
-class NoSuchStore(ObjectStoreError):
-    """The bucket does not exist."""
-
-
-class ObjectMismatch(ObjectStoreError):
-    """An object's bytes differ from what the manifest or the upload says."""
 
 
 def is_remote(location: object) -> bool:
