@@ -1,7 +1,8 @@
 """``shardgen.toml``: parsed into frozen dataclasses, every key checked, unknown keys refused.
 
 Relative paths are relative to the config file's folder. See README "Config reference".
-The ``[process]`` plug-in is ``plugin.ProcessConfig``; the TOML tables are read with ``toml_table``.
+The ``[process]`` plug-in is ``shardgen.plugin.ProcessConfig`` and the TOML tables are read with ``toml_table``:
+both sit a floor below the config, which imports nothing from ``produce/``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional
 from shardgen.errors import ConfigError
 from shardgen.format.registry import KINDS, codec_for
 from shardgen.format.schema import LabelSpec, Layout, Schema
-from shardgen.produce.plugin import ProcessConfig
+from shardgen.plugin import ProcessConfig
 from shardgen.toml_table import Table, integer, number, read_toml
 
 __all__ = ["GeneratorConfig", "DatesConfig", "ProcessConfig", "StoreConfig", "RunConfig", "Config",
