@@ -247,14 +247,14 @@ def _store_and_schema(top: Table, config_dir: Path, process: ProcessConfig,
     folder = sto.get("dir", str)
     remote, staging = None, sto.get("staging", str, None)
     if folder.startswith("s3://"):
-        from shardgen.store.objstore import ObjectStoreError, parse_url
+        from shardgen.store.objurl import ObjectStoreError, default_staging, parse_url
 
         try:
             bucket, prefix = parse_url(folder)
         except ObjectStoreError as exc:
             raise ConfigError(f"store.dir: {exc}") from None
         remote = f"s3://{bucket}/{prefix}".rstrip("/")
-        folder = staging or str(Path(".shardgen-staging") / bucket / prefix)
+        folder = staging or str(default_staging(bucket, prefix, config_dir))
     elif staging is not None:
         raise ConfigError("store.staging is only used when store.dir is an s3:// URL")
     elif "://" in folder:
