@@ -13,7 +13,8 @@ import numpy as np
 
 from loader.errors import LoaderError
 from shardgen.errors import ManifestError
-from shardgen.store.manifest import MANIFEST_NAME, Manifest, ShardEntry
+from shardgen.store.manifest import Manifest, ShardEntry
+from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["DateRange", "manifest_path_of", "load_manifest", "normalize_dates", "select_shards", "to_datetime64"]
 
