@@ -20,7 +20,8 @@ from benchmarks.stores import LABELS, LAYOUTS, C, T, concat_store, make_store, r
 from loader.shard_iter import ShardIter
 from shardgen.process import sliding_windows
 from shardgen.produce.writer import write_shard
-from shardgen.store.manifest import MANIFEST_NAME, Manifest
+from shardgen.store.manifest import Manifest
+from shardgen.store.naming import MANIFEST_NAME
 from shardgen.store.publish import publish
 
 __all__ = ["boundary_suite", "reset_cost"]

@@ -16,7 +16,8 @@ from typing import Sequence
 from benchmarks.baselines import question_design_epoch
 from benchmarks.stores import LAYOUTS, schema_for, touch
 from loader.shard_iter import ShardIter
-from shardgen.store.manifest import MANIFEST_NAME, Manifest
+from shardgen.store.manifest import Manifest
+from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["ROOT", "generator_config", "weekdays", "end_to_end"]
 

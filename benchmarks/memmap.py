@@ -29,7 +29,8 @@ def build_memmap(store: Path, folder: Path) -> Path:
     row), ``labels.npy`` (its user labels and day), decoded from the store's records."""
     import mxnet as mx
 
-    from shardgen.store.manifest import MANIFEST_NAME, Manifest
+    from shardgen.store.manifest import Manifest
+    from shardgen.store.naming import MANIFEST_NAME
 
     m = Manifest.load(store / MANIFEST_NAME)
     schema, t = m.schema, m.schema.time_steps
@@ -114,7 +115,8 @@ def memmap_vs_shard_iter(store: Path, cache: Path, folder: Path, *, batch_size: 
                          rounds: int = 2) -> dict:
     """samples/s and process CPU per window of both loops, each the mean of ``rounds`` fresh runs
     (alternating), and their ratios."""
-    from shardgen.store.manifest import MANIFEST_NAME, Manifest
+    from shardgen.store.manifest import Manifest
+    from shardgen.store.naming import MANIFEST_NAME
 
     build_memmap(store, folder)
     t = Manifest.load(store / MANIFEST_NAME).schema.time_steps

@@ -22,7 +22,8 @@ from benchmarks.scale import randomness
 from benchmarks.stores import LAYOUTS, evict, make_store, touch
 from loader.shard_iter import ShardIter
 from shardgen.store import objstore
-from shardgen.store.manifest import MANIFEST_NAME, Manifest
+from shardgen.store.manifest import Manifest
+from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["object_store_suite"]
 

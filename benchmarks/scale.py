@@ -17,7 +17,8 @@ from benchmarks.stores import LAYOUTS, RUN_PACK, bench_cache, concat_store, evic
 from loader.shard_iter import ShardIter
 from shardgen.format import LabelSpec, Schema
 from shardgen.produce.writer import write_store
-from shardgen.store.manifest import MANIFEST_NAME, Manifest
+from shardgen.store.manifest import Manifest
+from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["shuffled_rate", "stock_one_file", "randomness", "mixing", "small_store", "scale_suite"]
 

@@ -16,7 +16,8 @@ from loader.pipeline.memory import malloc_stats
 from loader.shard_iter import ShardIter
 from shardgen.process import sliding_windows
 from shardgen.produce.writer import write_shard
-from shardgen.store.manifest import MANIFEST_NAME, Manifest
+from shardgen.store.manifest import Manifest
+from shardgen.store.naming import MANIFEST_NAME
 from shardgen.store.publish import publish
 
 __all__ = ["soak", "soak_in_subprocess", "rss_mb"]

@@ -18,7 +18,8 @@ from shardgen.format import LabelSpec, Layout, Schema
 from shardgen.format.index import combine, parse_index, shard_index_text
 from shardgen.process import sliding_windows
 from shardgen.produce.writer import write_store
-from shardgen.store.manifest import MANIFEST_NAME, Manifest
+from shardgen.store.manifest import Manifest
+from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["T", "C", "LABELS", "RUN_PACK", "PER_DATE", "LAYOUTS", "schema_for", "raw_rows", "build", "make_store",
            "evict", "touch", "concat_store"]

@@ -17,7 +17,8 @@ import numpy as np
 from benchmarks.e2e import ROOT, generator_config, weekdays
 from benchmarks.stores import LAYOUTS, PER_DATE, schema_for
 from shardgen.produce.writer import write_shard
-from shardgen.store.manifest import MANIFEST_NAME, Manifest
+from shardgen.store.manifest import Manifest
+from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["writer_bandwidth", "build_cost"]
 

@@ -1,7 +1,8 @@
 """``shardgen.toml``: parsed into frozen dataclasses, every key checked, unknown keys refused.
 
 Relative paths are relative to the config file's folder. See README "Config reference".
-The ``[process]`` plug-in is ``plugin.ProcessConfig``; the TOML tables are read with ``toml_table``.
+The ``[process]`` plug-in is ``shardgen.plugin.ProcessConfig`` and the TOML tables are read with ``toml_table``:
+both sit a floor below the config, which imports nothing from ``produce/``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional
 from shardgen.errors import ConfigError
 from shardgen.format.registry import KINDS, codec_for
 from shardgen.format.schema import LabelSpec, Layout, Schema
-from shardgen.produce.plugin import ProcessConfig
+from shardgen.plugin import ProcessConfig
 from shardgen.toml_table import Table, integer, number, read_toml
 
 __all__ = ["GeneratorConfig", "DatesConfig", "ProcessConfig", "StoreConfig", "RunConfig", "Config",
@@ -246,14 +247,14 @@ def _store_and_schema(top: Table, config_dir: Path, process: ProcessConfig,
     folder = sto.get("dir", str)
     remote, staging = None, sto.get("staging", str, None)
     if folder.startswith("s3://"):
-        from shardgen.store.objstore import ObjectStoreError, parse_url
+        from shardgen.store.objurl import ObjectStoreError, default_staging, parse_url
 
         try:
             bucket, prefix = parse_url(folder)
         except ObjectStoreError as exc:
             raise ConfigError(f"store.dir: {exc}") from None
         remote = f"s3://{bucket}/{prefix}".rstrip("/")
-        folder = staging or str(Path(".shardgen-staging") / bucket / prefix)
+        folder = staging or str(default_staging(bucket, prefix, config_dir))
     elif staging is not None:
         raise ConfigError("store.staging is only used when store.dir is an s3:// URL")
     elif "://" in folder:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 from shardgen.format.errors import ShardError, ShardgenError
 
 __all__ = [
@@ -14,6 +16,11 @@ __all__ = [
     "ManifestError",
     "LockError",
     "Interrupted",
+    "ObjectStoreError",
+    "StoreUnreachable",
+    "CredentialsRefused",
+    "NoSuchStore",
+    "ObjectMismatch",
 ]
 
 
@@ -45,6 +52,26 @@ class Interrupted(ShardgenError):
     """Work abandoned because a stop was requested (SIGINT/SIGTERM); nothing partial is published."""
 
 
+class ObjectStoreError(ShardgenError):
+    """An object store refused or failed a request; the message names the URL."""
+
+
+class StoreUnreachable(ObjectStoreError):
+    """The endpoint cannot be reached (down, refused, timed out) after the retries."""
+
+
+class CredentialsRefused(ObjectStoreError):
+    """The server refused our credentials, or there are none."""
+
+
+class NoSuchStore(ObjectStoreError):
+    """The bucket does not exist."""
+
+
+class ObjectMismatch(ObjectStoreError):
+    """An object's bytes differ from what the manifest or the upload says."""
+
+
 EXIT_ENVIRONMENT = 3  # the CLI's exit code when the environment failed (see ``is_environment``)
 
 
@@ -52,10 +79,6 @@ def is_environment(exc: BaseException) -> bool:
     """A failure of the environment, not of a date or the config: the store cannot be reached (its
     endpoint is down, or its bucket does not exist) or refuses the credentials, or the disk is full
     (the CLI exits ``EXIT_ENVIRONMENT``)."""
-    import errno
-
-    from shardgen.store.objurl import CredentialsRefused, NoSuchStore, StoreUnreachable
-
     if isinstance(exc, (StoreUnreachable, CredentialsRefused, NoSuchStore)):
         return True
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):

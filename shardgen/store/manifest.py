@@ -30,7 +30,7 @@ written as ``shardgen/2`` at the next publish. Readers never lock; the single wr
 the manifest lock) bumps ``generation`` on every change.
 
 The file names (``MANIFEST_NAME``, snapshot paths, shard stems and versions) are built in
-``naming`` and re-exported here.
+``naming`` (``MANIFEST_NAME`` and ``SNAPSHOT_DIR`` are imported from there, their one home).
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ from shardgen.errors import ManifestError
 from shardgen.format.framing import CHECKSUM
 from shardgen.format.schema import Schema
 from shardgen.store.naming import (
-    MANIFEST_NAME,
-    SNAPSHOT_DIR,
     check_date,
     check_name,
     name_version,
@@ -56,7 +54,7 @@ from shardgen.store.naming import (
     snapshot_path,
 )
 
-__all__ = ["FORMAT", "CHECKSUMS", "declared_format", "MANIFEST_NAME", "SNAPSHOT_DIR", "ShardEntry", "RetiredEntry",
+__all__ = ["FORMAT", "CHECKSUMS", "declared_format", "ShardEntry", "RetiredEntry",
            "Manifest", "utc_now", "parse_utc", "check_name", "shard_stem", "name_version", "snapshot_path",
            "snapshot_generations"]
 

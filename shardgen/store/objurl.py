@@ -1,35 +1,18 @@
-"""An object store's URL (``s3://bucket/prefix``) and the errors a request to it can end in."""
+"""An object store's URL (``s3://bucket/prefix``) and its default local staging folder (the one
+definition the config and ``S3Store`` share). The errors a request to it can end in live in
+:mod:`shardgen.errors` (below every store) and are importable from here too."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from pathlib import Path
+from typing import Iterator, Optional, Union
 
-from shardgen.errors import ShardgenError
+from shardgen.errors import CredentialsRefused, NoSuchStore, ObjectMismatch, ObjectStoreError, StoreUnreachable
 
-__all__ = ["is_remote", "parse_url", "ObjectInfo", "ObjectStoreError", "StoreUnreachable", "CredentialsRefused",
-           "ObjectMismatch", "NoSuchStore", "store_errors_as"]
-
-
-class ObjectStoreError(ShardgenError):
-    """An object store refused or failed a request; the message names the URL."""
-
-
-class StoreUnreachable(ObjectStoreError):
-    """The endpoint cannot be reached (down, refused, timed out) after the retries."""
-
-
-class CredentialsRefused(ObjectStoreError):
-    """The server refused our credentials, or there are none."""
-
-
-class NoSuchStore(ObjectStoreError):
-    """The bucket does not exist."""
-
-
-class ObjectMismatch(ObjectStoreError):
-    """An object's bytes differ from what the manifest or the upload says."""
+__all__ = ["is_remote", "parse_url", "default_staging", "ObjectInfo", "ObjectStoreError", "StoreUnreachable",
+           "CredentialsRefused", "ObjectMismatch", "NoSuchStore", "store_errors_as"]
 
 
 def is_remote(location: object) -> bool:
@@ -49,6 +32,13 @@ def parse_url(url: str) -> tuple[str, str]:
     if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
         raise ObjectStoreError(f"{url!r}: empty, '.' and '..' parts are not allowed in the prefix")
     return bucket, (prefix + "/" if prefix else "")
+
+
+def default_staging(bucket: str, prefix: str, base: Union[str, Path, None] = None) -> Path:
+    """Where shard files for ``s3://bucket/prefix`` are written before upload when no staging folder
+    is named: ``<base>/.shardgen-staging/<bucket>/<prefix>``; ``base`` is the config file's folder for
+    a config, the working folder (``None``) for a store opened without one."""
+    return Path(base if base is not None else ".") / ".shardgen-staging" / bucket / prefix
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from conftest import make_store
 
 import loader.source.files as plan_mod
 from loader import ShardIter
-from shardgen.store.manifest import MANIFEST_NAME, Manifest
+from shardgen.store.manifest import Manifest
+from shardgen.store.naming import MANIFEST_NAME
 
 DATES = {f"2024-01-{d:02d}": 12 for d in range(2, 12)}
 

@@ -1,4 +1,4 @@
-"""``[process] function``: the processor plug-in, found next to the config file first.
+"""``[process] function``: the processor plug-in, found next to the config file first (read by config, run by produce).
 
 ``ProcessConfig.load()`` imports it in every process that calls it (loky and Dask workers too);
 an import that fails is a ConfigError naming the plug-in's file and line; ``check_options``
