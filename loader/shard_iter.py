@@ -20,7 +20,7 @@ import mxnet as mx
 
 from loader.errors import LoaderError
 from loader.first_agreement import FirstAgreement
-from loader.lifecycle import report_rank, track
+from loader.lifecycle import report_rank, start, track
 from loader.pipeline.batches import StreamParams, asked_labels
 from loader.pipeline.settings import (
     block_samples,
@@ -84,6 +84,7 @@ class ShardIter(mx.io.DataIter):
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
                  cache_limit: Optional[int | str] = None, producer: str = "thread",
                  canonical_parts: Optional[int] = None):
+        start()  # the process's exit hooks, with the first iterator (loader.lifecycle)
         if producer != "thread":
             raise LoaderError(f"producer={producer!r}: the producer process was removed; the producer thread is the "
                               "one transport (README, 'Where the code is')")
