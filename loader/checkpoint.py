@@ -4,7 +4,12 @@ iterator is, and when a saved state can be continued (of a :class:`loader.reader
 A state holds what shapes the order (the shards and selection, seed, shuffle, the order's
 ``canonical_parts`` and ``block``) and the phases read so far (``num_parts``, ``batch_size``,
 batches each part read), and nothing that depends on the cache, the readers, the prefetch
-settings or the store's kind: those may all change between saving and loading.
+settings or the store's kind: those may all change between saving and loading. Nor the loading
+iterator's own settings: which part it reads, its batch size, its part count and ``last_batch``
+(what is left of the order after the phases does not depend on it: a padded batch counts as a
+full one, a discarded tail is left). States written before these were left out carried
+``manifest``, ``batches``, ``samples``, ``batch_size``, ``num_parts``, ``part_index`` and
+``last_batch``, which nothing read: such a state still loads (its digest covers the keys it has).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import json
 from typing import Any
 
 from loader.errors import LoaderError
-from loader.pipeline.order import MAX_CANONICAL_PARTS, Phase, count, remainder
+from loader.pipeline.order import MAX_CANONICAL_PARTS, Phase, remainder
 from loader.source.selection import normalize_dates
 from shardgen.store.manifest import ShardEntry
 
@@ -25,14 +30,12 @@ MUST_MATCH = ("seed", "shuffle")
 
 
 def state_of(reader: Any, manifest: str) -> dict:
-    """Where ``reader`` is: enough to continue the same epoch in a new process."""
+    """Where ``reader`` is: enough to continue the same epoch in a new process. ``manifest`` is
+    not written (the store may move or change kind); it goes once ``Reader.state`` stops passing it."""
     p, plan = reader.params, reader.plan
     phases = [list(ph) for ph in reader.phases] + [[p.num_parts, p.batch_size, reader.cursor]]
-    total = plan.samples
-    consumed = total - count(remainder(total, [Phase(*ph) for ph in phases]))
     state = {
         "version": STATE_VERSION,
-        "manifest": manifest,
         "generation": plan.generation,
         "fingerprint": plan.fingerprint,
         "shards": [s.to_json() for s in plan.shards],
@@ -43,12 +46,6 @@ def state_of(reader: Any, manifest: str) -> dict:
         "canonical_parts": p.canonical_parts,
         "block": p.block,
         "phases": phases,
-        "batches": reader.cursor,
-        "samples": consumed,  # of the epoch's order, by every part
-        "batch_size": p.batch_size,
-        "num_parts": p.num_parts,
-        "part_index": p.part_index,
-        "last_batch": p.last_batch,
         "pinned": reader.choice.pin,
     }
     return {**state, "sha256": _digest(state)}

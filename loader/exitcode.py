@@ -1,16 +1,19 @@
-"""How is this process ending? The exit code of a failure, for ``loader.shutdown``'s exit hook.
+"""How is this process ending? The exit code of a failure, for ``loader.lifecycle``'s exit hook.
 
 Python tells atexit hooks nothing about how the program ended. What is left to look at:
 
 * an uncaught exception (other than ``SystemExit``) was printed by the interpreter, which sets
   ``sys.last_value`` first; Python then exits with 1 (130 for ``KeyboardInterrupt``). In an
   interactive session every error at the prompt sets it too, so it is ignored there;
-* ``SystemExit`` leaves no trace, so ``install()`` wraps ``sys.exit`` and the builtins ``exit`` and
-  ``quit`` to remember the code of the last call made in the main thread.
+* ``SystemExit`` leaves no trace, so ``install()`` (at the first ``ShardIter`` of a dist worker)
+  wraps ``sys.exit`` and the builtins ``exit`` and ``quit`` to remember the code of the last call
+  made in the main thread, and rebinds the module globals bound to them before it (``from sys
+  import exit`` in the script, or in any module loaded by then) to the wrapped ones.
 
-Not seen: ``raise SystemExit(n)`` written out (no function is called), and ``sys.exit`` captured
-before ``install()`` (``from sys import exit`` above ``import loader``). A non-zero ``sys.exit``
-that the program catches and survives is still remembered (the last call wins).
+Not seen: ``raise SystemExit(n)`` written out (no function is called), and ``sys.exit`` held
+before ``install()`` anywhere but a module global (a local variable, a default argument, an
+attribute). A non-zero ``sys.exit`` that the program catches and survives is still remembered (the
+last call wins).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import builtins
 import sys
 import threading
+import types
 from typing import Any, Callable, Optional
 
 __all__ = ["install", "failure_code", "system_exit_code"]
@@ -63,10 +67,19 @@ class _Recorded:
 
 
 def install() -> None:
-    """Wrap ``sys.exit``, ``exit`` and ``quit`` (once) so ``failure_code()`` sees their codes."""
+    """Wrap ``sys.exit``, ``exit`` and ``quit`` (once) so ``failure_code()`` sees their codes, and
+    point every module global still bound to one of them at its wrapper."""
+    wrapped = {}
     if not isinstance(sys.exit, _Recorded):
-        sys.exit = _Recorded(sys.exit)
+        wrapped[id(sys.exit)] = sys.exit = _Recorded(sys.exit)
     for name in ("exit", "quit"):
         real = getattr(builtins, name, None)  # absent under python -S
         if real is not None and not isinstance(real, _Recorded):
-            setattr(builtins, name, _Recorded(real))
+            wrapped[id(real)] = _Recorded(real)
+            setattr(builtins, name, wrapped[id(real)])
+    for module in list(sys.modules.values()):
+        names = vars(module) if isinstance(module, types.ModuleType) else {}
+        for key, value in list(names.items()):
+            recorded = wrapped.get(id(value))
+            if recorded is not None and recorded.real is value:
+                names[key] = recorded

@@ -1,6 +1,9 @@
 """How the loader's process ends: the live iterators, and the one exit hook that closes them and
 lets a ``dist_sync`` worker exit, whether it ends normally or fails.
 
+Importing ``loader`` changes nothing in the process: the hooks below start with the first
+``ShardIter`` (``start()``, called at the top of its construction; once, whichever thread makes it).
+
 *Normal end.* A worker whose script ends right after its last ``trainer.step(...)`` still has
 kvstore pushes and pulls in flight in MXNet's engine; MXNet's own exit hook (``MXNotifyShutdown``)
 then hangs in the kvstore's finalisation, and the whole job with it (most runs, on loopback).
@@ -15,26 +18,29 @@ sees the failure and stops the job.
 *A second dist kvstore.* In a worker, ``mx.kv.create("dist_sync")`` a second time (``Module.fit(it,
 kvstore="dist_sync")`` does it when the iterator's kvstore exists already) waits forever in MXNet's
 constructor: a ps-lite barrier of a second customer, which the servers and the scheduler never
-join. ``install()`` makes that second call a ``LoaderError`` saying to pass the same kvstore object.
+join. ``start()`` makes that second call a ``LoaderError`` saying to pass the same kvstore object;
+a dist kvstore made before the first ``ShardIter`` (the usual order: ``for_kvstore(kv, ...)``)
+counts as the first.
 
-``install()`` (called once by ``import loader``) registers one hook, ``_at_exit``, after importing
-``mxnet`` (which registers MXNet's hook); atexit runs hooks last-registered first, so ours runs
-before MXNet's, whatever else was imported. Every ``ShardIter`` is ``track``-ed here from its
+``start()`` registers one hook, ``_at_exit``; ``mxnet`` is imported by then (this module imports
+it, and registers MXNet's hook), and atexit runs hooks last-registered first, so ours runs before
+MXNet's, whatever else was imported. Every ``ShardIter`` is ``track``-ed here from its
 construction. The order of the hook's steps is ``exit_steps``:
 
 * normal exit: 1. ``wait_for_engine`` (``mx.nd.waitall()`` in a daemon thread joined for at most
   ``EXIT_WAIT_S`` seconds; a warning is logged if it does not finish, and exit goes on);
   2. ``close_iterators`` (``close_all``: stops the threads of every live ``ShardIter``; native
   threads still running at MXNet's shutdown crash the process, "pure virtual method called");
-  then MXNet's hooks run, and any registered before ``import loader``.
+  then the hooks registered before the first ``ShardIter``, MXNet's among them.
 * failing worker: 1. ``close_iterators``; 2. ``flush`` (logging, stdout, stderr); 3. ``exit_now``
-  (``os._exit(code)``): MXNet's hooks, those registered before ``import loader`` and the
-  interpreter's teardown do not run.
+  (``os._exit(code)``): the hooks registered before the first ``ShardIter`` (MXNet's among them)
+  and the interpreter's teardown do not run.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import sys
@@ -46,13 +52,14 @@ import mxnet as mx
 
 import loader.exitcode as exitcode
 
-__all__ = ["EXIT_WAIT_S", "RANK_FILE", "install", "track", "close_all", "wait_for_engine", "exit_steps",
+__all__ = ["EXIT_WAIT_S", "RANK_FILE", "start", "track", "close_all", "wait_for_engine", "exit_steps",
            "report_rank"]
 
 log = logging.getLogger(__name__)
 EXIT_WAIT_S = 30.0  # seconds the exit hook waits for MXNet's engine before giving up
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # every ShardIter not yet collected
-_INSTALLED: list[bool] = []
+_STARTED: list[bool] = []  # start() ran (its lock makes it once)
+_START = threading.Lock()
 
 
 def track(iterator: Any) -> None:
@@ -135,12 +142,16 @@ def _at_exit() -> None:
             os._exit(code)
 
 
+def start() -> None:
+    """The process hooks, once (idempotent and thread-safe): the exit hook, and in a ``dist_sync``
+    worker the exit-code record and the one-dist-kvstore guard. Called by every ``ShardIter``."""
+    with _START:
+        if not _STARTED:
+            _install()
 
-def install() -> None:
-    """Register the exit hook (once), and in a ``dist_sync`` worker start recording exit codes."""
-    if _INSTALLED:
-        return
-    _INSTALLED.append(True)
+
+def _install() -> None:
+    _STARTED.append(True)
     if _is_worker():
         exitcode.install()
         _one_dist_kvstore()
@@ -149,10 +160,10 @@ def install() -> None:
 
 def _one_dist_kvstore() -> None:
     """``mx.kv.create`` (what ``Module`` and ``gluon.Trainer`` call with a kvstore name) refuses a
-    second distributed kvstore in this process, instead of hanging in it."""
+    second distributed kvstore in this process (one made before counts), instead of hanging in it."""
     import mxnet.kvstore as kvs
 
-    create, made = kvs.create, []
+    create, made = kvs.create, [kv.type for kv in _dist_kvstores()]
 
     def create_once(name: str = "local") -> Any:
         if isinstance(name, str) and "dist" in name and made:
@@ -169,6 +180,14 @@ def _one_dist_kvstore() -> None:
 
     create_once.__doc__ = create.__doc__
     kvs.create = create_once
+
+
+def _dist_kvstores() -> list:
+    """The distributed kvstores this process holds already (made before the first ``ShardIter``):
+    one pass over the garbage collector's objects, once per worker."""
+    from mxnet.kvstore import KVStore
+
+    return [o for o in gc.get_objects() if isinstance(o, KVStore) and "dist" in o.type]
 
 
 RANK_FILE = "SHARDGEN_RANK_FILE"  # where a worker started by this launcher reports its kvstore rank

@@ -21,7 +21,7 @@ import mxnet as mx
 
 from loader.errors import LoaderError, as_loader_errors
 from loader.first_agreement import FirstAgreement
-from loader.lifecycle import report_rank, track
+from loader.lifecycle import report_rank, start, track
 from loader.pipeline.batches import StreamParams, asked_labels
 from loader.pipeline.settings import (
     block_samples,
@@ -86,6 +86,7 @@ class ShardIter(mx.io.DataIter):
                  verify: str = "crc", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
                  cache_limit: Optional[int | str] = None, canonical_parts: Optional[int] = None):
+        start()  # the process's exit hooks, with the first iterator (loader.lifecycle)
         check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
                         preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
                         native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify,

@@ -45,7 +45,7 @@ from loader.pipeline.zerocopy import Loan, lend
 from shardgen.format.schema import Schema
 
 __all__ = ["Arena", "malloc_stats", "NATIVE_QUEUE", "MEMORY_SHARE", "BUFFERS", "ONE_BLOCK_BUFFERS",
-           "physical_memory", "footprint", "batch_buffers", "check_footprint", "format_bytes"]
+           "physical_memory", "footprint", "caller_batches_held", "check_footprint", "format_bytes"]
 
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
 KEEP_BUFFERS = 4  # shuffle buffers an arena keeps for later blocks
@@ -88,9 +88,10 @@ def format_bytes(n: float) -> str:
     return f"{n:,.1f} TiB"  # pragma: no cover
 
 
-def batch_buffers(prefetch_buffer: int) -> int:
+def caller_batches_held(prefetch_buffer: int) -> int:
     """Caller batches an iterator may hold at once: this epoch's ready queue and the next one's,
-    and those MXNet still holds."""
+    and those MXNet still holds. The one count: the memory check's, and the batch buffers the
+    ``Arena`` keeps."""
     return 2 * (prefetch_buffer + 4)
 
 
@@ -103,7 +104,7 @@ def footprint(schema: Schema, *, buffer_records: int, block_records: int, native
     parts = {
         "shuffle buffers": buffers * buffer_bytes(schema, capacity),
         "native queues": 2 * 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
-        "batch buffers": batch_buffers(prefetch_buffer) * 4 * batch_floats,
+        "batch buffers": caller_batches_held(prefetch_buffer) * 4 * batch_floats,
     }
     parts["total"] = sum(parts.values())
     return parts

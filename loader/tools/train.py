@@ -3,17 +3,14 @@
     python -m loader.tools.train --manifest shards/manifest.json --epochs 2 --gpus 0,1 --val-from 2024-01-29
 
 Gluon with ``ShardIter``: each batch is split over the contexts (``--gpus``; CPU when none), padded
-rows of the last batch are masked out of the loss. ``--module`` runs the same iterator through
-``mx.mod.Module.fit`` instead. ``--kvstore dist_sync`` trains across processes/machines (start it
-with ``python -m loader.tools.launch``); each worker then reads its own part of every epoch, with
-Gluon and with ``--module`` (the iterator and ``Module.fit`` share the one kvstore).
+rows of the last batch are masked out of the loss; ``--module`` uses ``mx.mod.Module.fit`` instead.
+``--kvstore dist_sync`` (under ``python -m loader.tools.launch``): each worker reads its own part of
+every epoch (with ``--module`` too: the iterator and ``Module.fit`` share the one kvstore).
 
-Stop and resume (Gluon): ``--stop-after N`` stops every worker after its N-th batch of the run (a
-``dist_sync`` job's workers are all at the same batch), and rank 0 writes ``--checkpoint DIR``
-(the iterator's ``state_dict()`` and the parameters; not the optimizer state, which MXNet cannot
-save from a dist kvstore's servers: Adam's moments start again). ``--resume DIR``
-starts from it, on any number of workers: the rest of that epoch is split among them, every
-window once, then whole epochs up to ``--epochs``.
+Stop and resume (Gluon): ``--stop-after N`` stops every worker after its N-th batch of the run, and
+rank 0 writes ``--checkpoint DIR`` (the iterator's ``state_dict()`` and the parameters; not the
+optimizer state, which MXNet cannot save from a dist kvstore's servers). ``--resume DIR`` starts
+from it on any number of workers: the rest of that epoch split among them, then whole epochs.
 """
 
 from __future__ import annotations
@@ -66,19 +63,15 @@ def build_net(hidden: int, ctx: list, seed: int = 0) -> LSTMRegressor:
     return net
 
 
-def _row_weights(batch: mx.io.DataBatch) -> mx.nd.NDArray:
+def batch_losses(net, batch: mx.io.DataBatch, ctx: list, target: int) -> list:
+    """Squared error of each row, one array per context; the padded rows of a last batch weigh 0."""
     n = batch.data[0].shape[0]
     w = np.ones(n, np.float32)
     if batch.pad:
         w[n - batch.pad:] = 0
-    return mx.nd.array(w)
-
-
-def batch_losses(net, batch: mx.io.DataBatch, ctx: list, target: int) -> list:
-    """Squared error of each row, one array per context; the padded rows of a last batch weigh 0."""
     xs = gluon.utils.split_and_load(batch.data[0], ctx, even_split=False)
     ys = gluon.utils.split_and_load(batch.label[target], ctx, even_split=False)
-    ws = gluon.utils.split_and_load(_row_weights(batch), ctx, even_split=False)
+    ws = gluon.utils.split_and_load(mx.nd.array(w), ctx, even_split=False)
     return [((net(x) - y) ** 2) * w for x, y, w in zip(xs, ys, ws)]
 
 
@@ -91,14 +84,33 @@ def _evaluate(net, it: ShardIter, ctx: list, target: int) -> float:
     return total / max(count, 1.0)
 
 
+def _rank(kv) -> int:
+    return kv.rank if kv is not None else 0
+
+
+def _prefix(kv) -> str:
+    """What a worker's lines start with in a job of several."""
+    return f"[rank {kv.rank}] " if kv is not None and kv.num_workers > 1 else ""
+
+
+def _real_labels(batch: mx.io.DataBatch, target: int) -> list:
+    """The target values of a batch's real rows (its pad left out), for ``--record-log``."""
+    values = batch.label[target].asnumpy()
+    return values[: len(values) - batch.pad].tolist()
+
+
+def _write_outputs(args: argparse.Namespace, kv, save_params: Any, seen: list) -> None:
+    """``--params-out`` (``save_params(path)``) and ``--record-log``, named with this worker's rank."""
+    if args.params_out:
+        save_params(str(args.params_out).format(rank=_rank(kv)))
+    if args.record_log:
+        Path(str(args.record_log).format(rank=_rank(kv))).write_text(json.dumps(seen))
+
+
 def _cache(args: argparse.Namespace, kv) -> dict:
     """The cache arguments (only given when set)."""
-    out = {}
-    if args.cache_dir:
-        out["cache_dir"] = args.cache_dir.format(rank=kv.rank if kv is not None else 0)
-    if args.cache_limit:
-        out["cache_limit"] = args.cache_limit
-    return out
+    out = {"cache_dir": args.cache_dir.format(rank=_rank(kv))} if args.cache_dir else {}
+    return {**out, "cache_limit": args.cache_limit} if args.cache_limit else out
 
 
 CHECKPOINT_FILES = ("state.json", "net.params")
@@ -142,9 +154,8 @@ def _load_checkpoint(folder: Path, it: ShardIter, net) -> int:
 
 def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     common = dict(preprocess_threads=args.threads, prefetch_buffer=args.prefetch, seed=args.seed, **_cache(args, kv))
-    val_end = None
-    if args.val_from:
-        val_end = (np.datetime64(args.val_from) - np.timedelta64(1, "D")).astype(str)
+    val_end = (np.datetime64(args.val_from) - np.timedelta64(1, "D")).astype(str) if args.val_from else None
+
     def make(**kw) -> ShardIter:
         # With a kvstore every worker reads its own part of the generation rank 0 picked (at
         # construction and each reset): train and val are made and reset in the same order everywhere.
@@ -160,7 +171,7 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
                             kvstore=kv if kv is not None else "device")
     start = _load_checkpoint(Path(args.resume), train, net) if args.resume else 0
     history, seen, done = [], [], 0
-    rank = kv.rank if kv is not None else 0
+    rank, label = _rank(kv), _prefix(kv)
     for epoch in range(start, args.epochs):
         if epoch > start:
             train.reset()
@@ -168,8 +179,7 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
         seen.append([])
         for batch in train:
             if args.record_log:
-                values = batch.label[target].asnumpy()
-                seen[-1] += values[: len(values) - batch.pad].tolist()
+                seen[-1] += _real_labels(batch, target)
             with autograd.record():
                 losses = batch_losses(net, batch, ctx, target)
             for loss in losses:
@@ -186,7 +196,6 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
                "samples": int(count), "seconds": time.perf_counter() - t0,
                "samples_per_s": stats["samples_per_s"], "stall_pct": 100 * stats["stall_fraction"],
                "generation": train.generation}
-        label = f"[rank {kv.rank}] " if kv is not None and kv.num_workers > 1 else ""
         if done == args.stop_after:  # every worker, after the same batch
             history.append(row)
             if rank == 0:
@@ -203,10 +212,7 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     train.close()
     if val is not None:
         val.close()
-    if args.params_out:
-        net.save_parameters(str(args.params_out).format(rank=rank))
-    if args.record_log:
-        Path(str(args.record_log).format(rank=rank)).write_text(json.dumps(seen))
+    _write_outputs(args, kv, net.save_parameters, seen)
     return history
 
 
@@ -227,14 +233,12 @@ def train_module(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     history: list[dict] = []
     mse = [float("nan")]
     seen: list[list] = [[]]
-    label = f"[rank {kv.rank}] " if kv is not None and kv.num_workers > 1 else ""
+    label = _prefix(kv)
 
     def on_batch(param: Any) -> None:  # the metric accumulates over the epoch
         mse[0] = float(param.eval_metric.get()[1])
         if args.record_log:
-            batch = param.locals["data_batch"]
-            values = batch.label[target].asnumpy()
-            seen[-1] += values[: len(values) - batch.pad].tolist()
+            seen[-1] += _real_labels(param.locals["data_batch"], target)
 
     def on_epoch(epoch, *_):
         s = it.stats  # fit() calls this before it resets the iterator
@@ -248,11 +252,7 @@ def train_module(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
             eval_metric="mse", batch_end_callback=on_batch, epoch_end_callback=on_epoch,
             initializer=mx.init.Xavier(), kvstore=kv if kv is not None else "local")
     it.close()
-    rank = kv.rank if kv is not None else 0
-    if args.params_out:
-        mod.save_params(str(args.params_out).format(rank=rank))
-    if args.record_log:
-        Path(str(args.record_log).format(rank=rank)).write_text(json.dumps(seen[:-1]))
+    _write_outputs(args, kv, mod.save_params, seen[:-1])
     return history
 
 
@@ -303,8 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"loader: error: {exc}", file=sys.stderr)
         return 2
     if args.history_out:
-        rank = kv.rank if kv is not None else 0
-        Path(args.history_out.format(rank=rank)).write_text(json.dumps(history, indent=1))
+        Path(args.history_out.format(rank=_rank(kv))).write_text(json.dumps(history, indent=1))
     return 0
 
 

@@ -55,6 +55,7 @@ def test_exit_steps_of_a_normal_exit_and_of_a_failing_worker():
 
 
 @pytest.mark.parametrize("how, code", [("raise RuntimeError('boom')", 1), ("sys.exit(3)", 3), ("exit(4)", 4),
+                                       ("sys_exit(6)", 6),  # bound by "from sys import exit" before the iterator
                                        ("sys.exit('bad input')", 1), ("sys.exit(0)", 0),
                                        ("raise KeyboardInterrupt", 130),  # Ctrl-C: 130, as a shell says
                                        # a sys.exit caught and survived, then another: the last call wins
@@ -69,9 +70,10 @@ def test_a_failing_worker_closes_iterators_flushes_and_skips_mxnet_teardown(tmp_
     script = tmp_path / "fail.py"
     script.write_text(textwrap.dedent(f"""
         import atexit, sys
+        from sys import exit as sys_exit
         import mxnet as mx
-        atexit.register(print, "teardown ran", flush=True)  # registered before loader's hook: runs after it
         from loader import ShardIter
+        atexit.register(print, "teardown ran", flush=True)  # registered before the first iterator: runs after it
         real_close = ShardIter.close
         def close(self):
             print("closed")  # buffered too: only the flush step shows it
