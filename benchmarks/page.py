@@ -35,12 +35,12 @@ HOW_TO_READ = """\
   amount in every run. ShardIter's stall targets are therefore the floor of the same run plus one
   point (the targets above name the floor they used).
 * **cold epoch**: the page cache evicted (`posix_fadvise`) before the epoch. **S3 store**: a cold
-  epoch from `s3://` on loopback (`rclone serve s3`; streamed into an empty cache segment by
-  segment, checked, read) against a cold epoch from local disk, both timed from `ShardIter(...)`
-  to the last batch, and the time to the first batch; the same from a store 10x larger; the bytes
-  each of 4 workers downloads; distinct dates per batch with `cache_limit` at 10-100% of the part
-  (400 dates; docs/s3.md). On 2 cores the downloads (boto3 and sha256 in this process, rclone in
-  another) take CPU the reading needs: 28 MB alone download in about 0.2 s.
+  epoch from `s3://` on loopback (`rclone serve s3`; streamed into an empty cache block by block,
+  each block's shards fetched, checked and read) against a cold epoch from local disk, both timed
+  from `ShardIter(...)` to the last batch, and the time to the first batch; the same from a store
+  10x larger; the bytes each of 4 workers downloads; distinct dates per batch with `cache_limit` at
+  10-100% of the part (400 dates; docs/s3.md). On 2 cores the downloads (boto3 and sha256 in this
+  process, rclone in another) take CPU the reading needs: 28 MB alone download in about 0.2 s.
 * **end to end**: one pass over fresh dates from the reference generator. The question's design
   generates, loads and cuts each date inside the loop, in series with training; the other runs
   `shardgen watch` beside a ShardIter that trains on each date as soon as it is published. The run

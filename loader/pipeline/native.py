@@ -20,8 +20,8 @@ __all__ = ["open_record_iter", "one_openmp_thread", "next_label", "label_view", 
 class _Native(mx.io.MXDataIter):
     """An ``MXDataIter`` the loader frees itself (``free``), in the thread and at the moment it
     chooses: before the files it reads are let go. Left to ``__del__``, one held by a reference
-    cycle was freed by the garbage collector in whatever thread allocated next, while its segment's
-    files were gone or another thread used MXNet: a segfault or ``producer_sig_ != kDestroy``."""
+    cycle was freed by the garbage collector in whatever thread allocated next, while the files it
+    read were gone or another thread used MXNet: a segfault or ``producer_sig_ != kDestroy``."""
 
     def free(self) -> None:
         handle, self.handle = getattr(self, "handle", None), None
