@@ -21,7 +21,7 @@ from loader.checkpoint import check_state, state_of
 from loader.errors import LoaderError, StoreUnreachableError, as_loader_errors
 from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
-from loader.pipeline.memory import Arena
+from loader.pipeline.memory import Arena, caller_batches_held
 from loader.pipeline.order import EpochOrder, Phase, slice_of
 from loader.pipeline.settings import buffers_alive, check_memory
 from loader.pipeline.stream import order_spec, split_phase
@@ -64,7 +64,7 @@ class Reader:
         self._finalizer = weakref.finalize(self, _let_go, store, f"iter-{id(self)}", self.epochs)
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
         selected = select_shards(manifest, self.dates)
-        self.epochs.arena = Arena(self.schema, batch_floats(params), keep=2 * (params.prefetch_buffer + 4),
+        self.epochs.arena = Arena(self.schema, batch_floats(params), keep=caller_batches_held(params.prefetch_buffer),
                                   buffers=buffers_alive(params, selected))
         try:
             self._start(self._plan_for(manifest, selected))

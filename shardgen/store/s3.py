@@ -30,14 +30,14 @@ from shardgen.store.base import Store
 from shardgen.store.lease_file import ObjectHeartbeat, judge_lease
 from shardgen.store.naming import CLOCK_NAME, LEASE_DIR, SNAPSHOT_DIR, shard_paths
 from shardgen.store.objstore import ObjectMismatch, ObjectStore
+from shardgen.store.objurl import default_staging
 from shardgen.store.sidecar import Sidecar
 from shardgen.store.writer_lock import WriterLock
 
-__all__ = ["S3Store", "STAGING_DIR"]
+__all__ = ["S3Store"]
 
 log = logging.getLogger(__name__)
 
-STAGING_DIR = ".shardgen-staging"  # default staging: <folder>/.shardgen-staging/<bucket>/<prefix>
 _MADE: list = []  # staging folders this process created: removed when it exits, if they are empty
 
 
@@ -50,7 +50,7 @@ class S3Store(Store):
     def __init__(self, url, *, staging: Optional[Path] = None):
         self.objects = ObjectStore(url) if isinstance(url, str) else url  # or another kind's client
         self.url = self.objects.url
-        default = Path(STAGING_DIR) / self.objects.bucket / self.objects.prefix
+        default = default_staging(self.objects.bucket, self.objects.prefix)
         self.staging = Path(staging if staging is not None else default).absolute()
 
     def __repr__(self) -> str:
