@@ -1,5 +1,5 @@
 """Sizes given as text ("256MB", "1GiB", "20 GB"): the one parser for ``shuffle_buffer`` and
-``cache_limit``."""
+the cache's limit."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?(?:e\+?\d+)?)\s*([KMGT]i?B|B)?\s*", re.IGN
 
 def parse_size(value: Union[int, str], what: str, expected: str, *, bare_bytes: bool = False) -> int:
     """Bytes in ``value``: a positive int, or a string with a unit ("256MB", "1GiB"); with
-    ``bare_bytes`` also a string of bytes alone ("20000000000", "2e10": ``cache_limit`` from a
+    ``bare_bytes`` also a string of bytes alone ("20000000000", "2e10": a cache's limit from a
     command line), which an argument whose int means something else (``shuffle_buffer``: records)
     refuses. A LoaderError names ``what`` and says ``expected`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):

@@ -1,8 +1,8 @@
 """The feed: ahead of a stream's producer, a thread makes the blocks of its visits readable, in
 order. For each block (:mod:`loader.pipeline.order`) it
 
-1. takes the block's shard pieces in groups of at most ``cap`` bytes of files (``cache_limit / 3``
-   under a limit, else the whole block), and for each group has the plan fetch (an object store;
+1. takes the block's shard pieces in groups of at most ``cap`` bytes of files (``store.group_bytes()``:
+   a third of a cache's limit, else the whole block), and for each group has the plan fetch (an object store;
    nothing for a folder), open and check its files (:meth:`PlanFiles.ensure`);
 2. maps the group's samples to records: each record gets the next slot of the block's buffer and
    the items of it the block holds (a record at a block's or canonical part's edge is read by
@@ -13,7 +13,7 @@ order. For each block (:mod:`loader.pipeline.order`) it
    codes in the order of the block's permutation.
 
 Which record lands in which slot, and so every batch, is fixed by the order alone: ``readers``,
-``native_batch``, ``cache_limit`` and the store's kind only change how the records get there.
+``native_batch``, the cache's size and the store's kind only change how the records get there.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ which of those positions each part reads (MosaicML Streaming's idea, ``streaming
 made exact across packed records and the same for every store).
 
 The order is a pure function of ``(seed, epoch, the selected shards' sample counts in store
-order, canonical_parts, block)`` and of nothing else: not ``cache_limit``, ``readers``,
+order, canonical_parts, block)`` and of nothing else: not the cache's size, ``readers``,
 ``native_batch``, ``prefetch_buffer``, ``preprocess_threads``, the store's kind, nor the number
 of workers reading it.
 

@@ -82,7 +82,7 @@ class EpochStream:
                  on_half: Optional[Callable[[EpochStream], None]] = None,
                  yield_to: Optional[Callable[[EpochStream], bool]] = None):
         """``phases``: what was read of this epoch before (a resumed state); ``skip``: batches of
-        this phase already read. ``cap``: bytes of files a feed group may hold (``cache_limit``);
+        this phase already read. ``cap``: bytes of files a feed group may hold (``store.group_bytes()``);
         ``gate``: set once this stream may start fetching. ``behind``: started from the caller's
         ``next()``; ``on_half(self)``: called by the producer thread once it is half way through the
         epoch's batches; ``yield_to(self)``: True while another stream needs the GIL first."""
