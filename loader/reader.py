@@ -12,6 +12,7 @@ consumed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import weakref
@@ -52,16 +53,17 @@ class Reader:
         self.epoch = 0
         self.cursor = self.batches = self.part_samples = 0
         self.phases: tuple = ()  # the phases of this epoch read before the current one (a resumed state)
-        with as_loader_errors():
-            store.claim(f"iter-{id(self)}")  # a bounded cache is one iterator's alone
+        who = f"iter-{id(self)}"
         cap = store.group_bytes()  # None: no bound on what reading holds
         if cap is not None:
-            join_closing(60)  # iterators dropped unclosed let go of their files first (their close thread)
+            join_closing(60)  # iterators dropped unclosed let go of their files and claim first (their close thread)
+        with as_loader_errors():
+            store.claim(who)  # a bounded cache is one iterator's alone
         # The lease tells gc which generation we read.
-        self.epochs = Epochs(Lease(store), cap)
+        self.epochs = Epochs(Lease(store), cap, release_claim=functools.partial(store.let_go, who), who=who)
         me = weakref.ref(self)  # threads reach the epochs, never the reader (its finalizer must run)
         self.epochs.on_ahead = lambda: (me() or _Gone)._ahead_opened()
-        self._finalizer = weakref.finalize(self, _let_go, store, f"iter-{id(self)}", self.epochs)
+        self._finalizer = weakref.finalize(self, self.epochs.close_when_free)  # dropped: shutdown.STEPS
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
         selected = select_shards(manifest, self.dates)
         self.epochs.arena = Arena(self.schema, batch_floats(params), keep=caller_batches_held(params.prefetch_buffer),
@@ -248,8 +250,8 @@ class Reader:
     # -- the end ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the native threads, let go of the files and drop the reader lease."""
-        self.store.let_go(f"iter-{id(self)}")
+        """``shutdown.STEPS``: stop the native threads, let go of the files and the store's claim,
+        drop the reader lease."""
         self._finalizer.detach()
         self.epochs.close()
 
@@ -259,8 +261,3 @@ class _Gone:
     def _ahead_opened() -> None:
         pass
 
-
-def _let_go(store: Store, who: str, epochs: Epochs) -> None:
-    """A reader dropped without ``close()``: its files and cache claim go, its streams close."""
-    store.let_go(who)
-    epochs.close_when_free()

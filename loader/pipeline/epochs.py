@@ -9,9 +9,10 @@ reference this object, never the iterator, and garbage collection can release it
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 from loader.errors import LoaderError
+from loader.pipeline import shutdown
 from loader.pipeline.batches import StreamParams
 from loader.pipeline.memory import Arena
 from loader.pipeline.stream import EpochStream
@@ -37,11 +38,13 @@ def _closed_during_reset(plan: EpochPlan) -> LoaderError:
 
 
 class Epochs:
-    def __init__(self, lease: Lease, cap: Optional[int] = None):
+    def __init__(self, lease: Lease, cap: Optional[int] = None, *, release_claim: Callable[[], object] = lambda: None,
+                 who: str = ""):
         """``cap``: bytes of shard files a feed group may hold (in a bounded cache, a third of it:
         the group being read, the next one fetched, and the next epoch's first one, which waits
-        until this epoch fetched its last)."""
-        self.lease, self.cap = lease, cap
+        until this epoch fetched its last). ``release_claim``: the store lets go of what ``who``
+        (the iterator) made local, at ``close()`` (``shutdown.STEPS``)."""
+        self.lease, self.cap, self.release_claim, self.who = lease, cap, release_claim, who
         self.stream: Optional[EpochStream] = None
         self.ahead: Optional[EpochStream] = None
         self.ending: set = set()  # streams end_current() took out and is stopping: close() waits for them too
@@ -160,12 +163,15 @@ class Epochs:
             ahead.close()
 
     def end_current(self) -> None:
-        """Stop the current stream (``reset()``, ``load_state_dict()``) and join its thread, also
-        when it was read to its end: it may still free natives mid-read (``last_batch="discard"``
-        leaves records unread), and its plan's files may be closed right after (review: SIGABRT).
-        Until it has stopped, a ``close()`` from another thread waits for it too: its native readers
-        may still be opening on the plan's files, which close() lets go of (that race crashed MXNet
-        1 run in 8)."""
+        """``shutdown.RESET_STEPS`` (``reset()``, ``load_state_dict()``): stop the current stream and
+        join its thread, also when it was read to its end: it may still free natives mid-read
+        (``last_batch="discard"`` leaves records unread), and its plan's files may be closed right
+        after (review: SIGABRT). Until it has stopped, a ``close()`` from another thread waits for it
+        too: its native readers may still be opening on the plan's files, which close() lets go of
+        (that race crashed MXNet 1 run in 8)."""
+        shutdown.run({"stop_streams": self._end_current}, shutdown.RESET_STEPS, who=self.who)
+
+    def _end_current(self) -> None:
         with self.lock:
             stream, self.stream = self.stream, None
             if stream is None:
@@ -196,19 +202,24 @@ class Epochs:
         _CLOSING.run(self.close)
 
     def close(self) -> None:
-        """An iterator's end (``close()``, its finalizer, the exit hook): every stream stops and is
-        joined (``EpochStream._shutdown`` says in which order), arrays the caller dropped are freed,
-        then the plan's files are closed and its folder removed, and the lease is dropped last."""
+        """An iterator's end (``close()``, its finalizer, the exit hook): ``shutdown.STEPS``, in
+        their order, under ``lock`` (a ``reset()`` in another thread waits, then finds it closed)."""
         with self.lock:
-            if not self.closed:
-                lenders(-1)
+            if self.closed:  # once (the exit hook, then the reader's own close, run it twice)
+                return
+            lenders(-1)
             self.closed = True
-            self.close_streams()
-            if self.arena is not None:
-                self.arena.new_blocks()  # the shuffle buffers it kept go now, not when the iterator is collected
-            sweep()  # arrays the caller dropped since the producer's last lend: freed, loans given back let go
-            self.old_plans.join(60)  # plans left at a reset() are closed
-            if self.plan is not None:
-                self.plan.files.close()
-                self.plan = None
-            self.lease.release()
+            shutdown.run({"stop_streams": self.close_streams, "free_arrays": self._free_arrays,
+                          "close_files": self._close_files, "release_claim": self.release_claim,
+                          "drop_lease": self.lease.release}, who=self.who)
+
+    def _free_arrays(self) -> None:
+        if self.arena is not None:
+            self.arena.new_blocks()  # the shuffle buffers it kept go now, not when the iterator is collected
+        sweep()  # arrays the caller dropped since the producer's last lend: freed, loans given back let go
+
+    def _close_files(self) -> None:
+        self.old_plans.join(60)  # plans left at a reset() are closed
+        if self.plan is not None:
+            self.plan.files.close()
+            self.plan = None
