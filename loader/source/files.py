@@ -284,15 +284,7 @@ def _open_shard(store: Path, s: ShardEntry) -> int:
 
 
 def _check(source: Store, store: Path, fd: int, s: ShardEntry, schema: Any, verify: str):
-    """``check_shard`` of one open shard file; an index the store left out is fetched and the
-    check run again."""
-    try:
-        return check_shard(fd, str(store / s.rec), str(store / s.idx), s, schema, verify=verify)
-    except ShardError as exc:
-        with as_loader_errors():
-            fetched = source.make_index_local(s)
-        if not fetched:
-            raise LoaderError(_told(str(exc), source.forget_local(s))) from None
+    """``check_shard`` of one open shard file (the store made its ``.idx`` local when reading needs it)."""
     try:
         return check_shard(fd, str(store / s.rec), str(store / s.idx), s, schema, verify=verify)
     except ShardError as exc:

@@ -140,8 +140,8 @@ class CachedStore(S3Store):
     def make_local(self, shards: Iterable[ShardEntry], *, who: str, schema=None,
                    halt: Optional[threading.Event] = None) -> None:
         """Every file of ``shards`` in the cache, checked. With the ``schema``, a shard comes without
-        its ``.idx`` unless reading it needs one (``needs_index``; ``make_index_local`` gets it later
-        if the check asks for it after all). ``halt``: mid-epoch, an outage is waited out (and a full
+        its ``.idx`` unless reading it needs one (``needs_index``: records of
+        differing sizes). ``halt``: mid-epoch, an outage is waited out (and a full
         cache waits for room) until it is set."""
         waited_since, shards = None, list(shards)
         while True:
@@ -199,17 +199,6 @@ class CachedStore(S3Store):
                 for later in downloads:  # not started: never (each would retry a store that is gone)
                     later.cancel()
                 raise
-
-    def make_index_local(self, shard: ShardEntry) -> bool:
-        if (self.folder / shard.idx).is_file():
-            return False
-        self.room.want(f"index-{shard.idx}", [shard.idx])
-        try:
-            if not self._cached(shard.idx, (shard, "idx")):
-                self._download(shard.idx, shard, "idx")
-        finally:
-            self.room.release(f"index-{shard.idx}")
-        return True
 
     def _ensure_folder(self) -> None:
         try:

@@ -47,10 +47,6 @@ class ReadInPlace:
     def let_go(self, who: str) -> None:
         """``who`` no longer needs what it made local (and is no longer the cache's reader)."""
 
-    def make_index_local(self, shard) -> bool:
-        """Fetch ``shard``'s ``.idx`` if it was left out; True if it was (its check may be retried)."""
-        return False
-
     def forget_local(self, shard) -> Optional[str]:
         """``shard``'s local file failed its check: a cache drops its copy and says what happens next;
         None: the file is the store's own (rebuild it: ``REBUILD``)."""

@@ -641,17 +641,20 @@ def test_the_store_down_at_reset_reads_the_held_generation_and_a_later_reset_mov
         assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(151))
 
 
+@pytest.mark.parametrize("shuffle_buffer", [None, 16])
 def test_the_store_lost_after_the_manifest_before_the_new_shards_reads_the_held_generation(s3, tmp_path, caplog,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, shuffle_buffer):
     """Found in review: a generation published after the half-way fetch-ahead, and the store gone
-    between reset()'s manifest and that generation's shards, ended the run (a LoaderError)."""
+    between reset()'s manifest and that generation's shards, ended the run (a LoaderError). With a
+    small shuffle buffer (blocks of a few shards) the new shard is not in the first block: only
+    reset() fetching the whole new part (``fetch_part``) meets the outage before the epoch starts."""
     from shardgen.store import objstore
 
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
     monkeypatch.setenv("SHARDGEN_OUTAGE_WAIT_S", "1")  # were the shards fetched mid-epoch instead: red in seconds
     objstore.forget_clients()
     local, url = store_with(s3, tmp_path)
-    with ShardIter(url, 8, seed=5, cache_dir=tmp_path / "cache") as it:
+    with ShardIter(url, 8, seed=5, cache_dir=tmp_path / "cache", shuffle_buffer=shuffle_buffer) as it:
         held = it.generation
         assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(131))
         make_store(local, {**COUNTS, "2024-01-05": 20})  # after the fetch-ahead: its shard is not cached
