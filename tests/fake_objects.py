@@ -48,13 +48,15 @@ class FakeObjects(Downloads):
     def where(self, name: str = "") -> str:
         return f"{self.url}/{name}" if name else self.url
 
-    def _path(self, name: str) -> Path:
+    def _path(self, name: str, verb: str) -> Path:
+        """The file of ``name``; while the "server" is down, what S3's client says after its retries."""
         if (self.root / ".down").exists():
-            raise StoreUnreachable(f"{self.where(name)}: cannot reach {self.endpoint} (down)")
+            times = f"{self.attempts} time" + ("s" if self.attempts != 1 else "")
+            raise StoreUnreachable(f"{self.where(name)}: {verb} failed {times}; cannot reach {self.endpoint} (down)")
         return self.root / self.bucket / self.prefix / name
 
     def check(self) -> None:
-        self._path("")
+        self._path("", "checking the bucket")
         if not (self.root / self.bucket).is_dir():
             raise ObjectStoreError(f"{self.where()}: no such bucket")
 
@@ -63,7 +65,7 @@ class FakeObjects(Downloads):
         return ObjectInfo(st.st_size, st.st_mtime, "")
 
     def head(self, name: str) -> Optional[ObjectInfo]:
-        path = self._path(name)
+        path = self._path(name, "HEAD")
         return self._info(path) if path.is_file() else None
 
     def get(self, name: str) -> Optional[bytes]:
@@ -71,14 +73,14 @@ class FakeObjects(Downloads):
         return None if found is None else found[0]
 
     def get_with_info(self, name: str) -> Optional[tuple[bytes, ObjectInfo]]:
-        path = self._path(name)
+        path = self._path(name, "GET")
         try:
             return path.read_bytes(), self._info(path)
         except (FileNotFoundError, IsADirectoryError):
             return None
 
     def put(self, name: str, data: bytes, *, verify: bool = True) -> None:
-        path = self._path(name)
+        path = self._path(name, "PUT")
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, data, fsync=False)
 
@@ -90,10 +92,10 @@ class FakeObjects(Downloads):
         return hashlib.sha256(data).hexdigest()
 
     def delete(self, name: str) -> None:
-        self._path(name).unlink(missing_ok=True)
+        self._path(name, "DELETE").unlink(missing_ok=True)
 
     def list(self, under: str = "") -> dict[str, ObjectInfo]:
-        base = self._path("")
+        base = self._path("", "LIST")
         found = {}
         for path in base.rglob("*") if base.is_dir() else ():
             name = path.relative_to(base).as_posix()
@@ -103,11 +105,11 @@ class FakeObjects(Downloads):
 
     def clock(self, name: str) -> float:
         self.put(name, b"")
-        return self._info(self._path(name)).mtime
+        return self._info(self._path(name, "HEAD")).mtime
 
     def chunks(self, name: str) -> Iterator[bytes]:
         try:
-            fh = open(self._path(name), "rb")
+            fh = open(self._path(name, "GET"), "rb")
         except StoreUnreachable as exc:
             raise ConnectionError(str(exc)) from None
         except FileNotFoundError:
@@ -128,6 +130,10 @@ class FakeServer:
         return {ROOT_ENV: str(self.root), "SHARDGEN_OBJECT_STORES": "fake=fake_objects:FakeObjects",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
                                                             os.environ.get("PYTHONPATH", "")]))}
+
+    @property
+    def endpoint(self) -> str:
+        return f"the folder {self.root}"
 
     def url(self, prefix: str = "store") -> str:
         return f"fake://{self.bucket}/{prefix}"

@@ -52,6 +52,13 @@ def read_all(url, cache, **kw) -> None:
             pass
 
 
+def client_class(s3) -> type:
+    """The class of the object-store client ``s3``'s kind is read through (``ObjectStore`` for S3)."""
+    from shardgen.store import open_store
+
+    return type(open_store(s3.url()).objects)
+
+
 def store_with(s3, tmp_path, counts=COUNTS, prefix="store"):
     local = tmp_path / f"local-{prefix}"
     make_store(local, counts)
@@ -218,10 +225,9 @@ class KillAtGet:
     records that object's download attempts."""
 
     def __init__(self, s3, monkeypatch):
-        from shardgen.store.objstore import ObjectStore
-
+        kind = client_class(s3)
         self.name, self.nth, self.seen, self.tries = None, None, 0, []
-        real = ObjectStore.chunks
+        real = kind.chunks
         lock = threading.Lock()
 
         def chunks(store, name):
@@ -235,7 +241,7 @@ class KillAtGet:
                     s3.kill()
             return real(store, name)
 
-        monkeypatch.setattr(ObjectStore, "chunks", chunks)
+        monkeypatch.setattr(kind, "chunks", chunks)
 
     def arm(self, name: Optional[str] = None, nth: Optional[int] = None) -> None:
         self.name, self.nth, self.seen, self.tries = name, nth, 0, []
@@ -281,8 +287,8 @@ def test_the_server_dying_mid_epoch_names_the_object_and_a_saved_state_resumes_o
         state = it.state_dict()  # a checkpoint, before the error
         info = _drain_until_error(it, 40)  # the 2 s budget spent: an error, not a wait for good
     # the killed object's download, or another one under way when the server went, says it
-    assert re.fullmatch(r"(2024-01-\d\d): s3://data/store/\1\.rec: download failed 2 times; cannot reach "
-                        r"http://127\.0\.0\.1:\d+ \(.+\); still after waiting [23] s \(SHARDGEN_OUTAGE_WAIT_S=2\)",
+    assert re.fullmatch(rf"(2024-01-\d\d): {re.escape(url)}/\1\.rec: download failed 2 times; cannot reach "
+                        rf"{re.escape(s3.endpoint)} \(.+\); still after waiting [23] s \(SHARDGEN_OUTAGE_WAIT_S=2\)",
                         str(info.value)), str(info.value)
     assert 1 <= len(killer.tries) <= 4  # AWS_MAX_ATTEMPTS tries a round; a round again after the wait
     assert_no_partial_file(mirror)
@@ -310,8 +316,8 @@ def test_the_server_dying_mid_epoch_names_the_object_and_a_saved_state_resumes_o
             info = _drain_until_error(it, 40)
         except LoaderError as exc:
             info = _Raised(exc)
-        assert re.fullmatch(r"2024-01-15: s3://data/store/2024-01-15\.rec: download failed 2 times; cannot "
-                            r"reach http://127\.0\.0\.1:\d+ \(.+\)(; still after waiting [23] s "
+        assert re.fullmatch(rf"2024-01-15: {re.escape(url)}/2024-01-15\.rec: download failed 2 times; cannot "
+                            rf"reach {re.escape(s3.endpoint)} \(.+\)(; still after waiting [23] s "
                             r"\(SHARDGEN_OUTAGE_WAIT_S=2\))?", str(info.value)), str(info.value)
         assert killer.tries == ["2024-01-15.rec"] * 2
     assert_no_partial_file(mirror)
@@ -330,7 +336,7 @@ def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_r
     assert limit >= 3 * max(s.bytes for s in shards)
     cache = tmp_path / "cache"
     mirror = cache / "objects" / "data" / "store"
-    with pytest.raises(LoaderError, match=r"^s3://data/store: cache_limit .* kB is too small to stream this part: "
+    with pytest.raises(LoaderError, match=rf"^{re.escape(url)}: cache_limit .* kB is too small to stream this part: "
                                           r"it must hold 3 of its largest shard .*raise cache_limit to at least "
                                           r"[\d,]+ bytes \(.* kB\)") as refused:
         read_all(url, cache, cache_limit=3 * max(s.bytes for s in shards) - 1, readers=1)
@@ -477,13 +483,13 @@ def test_records_that_differ_in_size_come_with_their_index(s3, tmp_path):
 
 
 def test_a_store_rebuilt_under_the_same_url_is_not_served_from_a_stale_cache(s3, tmp_path):
-    from shardgen.store.objstore import ObjectStore
+    from shardgen.store import open_store
 
     _, url = store_with(s3, tmp_path)
     cache = tmp_path / "cache"
     with ShardIter(url, 8, cache_dir=cache) as it:
         assert min(i for b in it for i in batch_ids(b)) == 0
-    remote = ObjectStore(url)
+    remote = open_store(url).objects
     for name in remote.list():
         remote.delete(name)
     other = tmp_path / "other"
@@ -570,7 +576,7 @@ def test_a_disk_that_fills_mid_download_is_one_clear_line_and_leaves_no_partial_
         read_all(url, cache)
     said = str(info.value)
     assert said == (f"2024-01-03: {mirror}: the disk is full (No space left on device) writing the download of "
-                    "s3://data/store/2024-01-03.rec; free space there"), said
+                    f"{url}/2024-01-03.rec; free space there"), said
     assert written and written[0] > 0  # the disk filled part way through the shard
     left = [p.name for p in cache.rglob("*") if p.is_file() and "2024-01-03.rec" in p.name
             and not p.name.endswith(".lock")]
@@ -621,7 +627,7 @@ def test_the_store_down_at_reset_reads_the_held_generation_and_a_later_reset_mov
             it.reset()  # was: a LoaderError after the retries, ending the training run
         said = loader_warnings(caplog)
         assert len(said) == 1, said
-        assert "s3://data/store/manifest.json: GET failed 2 times; cannot reach" in said[0]
+        assert f"{url}/manifest.json: GET failed 2 times; cannot reach" in said[0]
         assert f"reading generation {held} again" in said[0]
         assert it.generation == held
         assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(131))
@@ -691,8 +697,8 @@ def test_the_store_down_at_reset_with_shards_the_cache_lacks_is_a_loader_error(s
         assert len(read_epoch(it)) == 11
         s3.stop()
         it.dates = None  # the held generation, but a date this cache never fetched
-        with pytest.raises(LoaderError, match=r"2024-01-04: s3://data/store/2024-01-04.rec: download failed 1 "
-                                              r"time; cannot reach http://127\.0\.0\.1"):
+        with pytest.raises(LoaderError, match=rf"2024-01-04: {re.escape(url)}/2024-01-04\.rec: download failed 1 "
+                                              rf"time; cannot reach {re.escape(s3.endpoint)}"):
             it.reset()
 
 
@@ -801,10 +807,9 @@ def test_the_first_batch_comes_while_the_rest_of_the_epoch_is_still_downloading(
     """Every download after the first two is held back until the first batches are read: with
     blocks of at most two shards (``shuffle_buffer``: the default block is the whole part, which the
     first batch waits for), the iterator yields the first block's batches while the rest waits."""
-    from shardgen.store.objstore import ObjectStore
-
     _, url = store_with(s3, tmp_path, MANY)
-    gate, started, real = threading.Event(), [], ObjectStore.chunks
+    kind = client_class(s3)
+    gate, started, real = threading.Event(), [], kind.chunks
 
     def chunks(store, name):
         if name.endswith(".rec"):
@@ -813,7 +818,7 @@ def test_the_first_batch_comes_while_the_rest_of_the_epoch_is_still_downloading(
                 assert gate.wait(60), "held back for good"
         return real(store, name)
 
-    monkeypatch.setattr(ObjectStore, "chunks", chunks)
+    monkeypatch.setattr(kind, "chunks", chunks)
     kw = dict(seed=4, native_batch=4, readers=2, shuffle_buffer=32)  # blocks of 30 windows: 2 shards at most
     try:
         with ShardIter(url, 8, cache_dir=tmp_path / "cache", **kw) as it:
