@@ -246,19 +246,20 @@ def _store_and_schema(top: Table, config_dir: Path, process: ProcessConfig,
     sto = Table(top.get("store", dict), "store")
     folder = sto.get("dir", str)
     remote, staging = None, sto.get("staging", str, None)
-    if folder.startswith("s3://"):
-        from shardgen.store.objurl import ObjectStoreError, default_staging, parse_url
+    if "://" in folder:  # an object store: its kind says whether the URL is one
+        from shardgen.store import object_client
+        from shardgen.store.objurl import ObjectStoreError, default_staging
 
         try:
-            bucket, prefix = parse_url(folder)
-        except ObjectStoreError as exc:
+            objects = object_client(folder)
+        except (ObjectStoreError, ValueError) as exc:
             raise ConfigError(f"store.dir: {exc}") from None
-        remote = f"s3://{bucket}/{prefix}".rstrip("/")
-        folder = staging or str(default_staging(bucket, prefix, config_dir))
+        if objects is None:
+            raise ConfigError(f"store.dir = {folder!r}: a folder, or an object store's URL such as s3://bucket/prefix")
+        remote = objects.url
+        folder = staging or str(default_staging(objects.bucket, objects.prefix, config_dir))
     elif staging is not None:
-        raise ConfigError("store.staging is only used when store.dir is an s3:// URL")
-    elif "://" in folder:
-        raise ConfigError(f"store.dir = {folder!r}: only folders and s3:// URLs are stores")
+        raise ConfigError("store.staging is only used when store.dir is an object store's URL (s3://...)")
     store = StoreConfig((config_dir / folder).resolve(), integer(sto, "window", 0, 0),
                         number(sto, "grace_s", 3600.0, 0.0), number(sto, "lease_ttl_s", 60.0, 30.0), remote,
                         layout_set="layout" in sto.data, keep_raw=sto.get("keep_raw", bool, False))

@@ -26,7 +26,8 @@ from shardgen.store.naming import MANIFEST_NAME
 from shardgen.store.objstore import ObjectStore
 from shardgen.store.s3 import S3Store
 
-__all__ = ["Store", "FolderStore", "S3Store", "CachedStore", "open_store", "open_reading", "OBJECT_STORES"]
+__all__ = ["Store", "FolderStore", "S3Store", "CachedStore", "open_store", "open_reading", "object_client",
+           "OBJECT_STORES"]
 
 OBJECT_STORES: dict[str, str] = {"s3": "shardgen.store.objstore:ObjectStore"}  # URL scheme -> objects client
 
@@ -46,6 +47,14 @@ def _objects_kind(location: object) -> Optional[type]:
                          f"{', '.join(s + '://' for s in sorted(kinds))}; see SHARDGEN_OBJECT_STORES)")
     module, _, name = kinds[scheme].partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def object_client(location: str) -> Optional[ObjectStore]:
+    """The objects client of a store URL (``s3://bucket/prefix``, or a scheme ``SHARDGEN_OBJECT_STORES``
+    adds), made without a request; None for a folder. ObjectStoreError (or ValueError, an unknown
+    scheme) says what is wrong with the URL."""
+    kind = _objects_kind(location)
+    return None if kind is None else kind(str(location))
 
 
 def open_store(location: Union[Store, ObjectStore, str, os.PathLike], *,
