@@ -322,13 +322,12 @@ class ShardIter(mx.io.DataIter):
         in another thread, or called afterwards, is a LoaderError (an epoch is never cut short
         silently), except from MXNet's ``PrefetchingIter``, whose thread asks for a batch ahead: there
         it is the end of the data, so that thread ends without a traceback and the wrapper stops."""
-        if self._closed:
-            return
-        self._closed = True
         reader = getattr(self, "reader", None)
-        if reader is not None:
+        if reader is not None and not self._closed:
             self._keep_stats()
-            reader.close()
+        self._closed = True
+        if reader is not None:
+            reader.close()  # runs once to its end (again after a Ctrl-C in it: loader.pipeline.shutdown)
 
     def __enter__(self) -> ShardIter:
         return self

@@ -52,6 +52,7 @@ class Epochs:
         self.arena: Optional[Arena] = None
         self.lock = threading.Lock()
         self.closed = False  # close() ran: no stream starts again (a reset() racing a close() in another thread)
+        self.shut = False  # close() ran to its end (an interrupt in it leaves this False)
         self.on_ahead = lambda: None  # called once the next epoch's stream opened
         self.old_plans = OffThread("shardgen-old-plan")  # a plan left at reset() closes off the caller's thread
         lenders(+1)
@@ -205,13 +206,15 @@ class Epochs:
         """An iterator's end (``close()``, its finalizer, the exit hook): ``shutdown.STEPS``, in
         their order, under ``lock`` (a ``reset()`` in another thread waits, then finds it closed)."""
         with self.lock:
-            if self.closed:  # once (the exit hook, then the reader's own close, run it twice)
+            if self.shut:  # once (the exit hook, then the reader's own close, run it twice)
                 return
-            lenders(-1)
-            self.closed = True
+            if not self.closed:
+                lenders(-1)
+            self.closed = True  # no stream starts from now on
             shutdown.run({"stop_streams": self.close_streams, "free_arrays": self._free_arrays,
                           "close_files": self._close_files, "release_claim": self.release_claim,
                           "drop_lease": self.lease.release}, who=self.who)
+            self.shut = True  # not after an interrupt: the next close() runs every step again
 
     def _free_arrays(self) -> None:
         if self.arena is not None:

@@ -29,8 +29,10 @@ interpreter exit                      ``loader.lifecycle``'s hook: ``close()`` o
    the process can then take (a new one waits for dropped ones' threads first).
 5. ``drop_lease``: the reader lease, last: until then gc keeps the generation it names.
 
-Every step runs even if one before it failed; the first failure is raised after the last step.
-Each step is logged at DEBUG by ``loader.pipeline.shutdown``.
+Every step runs even if one before it failed (an ``Exception``); the first failure is raised after
+the last step. An interrupt (Ctrl-C, ``SystemExit``) stops the order where it is and is raised: the
+later steps must not run while a stream may still read (``Epochs.close`` then runs all of it again
+at the next ``close()`` or at exit). Each step is logged at DEBUG by ``loader.pipeline.shutdown``.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def run(steps: Mapping[str, Callable[[], object]], order: Sequence[str] = STEPS,
         log.debug("%s: %s", who, name)
         try:
             steps[name]()
-        except BaseException as exc:  # the steps after it still run: what they hold must go too
+        except Exception as exc:  # the steps after it still run: what they hold must go too
             failure = failure or exc
     if failure is not None:
         raise failure

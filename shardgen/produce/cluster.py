@@ -45,6 +45,8 @@ def dask_client(scheduler: str, jobs: int):
                 client = Client(scheduler, timeout="10s")
             except OSError as exc:
                 raise ConfigError(f"run.scheduler {scheduler!r}: cannot connect ({exc})") from None
+        if not _CLIENTS:
+            atexit.register(_close_clients)  # with the first client, not at import
         _CLIENTS[key] = client
     return client
 
@@ -106,7 +108,6 @@ def run_on_cluster(tasks: Iterable[tuple[Callable, tuple, dict]], scheduler: str
         yield result
 
 
-@atexit.register
 def _close_clients() -> None:
     for client in _CLIENTS.values():
         with contextlib.suppress(Exception):

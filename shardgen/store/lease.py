@@ -80,7 +80,12 @@ def _beat_until_gone(owner: weakref.ref, state: Heartbeat, stop: threading.Event
 # A Lease dropped without release(): its removal (a request with retries, 23 s with a store that is
 # gone) runs off the collecting thread; daemon threads die with the interpreter, so exit waits for it.
 _DROPPED = OffThread("shardgen-lease-release")
-atexit.register(_DROPPED.join)
+_JOIN_AT_EXIT: list = []  # exit waits for them: registered with the first Lease, not at import
+
+
+def _join_at_exit() -> None:
+    if not _JOIN_AT_EXIT:
+        _JOIN_AT_EXIT.append(atexit.register(_DROPPED.join))
 
 
 class Lease:
@@ -94,6 +99,7 @@ class Lease:
                  refresh_s: float = DEFAULT_TTL_S / 6):
         """``store``: a ``Store``, or what ``open_store`` opens (a folder, a URL, an ``ObjectStore``)."""
         self.refresh_s = refresh_s
+        _join_at_exit()
         store = open_store(store)
         _sweep(store)
         name = f"{LEASE_DIR}/{new_lease_name()}"

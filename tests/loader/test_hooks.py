@@ -14,10 +14,8 @@ COUNTS = {"2024-01-02": 20, "2024-01-03": 13}
 SEEN = textwrap.dedent("""
     import atexit, builtins, json, sys, weakref
     import mxnet.kvstore
-    import importlib, pkgutil, shardgen
+    import importlib, pkgutil
     weakref.finalize(type("Kept", (), {})(), print)  # the standard library's own hook of its first finalizer
-    for m in pkgutil.walk_packages(shardgen.__path__, "shardgen."):  # the store side's hooks at import: not ours
-        importlib.import_module(m.name)
 
     def seen():
         return {"atexit": atexit._ncallbacks(), "sys.exit": repr(type(sys.exit)), "exit": repr(type(builtins.exit)),
@@ -38,9 +36,10 @@ def test_importing_every_loader_module_changes_nothing_and_the_first_iterator_st
     make_store(tmp_path / "store", COUNTS)
     script = SEEN + textwrap.dedent("""
         before = seen()
-        import loader
-        for m in pkgutil.walk_packages(loader.__path__, "loader."):
-            importlib.import_module(m.name)
+        import loader, shardgen
+        for package in (loader, shardgen):  # the store side registers nothing at import either
+            for m in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+                importlib.import_module(m.name)
         after_import = seen()
         it = loader.ShardIter(sys.argv[1], batch_size=4)
         loader.ShardIter(sys.argv[1], batch_size=4).close()  # a second iterator adds nothing
@@ -52,7 +51,7 @@ def test_importing_every_loader_module_changes_nothing_and_the_first_iterator_st
     assert r.returncode == 0, r.stderr
     before, after_import, after_iterators = json.loads(r.stdout.splitlines()[-1])
     assert after_import == before, "importing the loader changed the process"
-    assert after_iterators["atexit"] == before["atexit"] + 1  # the one exit hook, once
+    assert after_iterators["atexit"] == before["atexit"] + 2  # the exit hook and the lease's join, once each
     for name in ("sys.exit", "exit", "quit"):
         assert after_iterators[name] == "<class 'loader.exitcode._Recorded'>", name
     assert after_iterators["kvstore.create"] == "loader.lifecycle"
@@ -69,7 +68,7 @@ def test_outside_a_dist_worker_the_first_iterator_adds_the_exit_hook_only(tmp_pa
     r = _run(script, tmp_path / "store", worker=False)
     assert r.returncode == 0, r.stderr
     before, after = json.loads(r.stdout.splitlines()[-1])
-    assert after == {**before, "atexit": before["atexit"] + 1}
+    assert after == {**before, "atexit": before["atexit"] + 2}  # the exit hook and the lease's join
 
 
 def test_a_dist_kvstore_made_before_the_first_iterator_counts_as_the_first(tmp_path):
