@@ -23,8 +23,9 @@ from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
 from loader.pipeline.memory import Arena, caller_batches_held
 from loader.pipeline.order import EpochOrder, Phase, slice_of
+from loader.pipeline.parts import split_phase
 from loader.pipeline.settings import buffers_alive, check_memory
-from loader.pipeline.stream import order_spec, split_phase
+from loader.pipeline.stream import order_spec
 from loader.source.generations import Choice, held_again, newest
 from loader.source.plan import EpochPlan, make_plan
 from loader.source.selection import DateRange, normalize_dates, select_shards
