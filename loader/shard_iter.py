@@ -22,21 +22,13 @@ import mxnet as mx
 from loader.errors import LoaderError, as_loader_errors
 from loader.first_agreement import FirstAgreement
 from loader.lifecycle import report_rank, start, track
-from loader.pipeline.batches import StreamParams, asked_labels
-from loader.pipeline.settings import (
-    block_samples,
-    buffer_records,
-    check_arguments,
-    check_label_names,
-    check_memory,
-    default_native_batch,
-    default_readers,
-)
+from loader.pipeline.batches import asked_labels
+from loader.pipeline.settings import check_arguments
 from loader.reader import Reader
 from loader.sizes import parse_size
 from loader.source.generations import Choice
 from loader.source.plan import cache_root
-from loader.source.selection import DateRange, normalize_dates, select_shards
+from loader.source.selection import DateRange, normalize_dates
 from shardgen.store import Store, open_reading
 from shardgen.store.naming import MANIFEST_NAME
 
@@ -87,37 +79,19 @@ class ShardIter(mx.io.DataIter):
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
                  cache_limit: Optional[int | str] = None, canonical_parts: Optional[int] = None):
         start()  # the process's exit hooks, with the first iterator (loader.lifecycle)
-        check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
-                        preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
-                        native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify,
-                        canonical_parts=canonical_parts)
+        knobs = dict(batch_size=batch_size, num_parts=num_parts, part_index=part_index, seed=seed,
+                     preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
+                     native_batch=native_batch, last_batch=last_batch, canonical_parts=canonical_parts)
+        check_arguments(**knobs, verify=verify)
         super().__init__(int(batch_size))
         self._closed = False
         self.history: list[dict] = []
         self.cache_dir = cache_root(cache_dir)
         store = _open(manifest, self.cache_dir, cache_limit)
         self.manifest_path = store.where(MANIFEST_NAME)
-        choice = Choice(pin=generation)
-        manifest_obj = choice.manifest(store)
-        schema = manifest_obj.schema
-        known = [lab.name for lab in schema.labels]
-        self.label_names = check_label_names(label_names, known)
-        nb = int(native_batch) if native_batch is not None else default_native_batch(schema.pack)
-        selected = select_shards(manifest_obj, normalize_dates(dates))
-        canonical = int(num_parts if canonical_parts is None else canonical_parts)
-        records = buffer_records(schema, shuffle_buffer, selected, canonical)
-        params = StreamParams(
-            schema=schema, batch_size=self.batch_size, shuffle=bool(shuffle), seed=int(seed),
-            num_parts=int(num_parts), part_index=int(part_index), last_batch=last_batch,
-            readers=default_readers() if readers is None else int(readers),
-            native_batch=nb, buffer_records=records,
-            preprocess_threads=int(preprocess_threads), prefetch_buffer=int(prefetch_buffer),
-            label_names=self.label_names,
-            canonical_parts=canonical,
-            block=block_samples(records, selected, schema))
-        memory = check_memory(params, shuffle_buffer, selected)
-        self.reader = Reader(store, self.cache_dir, manifest_obj, params, choice=choice, dates=dates, verify=verify,
-                             memory=memory)
+        self.reader = Reader.open(store, self.cache_dir, generation=generation, dates=dates, label_names=label_names,
+                                  shuffle_buffer=shuffle_buffer, verify=verify, shuffle=shuffle, **knobs)
+        self.label_names = self.reader.params.label_names
         self._describe()
         self._restart_clock()
         track(self)
