@@ -102,21 +102,15 @@ class ShardIter(mx.io.DataIter):
         The workers agree on the generation (rank 0's newest) through ``kv`` at the first batch (or
         the first ``reset()``) and at every ``reset()``; ``generation=N`` pins one instead.
 
-        Nothing goes through ``kv`` here: its first keys are the model's. MXNet refuses integer and
-        string keys in one kvstore, and the model's kind is not known yet: ``Module.fit`` puts
-        string keys in at ``init_optimizer``, before its first batch; a Gluon ``Trainer`` integer
-        keys at its first ``step()``, after it. The agreement takes the kind found (``agree``)."""
+        Nothing goes through ``kv`` here: its first keys are the model's, of a kind not known yet
+        (:mod:`loader.first_agreement` says why); the agreement takes the kind found (``agree``)."""
         parts = dict(num_parts=kv.num_workers, part_index=kv.rank)
-        if kwargs.get("generation") is not None:
-            it = cls(manifest, batch_size, **parts, **kwargs)
-        else:
-            kwargs.pop("generation", None)
-            cache_dir = kwargs.pop("cache_dir", None)
-            store = _open(manifest, cache_root(cache_dir), kwargs.pop("cache_limit", None))
-            it = cls(store, batch_size, **parts, cache_dir=cache_dir, **kwargs)  # its newest, until the first batch
+        it = cls(manifest, batch_size, **parts, **kwargs)  # unpinned: its newest, until the first batch
+        if kwargs.get("generation") is None:
             it.reader.choice = Choice(kv=kv)  # every reset() agrees
-            if kv.num_workers > 1:
-                it._first_agreement = FirstAgreement(kv, store, {**parts, "cache_dir": cache_dir, **kwargs})
+            if kv.num_workers > 1:  # built again on the store it opened (a limit is the store's already)
+                again = {k: v for k, v in kwargs.items() if k not in ("generation", "cache_limit")}
+                it._first_agreement = FirstAgreement(kv, it.reader.store, {**parts, **again})
         report_rank(kv.rank)  # loader.tools.launch labels this worker's lines with it
         return it
 
