@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 import mxnet as mx
 
+from loader.epoch_clock import EpochClock
 from loader.errors import LoaderError, as_loader_errors
 from loader.first_agreement import FirstAgreement
 from loader.lifecycle import report_rank, start, track
@@ -93,7 +94,7 @@ class ShardIter(mx.io.DataIter):
                                   shuffle_buffer=shuffle_buffer, verify=verify, shuffle=shuffle, **knobs)
         self.label_names = self.reader.params.label_names
         self._describe()
-        self._restart_clock()
+        self._clock = EpochClock()
         track(self)
 
     @classmethod
@@ -139,7 +140,7 @@ class ShardIter(mx.io.DataIter):
         self._keep_stats()
         self._first_agreement = None  # for_kvstore: this reset() is the agreement
         self.reader.reset()
-        self._restart_clock()
+        self._clock = EpochClock()
 
     def next(self) -> mx.io.DataBatch:
         if self._first_agreement is not None and not self._closed:
@@ -149,8 +150,7 @@ class ShardIter(mx.io.DataIter):
         reader = self.reader
         if reader.cursor >= reader.batches:
             raise StopIteration
-        if self._epoch_t0 is None:
-            self._epoch_t0 = t0
+        self._clock.begin(t0)
         if self._closed and _prefetching():
             raise StopIteration  # MXNet's PrefetchingIter asks a batch ahead from its own thread: close() ends it
         self._check_open()
@@ -160,11 +160,7 @@ class ShardIter(mx.io.DataIter):
             if self._closed and _prefetching():  # closed while its thread waited for this batch
                 raise StopIteration from None
             raise
-        self._batches += 1
-        self._samples += self.batch_size - pad  # pad is 0 with last_batch="discard"
-        t1 = time.perf_counter()
-        self._blocked += t1 - t0
-        self._epoch_t1 = t1
+        self._clock.took(t0, self.batch_size - pad)  # pad is 0 with last_batch="discard"
         return mx.io.DataBatch(data=arrays[:1], label=arrays[1:], pad=pad,
                                provide_data=self._provide_data, provide_label=self._provide_label)
 
@@ -227,14 +223,10 @@ class ShardIter(mx.io.DataIter):
 
     # -- statistics -----------------------------------------------------------------------------
 
-    def _restart_clock(self) -> None:
-        self._batches, self._samples, self._blocked = 0, 0, 0.0
-        self._epoch_t0 = self._epoch_t1 = None
-
     def _keep_stats(self) -> None:
         """This epoch's statistics into ``history`` (if this process read a batch of it)."""
-        if self._batches and self.reader.running:
-            self.history.append(self._epoch_stats())
+        if self._clock.batches and self.reader.running:
+            self.history.append(self._clock.figures(self.reader))
 
     @property
     def stats(self) -> dict:
@@ -243,23 +235,9 @@ class ShardIter(mx.io.DataIter):
         is left to read after ``Module.fit``: it resets the iterator at the end of every epoch.
         ``downloaded_bytes``: fetched from an object store so far; ``dates_per_block``: the fewest
         dates a block of this epoch spans (far below the dates read: raise ``shuffle_buffer``)."""
-        return {**self._epoch_stats(), "last_epoch": dict(self.history[-1]) if self.history else None,
+        return {**self._clock.figures(self.reader), "last_epoch": dict(self.history[-1]) if self.history else None,
                 "downloaded_bytes": self.reader.store.downloaded_bytes,
                 "dates_per_block": self.reader.dates_per_block}
-
-    def _epoch_stats(self) -> dict:
-        wall = (self._epoch_t1 or 0) - (self._epoch_t0 or 0)
-        payload = self._samples * (self.schema.x_floats + self.schema.label_floats + 1) * 4
-        return {
-            "epoch": self.epoch,
-            "generation": self.plan.generation if self.plan is not None else None,  # None: closed
-            "batches": self._batches,  # read by this process (after a resume: since it)
-            "samples": self._samples,
-            "seconds": wall,
-            "samples_per_s": self._samples / wall if wall > 0 else 0.0,
-            "payload_mb_per_s": payload / wall / 1e6 if wall > 0 else 0.0,
-            "stall_fraction": self._blocked / wall if wall > 0 else 0.0,
-        }
 
     # -- resumption -----------------------------------------------------------------------------
 
@@ -274,7 +252,7 @@ class ShardIter(mx.io.DataIter):
         reader.check(state)
         self._check_open()
         if reader.load(state, before_end=self._keep_stats):
-            self._restart_clock()
+            self._clock = EpochClock()
         if self._first_agreement is not None:  # the first batch still agrees, on the state's generation
             self._first_agreement.loaded = True
 
