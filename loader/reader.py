@@ -76,7 +76,7 @@ class Reader:
     @classmethod
     def open(cls, store: Store, root, *, generation: Optional[int], dates: DateRange, label_names: object,
              shuffle_buffer: object, verify: str, **knobs: object) -> Reader:
-        """The reader a ``ShardIter``'s arguments make (``knobs``: those ``check_arguments`` passed):
+        """The reader a ``ShardIter``'s arguments make (``knobs``: its settings, checked by ``check_arguments``):
         the generation chosen (``generation`` pins one), the labels asked for, the shards of ``dates``,
         the settings and what they hold in memory (a LoaderError before anything is allocated)."""
         choice = Choice(pin=generation)

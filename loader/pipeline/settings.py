@@ -105,7 +105,7 @@ def stream_params(schema: Schema, shards: tuple, shuffle_buffer: Optional[int | 
                   batch_size: int, shuffle: bool, seed: int, num_parts: int, part_index: int, last_batch: str,
                   readers: Optional[int], native_batch: Optional[int], preprocess_threads: int,
                   prefetch_buffer: int, canonical_parts: Optional[int]) -> StreamParams:
-    """The settings of a stream reading ``shards``: the arguments (``check_arguments`` passed them),
+    """The settings of a stream reading ``shards``: the arguments (``check_arguments`` checked them),
     their defaults filled in, the shuffle buffer sized (``buffer_records``) and the block it makes."""
     canonical = int(num_parts if canonical_parts is None else canonical_parts)
     nb = int(native_batch) if native_batch is not None else default_native_batch(schema.pack)
