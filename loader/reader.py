@@ -24,8 +24,9 @@ from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
 from loader.pipeline.memory import Arena, caller_batches_held
 from loader.pipeline.order import EpochOrder, Phase, slice_of
-from loader.pipeline.settings import buffers_alive, check_memory
-from loader.pipeline.stream import order_spec, split_phase
+from loader.pipeline.parts import split_phase
+from loader.pipeline.settings import buffers_alive, check_label_names, check_memory, stream_params
+from loader.pipeline.stream import order_spec
 from loader.source.generations import Choice, held_again, newest
 from loader.source.plan import EpochPlan, make_plan
 from loader.source.selection import DateRange, normalize_dates, select_shards
@@ -73,6 +74,21 @@ class Reader:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def open(cls, store: Store, root, *, generation: Optional[int], dates: DateRange, label_names: object,
+             shuffle_buffer: object, verify: str, **knobs: object) -> Reader:
+        """The reader a ``ShardIter``'s arguments make (``knobs``: its settings, checked by ``check_arguments``):
+        the generation chosen (``generation`` pins one), the labels asked for, the shards of ``dates``,
+        the settings and what they hold in memory (a LoaderError before anything is allocated)."""
+        choice = Choice(pin=generation)
+        manifest = choice.manifest(store)
+        schema = manifest.schema
+        labels = check_label_names(label_names, [lab.name for lab in schema.labels])
+        selected = select_shards(manifest, normalize_dates(dates))
+        params = stream_params(schema, selected, shuffle_buffer, labels, **knobs)
+        memory = check_memory(params, shuffle_buffer, selected)
+        return cls(store, root, manifest, params, choice=choice, dates=dates, verify=verify, memory=memory)
 
     # -- where it is ------------------------------------------------------------------------------
 

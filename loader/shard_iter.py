@@ -19,24 +19,17 @@ from typing import Any, Optional, Sequence
 
 import mxnet as mx
 
+from loader.epoch_clock import EpochClock
 from loader.errors import LoaderError, as_loader_errors
 from loader.first_agreement import FirstAgreement
 from loader.lifecycle import report_rank, start, track
-from loader.pipeline.batches import StreamParams, asked_labels
-from loader.pipeline.settings import (
-    block_samples,
-    buffer_records,
-    check_arguments,
-    check_label_names,
-    check_memory,
-    default_native_batch,
-    default_readers,
-)
+from loader.pipeline.batches import asked_labels
+from loader.pipeline.settings import check_arguments
 from loader.reader import Reader
 from loader.sizes import parse_size
 from loader.source.generations import Choice
 from loader.source.plan import cache_root
-from loader.source.selection import DateRange, normalize_dates, select_shards
+from loader.source.selection import DateRange, normalize_dates
 from shardgen.store import Store, open_reading
 from shardgen.store.naming import MANIFEST_NAME
 
@@ -87,39 +80,21 @@ class ShardIter(mx.io.DataIter):
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
                  cache_limit: Optional[int | str] = None, canonical_parts: Optional[int] = None):
         start()  # the process's exit hooks, with the first iterator (loader.lifecycle)
-        check_arguments(batch_size=batch_size, num_parts=num_parts, part_index=part_index,
-                        preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
-                        native_batch=native_batch, last_batch=last_batch, seed=seed, verify=verify,
-                        canonical_parts=canonical_parts)
+        knobs = dict(batch_size=batch_size, num_parts=num_parts, part_index=part_index, seed=seed,
+                     preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
+                     native_batch=native_batch, last_batch=last_batch, canonical_parts=canonical_parts)
+        check_arguments(**knobs, verify=verify)
         super().__init__(int(batch_size))
         self._closed = False
         self.history: list[dict] = []
         self.cache_dir = cache_root(cache_dir)
         store = _open(manifest, self.cache_dir, cache_limit)
         self.manifest_path = store.where(MANIFEST_NAME)
-        choice = Choice(pin=generation)
-        manifest_obj = choice.manifest(store)
-        schema = manifest_obj.schema
-        known = [lab.name for lab in schema.labels]
-        self.label_names = check_label_names(label_names, known)
-        nb = int(native_batch) if native_batch is not None else default_native_batch(schema.pack)
-        selected = select_shards(manifest_obj, normalize_dates(dates))
-        canonical = int(num_parts if canonical_parts is None else canonical_parts)
-        records = buffer_records(schema, shuffle_buffer, selected, canonical)
-        params = StreamParams(
-            schema=schema, batch_size=self.batch_size, shuffle=bool(shuffle), seed=int(seed),
-            num_parts=int(num_parts), part_index=int(part_index), last_batch=last_batch,
-            readers=default_readers() if readers is None else int(readers),
-            native_batch=nb, buffer_records=records,
-            preprocess_threads=int(preprocess_threads), prefetch_buffer=int(prefetch_buffer),
-            label_names=self.label_names,
-            canonical_parts=canonical,
-            block=block_samples(records, selected, schema))
-        memory = check_memory(params, shuffle_buffer, selected)
-        self.reader = Reader(store, self.cache_dir, manifest_obj, params, choice=choice, dates=dates, verify=verify,
-                             memory=memory)
+        self.reader = Reader.open(store, self.cache_dir, generation=generation, dates=dates, label_names=label_names,
+                                  shuffle_buffer=shuffle_buffer, verify=verify, shuffle=shuffle, **knobs)
+        self.label_names = self.reader.params.label_names
         self._describe()
-        self._restart_clock()
+        self._clock = EpochClock()
         track(self)
 
     @classmethod
@@ -128,21 +103,15 @@ class ShardIter(mx.io.DataIter):
         The workers agree on the generation (rank 0's newest) through ``kv`` at the first batch (or
         the first ``reset()``) and at every ``reset()``; ``generation=N`` pins one instead.
 
-        Nothing goes through ``kv`` here: its first keys are the model's. MXNet refuses integer and
-        string keys in one kvstore, and the model's kind is not known yet: ``Module.fit`` puts
-        string keys in at ``init_optimizer``, before its first batch; a Gluon ``Trainer`` integer
-        keys at its first ``step()``, after it. The agreement takes the kind found (``agree``)."""
+        Nothing goes through ``kv`` here: its first keys are the model's, of a kind not known yet
+        (:mod:`loader.first_agreement` says why); the agreement takes the kind found (``agree``)."""
         parts = dict(num_parts=kv.num_workers, part_index=kv.rank)
-        if kwargs.get("generation") is not None:
-            it = cls(manifest, batch_size, **parts, **kwargs)
-        else:
-            kwargs.pop("generation", None)
-            cache_dir = kwargs.pop("cache_dir", None)
-            store = _open(manifest, cache_root(cache_dir), kwargs.pop("cache_limit", None))
-            it = cls(store, batch_size, **parts, cache_dir=cache_dir, **kwargs)  # its newest, until the first batch
+        it = cls(manifest, batch_size, **parts, **kwargs)  # unpinned: its newest, until the first batch
+        if kwargs.get("generation") is None:
             it.reader.choice = Choice(kv=kv)  # every reset() agrees
-            if kv.num_workers > 1:
-                it._first_agreement = FirstAgreement(kv, store, {**parts, "cache_dir": cache_dir, **kwargs})
+            if kv.num_workers > 1:  # built again on the store it opened (a limit is the store's already)
+                again = {k: v for k, v in kwargs.items() if k not in ("generation", "cache_limit")}
+                it._first_agreement = FirstAgreement(kv, it.reader.store, {**parts, **again})
         report_rank(kv.rank)  # loader.tools.launch labels this worker's lines with it
         return it
 
@@ -171,7 +140,7 @@ class ShardIter(mx.io.DataIter):
         self._keep_stats()
         self._first_agreement = None  # for_kvstore: this reset() is the agreement
         self.reader.reset()
-        self._restart_clock()
+        self._clock = EpochClock()
 
     def next(self) -> mx.io.DataBatch:
         if self._first_agreement is not None and not self._closed:
@@ -181,8 +150,7 @@ class ShardIter(mx.io.DataIter):
         reader = self.reader
         if reader.cursor >= reader.batches:
             raise StopIteration
-        if self._epoch_t0 is None:
-            self._epoch_t0 = t0
+        self._clock.begin(t0)
         if self._closed and _prefetching():
             raise StopIteration  # MXNet's PrefetchingIter asks a batch ahead from its own thread: close() ends it
         self._check_open()
@@ -192,11 +160,7 @@ class ShardIter(mx.io.DataIter):
             if self._closed and _prefetching():  # closed while its thread waited for this batch
                 raise StopIteration from None
             raise
-        self._batches += 1
-        self._samples += self.batch_size - pad  # pad is 0 with last_batch="discard"
-        t1 = time.perf_counter()
-        self._blocked += t1 - t0
-        self._epoch_t1 = t1
+        self._clock.took(t0, self.batch_size - pad)  # pad is 0 with last_batch="discard"
         return mx.io.DataBatch(data=arrays[:1], label=arrays[1:], pad=pad,
                                provide_data=self._provide_data, provide_label=self._provide_label)
 
@@ -259,14 +223,10 @@ class ShardIter(mx.io.DataIter):
 
     # -- statistics -----------------------------------------------------------------------------
 
-    def _restart_clock(self) -> None:
-        self._batches, self._samples, self._blocked = 0, 0, 0.0
-        self._epoch_t0 = self._epoch_t1 = None
-
     def _keep_stats(self) -> None:
         """This epoch's statistics into ``history`` (if this process read a batch of it)."""
-        if self._batches and self.reader.running:
-            self.history.append(self._epoch_stats())
+        if self._clock.batches and self.reader.running:
+            self.history.append(self._clock.figures(self.reader))
 
     @property
     def stats(self) -> dict:
@@ -275,23 +235,9 @@ class ShardIter(mx.io.DataIter):
         is left to read after ``Module.fit``: it resets the iterator at the end of every epoch.
         ``downloaded_bytes``: fetched from an object store so far; ``dates_per_block``: the fewest
         dates a block of this epoch spans (far below the dates read: raise ``shuffle_buffer``)."""
-        return {**self._epoch_stats(), "last_epoch": dict(self.history[-1]) if self.history else None,
+        return {**self._clock.figures(self.reader), "last_epoch": dict(self.history[-1]) if self.history else None,
                 "downloaded_bytes": self.reader.store.downloaded_bytes,
                 "dates_per_block": self.reader.dates_per_block}
-
-    def _epoch_stats(self) -> dict:
-        wall = (self._epoch_t1 or 0) - (self._epoch_t0 or 0)
-        payload = self._samples * (self.schema.x_floats + self.schema.label_floats + 1) * 4
-        return {
-            "epoch": self.epoch,
-            "generation": self.plan.generation if self.plan is not None else None,  # None: closed
-            "batches": self._batches,  # read by this process (after a resume: since it)
-            "samples": self._samples,
-            "seconds": wall,
-            "samples_per_s": self._samples / wall if wall > 0 else 0.0,
-            "payload_mb_per_s": payload / wall / 1e6 if wall > 0 else 0.0,
-            "stall_fraction": self._blocked / wall if wall > 0 else 0.0,
-        }
 
     # -- resumption -----------------------------------------------------------------------------
 
@@ -306,7 +252,7 @@ class ShardIter(mx.io.DataIter):
         reader.check(state)
         self._check_open()
         if reader.load(state, before_end=self._keep_stats):
-            self._restart_clock()
+            self._clock = EpochClock()
         if self._first_agreement is not None:  # the first batch still agrees, on the state's generation
             self._first_agreement.loaded = True
 

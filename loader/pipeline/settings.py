@@ -19,7 +19,7 @@ from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema
 
 __all__ = ["check_arguments", "check_label_names", "default_readers", "default_native_batch", "buffer_records",
-           "block_samples", "check_memory", "SHUFFLE_BYTES", "buffers_alive"]
+           "block_samples", "stream_params", "check_memory", "SHUFFLE_BYTES", "buffers_alive"]
 
 SHUFFLE_BYTES = 1 << 30  # what an iterator's shuffle buffers hold together by default
 HEADROOM = 1.25  # a part chosen to be one block stays one while a rolling window grows by a quarter
@@ -99,6 +99,26 @@ def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], shards: 
     size = parse_size(shuffle_buffer, "shuffle_buffer",
                       "a record count (int) or a size with a unit such as '256MB' or '1GiB'")
     return max(1, size // buffer_bytes(schema, 1))
+
+
+def stream_params(schema: Schema, shards: tuple, shuffle_buffer: Optional[int | str], label_names: tuple, *,
+                  batch_size: int, shuffle: bool, seed: int, num_parts: int, part_index: int, last_batch: str,
+                  readers: Optional[int], native_batch: Optional[int], preprocess_threads: int,
+                  prefetch_buffer: int, canonical_parts: Optional[int]) -> StreamParams:
+    """The settings of a stream reading ``shards``: the arguments (``check_arguments`` checked them),
+    their defaults filled in, the shuffle buffer sized (``buffer_records``) and the block it makes."""
+    canonical = int(num_parts if canonical_parts is None else canonical_parts)
+    nb = int(native_batch) if native_batch is not None else default_native_batch(schema.pack)
+    records = buffer_records(schema, shuffle_buffer, shards, canonical)
+    return StreamParams(
+        schema=schema, batch_size=int(batch_size), shuffle=bool(shuffle), seed=int(seed),
+        num_parts=int(num_parts), part_index=int(part_index), last_batch=last_batch,
+        readers=default_readers() if readers is None else int(readers),
+        native_batch=nb, buffer_records=records,
+        preprocess_threads=int(preprocess_threads), prefetch_buffer=int(prefetch_buffer),
+        label_names=label_names,
+        canonical_parts=canonical,
+        block=block_samples(records, shards, schema))
 
 
 def buffers_alive(params: StreamParams, shards: tuple) -> int:

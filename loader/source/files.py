@@ -4,7 +4,7 @@ object store's cache; nothing for a folder), opened, checked once per file versi
 (dmlc lists the folder of every path it is given). A file is held open: MXNet reads it through
 ``/proc/self/fd``, so a file deleted or replaced in the store is still the one checked. Reads
 count their use of a file; in a bounded cache a file no read uses is closed (and may be evicted),
-else it stays open for later epochs.
+else it stays open for later epochs, shared with the plans after (:mod:`loader.source.shared_files`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from loader.errors import LoaderError, as_loader_errors
+from loader.source.shared_files import adopt, drop, found_good, make_link, release
 from shardgen.errors import ShardError
 from shardgen.format.check import REBUILD, check_shard
 from shardgen.store import Store
@@ -42,7 +43,7 @@ class PlanFiles:
         self.users = collections.Counter()  # shard -> reads using it
         self.folder: Optional[Path] = None
         self.links: list = [None] * len(shards)  # the link MXNet opens each file by (``<process folder>/fd/<fd>``)
-        self.keys: list = [None] * len(shards)  # its key in ``_HELD`` (kept files are shared between plans)
+        self.keys: list = [None] * len(shards)  # its key in ``shared_files`` (kept files are shared between plans)
         self._store = store.local_dir.resolve()
         self.eager = False  # every file opened and checked when the plan was made
         self.checked: dict = {}  # fd -> its file's identity (stat, verify) when recheck() last found it good
@@ -86,7 +87,7 @@ class PlanFiles:
         """Take shard ``k``'s file from another plan of this process that holds it open (the
         generation before), checked again if it changed since it was found good; False if none does."""
         key = self._key(k)
-        held = _adopt(key)
+        held = adopt(key)
         if held is None:
             return False
         fd, frames, link, seen = held
@@ -95,9 +96,9 @@ class PlanFiles:
             try:
                 frames = _check(self.store, self._store, fd, self.shards[k], self.schema, self.verify)
             except BaseException:
-                _release(key)
+                release(key)
                 raise
-            seen = _found_good(key, now)
+            seen = found_good(key, now)
         with self.lock:
             self.fds[k], self.frames[k], self.links[k], self.keys[k], self.checked[fd] = fd, frames, link, key, seen
         return True
@@ -110,13 +111,7 @@ class PlanFiles:
             frames = _check(self.store, store, fd, s, self.schema, self.verify)
             target = f"/proc/self/fd/{fd}" if _PROC_FD else str(store / s.rec)
             link = f"{self.folder.parent}/fd/{fd}"  # one link per folder: dmlc lists a path's folder to find it
-            with _HELD_LOCK:  # (a link folder emptied in another thread is removed under this lock)
-                with contextlib.suppress(FileNotFoundError):
-                    shutil.rmtree(link)
-                os.makedirs(link)
-                os.symlink(target, f"{link}/s.rec")
-                if key is not None:
-                    _HELD[key] = [fd, frames, link, seen, 1]
+            make_link(link, target, key, (fd, frames, link, seen))
             with self.lock:
                 self.fds[k], self.frames[k], self.links[k], self.keys[k], self.checked[fd] = fd, frames, link, key, seen
         except OSError as exc:
@@ -147,7 +142,7 @@ class PlanFiles:
         fd, key, link = self.fds[k], self.keys[k], self.links[k]
         self.checked.pop(fd, None)
         self.fds[k], self.frames[k], self.links[k], self.keys[k] = -1, None, None, None
-        _drop(fd, key, link)
+        drop(fd, key, link)
 
     def forget(self, k: int) -> bool:
         """Close shard ``k``'s file if no read uses it (found damaged: the next ``ensure`` opens it
@@ -172,70 +167,12 @@ class PlanFiles:
             self.frames = [None] * len(self.fds)
         for k, fd in enumerate(fds):
             if fd >= 0:
-                _drop(fd, keys[k], links[k])
+                drop(fd, keys[k], links[k])
                 if not self.keep:
                     self.store.pin(self.shards[k].rec, -1)
 
     def __del__(self) -> None:
         self.close()
-
-
-# Kept files (no bound on the cache) open in this process, shared by the plans that read them: a new
-# generation's plan opens, checks and links only its new shards (400 shards: 53 ms of opens, checks
-# and links in the caller's reset() before). key -> [fd, frames, link, identity, plans holding it].
-_HELD: dict = {}
-_HELD_LOCK = threading.Lock()
-
-
-def _adopt(key: Optional[tuple]) -> Optional[tuple]:
-    """``(fd, frames, link, identity)`` of the file ``key`` names if a plan of this process holds it
-    open (one more hold taken), else None."""
-    if key is None:
-        return None
-    with _HELD_LOCK:
-        held = _HELD.get(key)
-        if held is None:
-            return None
-        held[4] += 1
-        return tuple(held[:4])
-
-
-def _found_good(key: tuple, seen: tuple) -> tuple:
-    """The shared file ``key`` was found good as it was at ``seen`` (its ``identity``)."""
-    with _HELD_LOCK:
-        _HELD[key][3] = seen
-    return seen
-
-
-def _drop(fd: int, key: Optional[tuple], link: Optional[str]) -> None:
-    """A plan lets go of a file: closed at once if not shared (``key`` None), else one hold released."""
-    if key is None:
-        _close(fd, link)
-    else:
-        _release(key)
-
-
-def _release(key: tuple) -> None:
-    """One hold of the shared file ``key`` let go: closed with its link once no plan holds it."""
-    with _HELD_LOCK:
-        held = _HELD[key]
-        held[4] -= 1
-        if held[4] > 0:
-            return
-        del _HELD[key]
-    _close(held[0], held[2])
-
-
-def _close(fd: int, link: Optional[str]) -> None:
-    """Close a shard file and remove its link, and the link folder once empty."""
-    with _HELD_LOCK:
-        if link is not None:
-            shutil.rmtree(link, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(link))  # fails while other links are in it
-                os.rmdir(os.path.dirname(os.path.dirname(link)))  # this process's folder, once it holds no plan
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
 def recheck(plan: Any, schema: Any, verify: str) -> bool:
@@ -262,7 +199,7 @@ def recheck(plan: Any, schema: Any, verify: str) -> bool:
         changed = True
         files.checked[fd] = seen
         if files.keys[k] is not None:  # what a later plan sharing it compares with
-            _found_good(files.keys[k], seen)
+            found_good(files.keys[k], seen)
     return changed
 
 

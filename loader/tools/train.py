@@ -16,7 +16,6 @@ from it on any number of workers: the rest of that epoch split among them, then 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import sys
@@ -30,6 +29,7 @@ from mxnet import autograd, gluon
 
 from loader.errors import LoaderError
 from loader.shard_iter import ShardIter
+from loader.tools.train_checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = ["main", "build_net", "batch_losses", "contexts"]
 
@@ -113,45 +113,6 @@ def _cache(args: argparse.Namespace, kv) -> dict:
     return {**out, "cache_limit": args.cache_limit} if args.cache_limit else out
 
 
-CHECKPOINT_FILES = ("state.json", "net.params")
-
-
-def _drop_checkpoint(folder: Path) -> None:
-    """A checkpoint folder's files and the folder (anything else in it stays, and so does the folder)."""
-    for name in CHECKPOINT_FILES:
-        (folder / name).unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        folder.rmdir()
-
-
-def _save_checkpoint(folder: Path, it: ShardIter, net) -> None:
-    """Rank 0's checkpoint: written whole into ``<folder>.tmp``, then renamed into place (an
-    earlier one there is replaced only then). Not the optimizer state: under a dist kvstore the
-    servers hold it, and MXNet cannot save it ("Cannot save states for distributed training")."""
-    mx.nd.waitall()
-    tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
-    _drop_checkpoint(tmp)
-    tmp.mkdir(parents=True)
-    (tmp / "state.json").write_text(json.dumps({"iterator": it.state_dict()}))
-    net.save_parameters(str(tmp / "net.params"))
-    if folder.is_dir():
-        _drop_checkpoint(old)
-        folder.replace(old)
-    tmp.replace(folder)
-    _drop_checkpoint(old)
-
-
-def _load_checkpoint(folder: Path, it: ShardIter, net) -> int:
-    """Every worker: the checkpoint's parameters and iterator state; the epoch it stopped in."""
-    missing = [name for name in CHECKPOINT_FILES if not (folder / name).is_file()]
-    if missing:
-        raise LoaderError(f"--resume {folder}: not a checkpoint of this tool (missing {', '.join(missing)})")
-    state = json.loads((folder / "state.json").read_text())["iterator"]
-    net.load_parameters(str(folder / "net.params"), ctx=net.collect_params().list_ctx())
-    it.load_state_dict(state)
-    return int(state["epoch"])
-
-
 def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     common = dict(preprocess_threads=args.threads, prefetch_buffer=args.prefetch, seed=args.seed, **_cache(args, kv))
     val_end = (np.datetime64(args.val_from) - np.timedelta64(1, "D")).astype(str) if args.val_from else None
@@ -169,7 +130,7 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     net = build_net(args.hidden, ctx, args.seed)
     trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": args.lr},
                             kvstore=kv if kv is not None else "device")
-    start = _load_checkpoint(Path(args.resume), train, net) if args.resume else 0
+    start = load_checkpoint(Path(args.resume), train, net) if args.resume else 0
     history, seen, done = [], [], 0
     rank, label = _rank(kv), _prefix(kv)
     for epoch in range(start, args.epochs):
@@ -199,7 +160,7 @@ def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
         if done == args.stop_after:  # every worker, after the same batch
             history.append(row)
             if rank == 0:
-                _save_checkpoint(Path(args.checkpoint), train, net)
+                save_checkpoint(Path(args.checkpoint), train, net)
             print(f"{label}stopped after {done} batches, in epoch {epoch}" +
                   (f"; checkpoint {args.checkpoint}" if rank == 0 else ""), flush=True)
             break

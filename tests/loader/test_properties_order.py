@@ -2,7 +2,7 @@
 phases of parts and batch sizes (the padded last batch and the repeated one of a part that runs out
 early included), an epoch reads every window exactly once and a resume reads exactly the rest.
 
-The pure order code (``loader.pipeline.order``, ``stream.split_phase``/``epoch_batches``, the
+The pure order code (``loader.pipeline.order``, ``parts.split_phase``/``epoch_batches``, the
 state's count of consumed samples) is checked on many shapes without MXNet; one property reads
 through real ``ShardIter``s on small stores written per example."""
 
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from loader import LoaderError
 from loader.pipeline.batches import StreamParams
 from loader.pipeline.order import EpochOrder, OrderSpec, Phase, count, cut, remainder, slice_of
-from loader.pipeline.stream import epoch_batches, split_phase
+from loader.pipeline.parts import epoch_batches, split_phase
 
 COUNTS = st.lists(st.integers(1, 60), min_size=1, max_size=8)
 SPECS = st.builds(OrderSpec, seed=st.integers(0, 2**32 - 1), shuffle=st.booleans(), canonical_parts=st.integers(1, 9),
