@@ -25,7 +25,7 @@ interpreter exit                      ``loader.lifecycle``'s hook: ``close()`` o
    ``reset()`` first). A native iterator reading a file is gone by then: MXNet reads through its
    own descriptors, and a folder removed under one crashed it.
 4. ``release_claim``: the store's cache forgets what this iterator wanted (its files may be
-   evicted from now on) and its claim on a cache under ``cache_limit``, which another iterator of
+   evicted from now on) and its claim on a bounded cache, which another iterator of
    the process can then take (a new one waits for dropped ones' threads first).
 5. ``drop_lease``: the reader lease, last: until then gc keeps the generation it names.
 
