@@ -54,6 +54,11 @@ _CACHES: dict[Path, CachedStore] = {}  # one per cache folder in a process: the 
 _CACHES_LOCK = threading.Lock()
 
 
+def _source(store: S3Store) -> tuple:
+    """What a cache folder's files come from: the store's kind, URL and endpoint."""
+    return type(store.objects), store.objects.url, store.objects.endpoint
+
+
 def outage_wait_s() -> float:
     """Seconds a mid-epoch fetch waits for a store that cannot be reached: ``SHARDGEN_OUTAGE_WAIT_S``
     (0: fail at once, after the store's own retries), else 10 minutes."""
@@ -76,20 +81,29 @@ class CachedStore(S3Store):
 
     @classmethod
     def of(cls, store: S3Store, cache_dir: Path, limit: Optional[int]) -> CachedStore:
-        """The cached store of ``store`` under ``<cache_dir>/objects``, made once per folder and limit."""
+        """The cached store of ``store`` under ``<cache_dir>/objects``: one per folder in a process,
+        so one ``Room`` counts and evicts its files. Another store (kind, URL or endpoint) or another
+        limit on a folder an iterator still reads is NoRoom: two rooms on one folder evicted each
+        other's files, and a second store's reads were served from the first's."""
         if isinstance(store, CachedStore) and limit in (None, store.cache_limit):
             return store  # a reader's store, handed on (``for_kvstore``)
         folder = (Path(cache_dir) / OBJECTS / store.objects.bucket / store.objects.prefix).resolve()
         with _CACHES_LOCK:
             found = _CACHES.get(folder)
-            if found is None or found.cache_limit != limit:
-                found = _CACHES[folder] = cls(store, folder, limit)
+            if found is not None and (found.source, found.cache_limit) == (_source(store), limit):
+                return found
+            if found is not None and found.room.streamers:
+                raise NoRoom(f"{folder}: an iterator of this process reads this cache folder as {found.url} "
+                             f"({found.objects.endpoint}) under cache_limit={found.cache_limit}; one cache folder "
+                             f"holds one store under one limit: give this one (cache_limit={limit}) its own cache_dir")
+            found = _CACHES[folder] = cls(store, folder, limit)
         return found
 
     def __init__(self, store: S3Store, folder: Path, limit: Optional[int]):
         super().__init__(store.objects, staging=store.staging)
         outage_wait_s()  # a bad SHARDGEN_OUTAGE_WAIT_S is said now, not during an outage
         self.folder = Path(folder)
+        self.source = _source(store)
         self.room = Room(self.folder, limit, self.url)  # it owns the limit
         self.downloads = 0  # files this process downloaded (not found in the cache)
         self.downloaded_bytes = 0  # and their bytes
@@ -211,27 +225,28 @@ class CachedStore(S3Store):
         self.room.release(who)
 
     def _cached(self, name: str, what: tuple) -> bool:
-        """Whether ``name`` is in the cache as this shard needs it: for a ``.rec``, the size and
-        the sha256 it was verified against at download (a store rebuilt under the same URL, or
-        another endpoint's bucket of the same name, has other hashes: downloaded again)."""
+        """Whether ``name`` is in the cache as this shard needs it: downloaded for the shard of this
+        sha256 (its marker; a store rebuilt under the same URL, or another endpoint's bucket of the
+        same name, has other hashes: downloaded again, its ``.idx`` too), a ``.rec`` of its size."""
         shard, kind = what
         try:
             size = (self.folder / name).stat().st_size
-            if kind == "rec":
-                return size == shard.bytes and self._marker(name).read_text() == shard.sha256
+            fresh = self._marker(name).read_text() == shard.sha256
         except OSError:
             return False
-        return size > 0
+        return fresh and (size == shard.bytes if kind == "rec" else size > 0)
 
     def _marker(self, name: str) -> Path:
         return self.folder / LOCKS / (name + ".sha256")
 
     def forget_local(self, shard: ShardEntry) -> str:
-        """A cached copy found damaged on disk goes (its marker first): the next fetch downloads it."""
-        with self.room.file_lock(shard.rec):
-            for path in (self._marker(shard.rec), self.folder / shard.rec):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+        """A cached copy found damaged on disk goes, its ``.idx`` too (markers first): the next fetch
+        downloads them."""
+        for name in (shard.rec, shard.idx):
+            with self.room.file_lock(name):
+                for path in (self._marker(name), self.folder / name):
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
         return (f"the cached copy was removed: the next reset() downloads it again (`shardgen verify` on "
                 f"{self.url} checks the store's own)")
 
@@ -241,14 +256,14 @@ class CachedStore(S3Store):
                 return  # another process fetched it while we waited
             self.downloads += 1
             try:
+                with contextlib.suppress(FileNotFoundError):
+                    self._marker(name).unlink()
                 if kind == "rec":
-                    with contextlib.suppress(FileNotFoundError):
-                        self._marker(name).unlink()
                     self.objects.download(name, self.folder / name, size=shard.bytes, sha256=shard.sha256,
                                           what=f"shard {shard.date}")
-                    atomic_write(self._marker(name), shard.sha256.encode(), fsync=False)
                 else:
                     self.objects.download(name, self.folder / name, what=f"index of {shard.date}")
+                atomic_write(self._marker(name), shard.sha256.encode(), fsync=False)  # the shard it is of
                 with self.room.lock:
                     self.downloaded_bytes += (self.folder / name).stat().st_size
             except ObjectStoreError as exc:  # its kind kept: unreachable, reset() reads the generation it holds

@@ -15,6 +15,7 @@ from shardgen.errors import (
 from shardgen.store import S3Store
 from shardgen.store.cached import DOWNLOAD_THREADS, CachedStore
 from shardgen.store.manifest import Manifest
+from shardgen.store.room import NoRoom
 
 
 @pytest.fixture
@@ -291,15 +292,32 @@ def test_eviction_takes_the_file_read_longest_ago_not_the_one_downloaded_longest
     assert [p.name for p in cache.room._entries()] == ["read.rec"]
 
 
-def test_a_process_shares_one_cached_store_per_folder_and_limit(local_remote, tmp_path):
-    """Iterators of a store in one process share its cached store, unless they ask for another
-    cache_limit: then it is a cached store of that limit."""
+def test_a_process_shares_one_cached_store_per_folder_and_refuses_a_second_limit_or_source(local_remote, tmp_path):
+    """Iterators of a store in one process share its cached store (one Room counts and evicts the
+    folder's files). Another cache_limit, or another store (here: another endpoint) on that folder
+    while an iterator reads it is NoRoom (review: two rooms on one folder evicted each other's
+    files, 4 runs in 5; a second endpoint was read from the first); once nothing reads it, the
+    folder is the new one's."""
     remote, _ = local_remote
     store = S3Store(remote)
     first = CachedStore.of(store, tmp_path / "c", 10**7)
     assert CachedStore.of(store, tmp_path / "c", 10**7) is first
+    first.claim("iter-1")
+
+    class Elsewhere(type(remote)):
+        @property
+        def endpoint(self) -> str:
+            return "http://elsewhere:9000"
+
+    elsewhere = S3Store(Elsewhere(remote.root))
+    for other, limit in ((store, 10**8), (store, None), (elsewhere, 10**7)):
+        with pytest.raises(NoRoom, match=r"an iterator of this process reads this cache folder as .* one cache "
+                                         r"folder holds one store under one limit: give this one .* its own cache_dir"):
+            CachedStore.of(other, tmp_path / "c", limit)
+    first.let_go("iter-1")
     other = CachedStore.of(store, tmp_path / "c", 10**8)
     assert other is not first and other.cache_limit == 10**8
+    assert CachedStore.of(elsewhere, tmp_path / "d", None).objects.endpoint == "http://elsewhere:9000"
 
 
 def test_nothing_is_fetched_ahead_under_a_cache_limit(local_remote, tmp_path):

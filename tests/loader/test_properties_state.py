@@ -223,9 +223,8 @@ def _sign(state: dict) -> dict:
     return {k: digest if k == "sha256" else v for k, v in {**state, "sha256": None}.items()}
 
 
-FIELDS = sorted(["version", "manifest", "generation", "fingerprint", "shards", "dates", "epoch", "seed", "shuffle",
-                 "canonical_parts", "block", "phases", "batches", "samples", "batch_size", "num_parts", "part_index",
-                 "last_batch", "pinned"])  # what state_dict() writes (checked against the saved state)
+FIELDS = sorted(["version", "generation", "fingerprint", "shards", "dates", "epoch", "seed", "shuffle",
+                 "canonical_parts", "block", "phases", "pinned"])  # what state_dict() writes (checked against it)
 SHARD_FIELDS = sorted(["date", "rec", "idx", "records", "bytes", "sha256", "windows", "distinct", "checksum"])
 
 
