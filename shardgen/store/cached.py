@@ -108,6 +108,7 @@ class CachedStore(S3Store):
         self.downloads = 0  # files this process downloaded (not found in the cache)
         self.downloaded_bytes = 0  # and their bytes
         self._ahead: Optional[threading.Thread] = None
+        self._unread = threading.Event()  # no iterator reads this cache: downloads ahead stop (shutdown.STEPS)
         self._ensure_folder()
         self.room.claim_folder()
         for path in clean_temp_files(self.folder):  # downloads of killed processes of this host
@@ -192,15 +193,16 @@ class CachedStore(S3Store):
         if missing:
             self.room.make_room(missing, files, halt)  # counted in flight until each file is in place
             try:
-                self._download_all(missing, files)
+                self._download_all(missing, files, self._unread if who == "ahead" else None)
             finally:
                 self.room.landed(missing)
             log.info("%s: %d files downloaded in %.1fs", self.url, len(missing), time.perf_counter() - t0)
 
-    def _download_all(self, missing: list, files: dict) -> None:
+    def _download_all(self, missing: list, files: dict, stop: Optional[threading.Event]) -> None:
         def one(name: str) -> None:
             try:
-                self._download(name, *files[name])
+                if stop is None or not stop.is_set():
+                    self._download(name, *files[name], stop=stop)
             finally:
                 self.room.landed([name])
 
@@ -223,6 +225,8 @@ class CachedStore(S3Store):
 
     def let_go(self, who: str) -> None:
         self.room.release(who)
+        if not self.room.streamers:
+            self._unread.set()
 
     def _cached(self, name: str, what: tuple) -> bool:
         """Whether ``name`` is in the cache as this shard needs it: downloaded for the shard of this
@@ -250,7 +254,7 @@ class CachedStore(S3Store):
         return (f"the cached copy was removed: the next reset() downloads it again (`shardgen verify` on "
                 f"{self.url} checks the store's own)")
 
-    def _download(self, name: str, shard: ShardEntry, kind: str) -> None:
+    def _download(self, name: str, shard: ShardEntry, kind: str, stop: Optional[threading.Event] = None) -> None:
         with self.room.file_lock(name):
             if self._cached(name, (shard, kind)):
                 return  # another process fetched it while we waited
@@ -260,9 +264,9 @@ class CachedStore(S3Store):
                     self._marker(name).unlink()
                 if kind == "rec":
                     self.objects.download(name, self.folder / name, size=shard.bytes, sha256=shard.sha256,
-                                          what=f"shard {shard.date}")
+                                          what=f"shard {shard.date}", stop=stop)
                 else:
-                    self.objects.download(name, self.folder / name, what=f"index of {shard.date}")
+                    self.objects.download(name, self.folder / name, what=f"index of {shard.date}", stop=stop)
                 atomic_write(self._marker(name), shard.sha256.encode(), fsync=False)  # the shard it is of
                 with self.room.lock:
                     self.downloaded_bytes += (self.folder / name).stat().st_size
@@ -275,6 +279,7 @@ class CachedStore(S3Store):
 
     def claim(self, who: str) -> None:
         self.room.claim(who)
+        self._unread.clear()
 
     def check_room(self, shards: list) -> None:
         self.room.check_room(shards)

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, Optional
@@ -42,6 +43,10 @@ class _LocalWrite(Exception):
     pass
 
 
+class DownloadStopped(ObjectStoreError):
+    """A download given up mid-file: its ``stop`` was set, or the interpreter is exiting."""
+
+
 class Downloads:
     """``download`` over the object store's ``chunks(name)``, ``where(name)`` and ``endpoint``."""
 
@@ -60,15 +65,16 @@ class Downloads:
         raise NotImplementedError
 
     def download(self, name: str, dest: Path, *, size: Optional[int] = None, sha256: Optional[str] = None,
-                 what: str = "") -> None:
+                 what: str = "", stop: Optional[threading.Event] = None) -> None:
         """Fetch an object into ``dest`` (temp file, checks, rename). Transient faults are retried;
-        bytes that differ from ``size``/``sha256`` are fetched once more, then ObjectMismatch."""
+        bytes that differ from ``size``/``sha256`` are fetched once more, then ObjectMismatch. Once
+        ``stop`` is set (or the interpreter exits) it gives up between two chunks: DownloadStopped."""
         dest = Path(dest)
         mismatches, faults = 0, 0
         while True:
             tmp = temp_name(dest)
             try:
-                got_size, got_sha = self._fetch(name, tmp)
+                got_size, got_sha = self._fetch(name, tmp, stop)
                 problem = None
                 if size is not None and got_size != size:
                     problem = f"{got_size} bytes, the manifest says {size}"
@@ -102,7 +108,7 @@ class Downloads:
                 raise ObjectMismatch(f"{self.where(name)}{' (' + what + ')' if what else ''}: refused after "
                                      f"{mismatches} downloads: {problem}")
 
-    def _fetch(self, name: str, tmp: Path) -> tuple[int, str]:
+    def _fetch(self, name: str, tmp: Path, stop: Optional[threading.Event] = None) -> tuple[int, str]:
         """Size and sha256 of the object's bytes, written to ``tmp``."""
         sha, size = hashlib.sha256(), 0
         try:
@@ -111,6 +117,8 @@ class Downloads:
             raise _LocalWrite() from exc
         with fh:
             for chunk in self.chunks(name):
+                if (stop is not None and stop.is_set()) or not threading.main_thread().is_alive():
+                    raise DownloadStopped(f"{self.where(name)}: download stopped (nothing reads it any more)")
                 sha.update(chunk)
                 try:
                     fh.write(chunk)

@@ -1025,3 +1025,37 @@ def test_a_store_rebuilt_with_its_records_split_elsewhere_is_read_with_its_new_i
         remote = open_store(url).objects
         for name in remote.list():  # the store rebuilt under the same URL
             remote.delete(name)
+
+
+def test_close_stops_the_downloads_fetching_the_next_generation_ahead(s3, tmp_path, monkeypatch):
+    """Review: close() left the fetch ahead's downloads running (8 threads, partial files), and the
+    process's exit waited for them. Once no iterator reads the cache they stop between two chunks:
+    no download thread 2 s after close(), no temp file left."""
+    kind = client_class(s3)
+    real = kind.chunks
+
+    def slow(store, name):  # the new generation's shard: 40 chunks of 0.1 s
+        data = b"".join(real(store, name))
+        step = -(-len(data) // 40)
+        for i in range(0, len(data), step):
+            if "2024-01-05" in name:
+                time.sleep(0.1)
+            yield data[i:i + step]
+
+    local, url = store_with(s3, tmp_path)
+    it = ShardIter(url, 8, seed=5, cache_dir=tmp_path / "cache")
+    make_store(local, {**COUNTS, "2024-01-05": 20})
+    upload_store(s3, local)
+    monkeypatch.setattr(kind, "chunks", slow)
+    assert sorted(i for ids, _ in read_epoch(it) for i in ids) == list(range(131))
+    def fetching() -> list:
+        return [t.name for t in threading.enumerate() if t.name.startswith("shardgen-fetch")]
+
+    _wait_for(lambda: any(n.startswith("shardgen-fetch_") for n in fetching()), 30)
+    assert fetching(), "the next generation is fetched ahead"
+    it.close()
+    _wait_for(lambda: not fetching(), 2)
+    assert not fetching(), "downloads still run after close()"
+    mirror = tmp_path / "cache" / "objects" / "data" / "store"
+    assert not [p.name for p in mirror.iterdir() if ".tmp-" in p.name]
+    assert not (mirror / "2024-01-05.rec").exists()
