@@ -85,7 +85,7 @@ def test_a_failed_download_cancels_the_downloads_not_started(remote, tmp_path, m
     cache = CachedStore(S3Store(url), tmp_path / "cache", None)
     started, lock = [], threading.Lock()
 
-    def download(self, name, shard, kind):
+    def download(self, name, shard, kind, stop=None):
         with lock:
             started.append(name)
             first = len(started) == 1

@@ -115,16 +115,16 @@ def test_fetching_ahead_takes_no_index_the_reading_does_not_need(s3, tmp_path):
     # size need none) when it ran after the reader had let go of its files.
     local, url = store_with(s3, tmp_path)
     cache = tmp_path / "cache"
-    with ShardIter(url, 8, cache_dir=cache) as it:
+    with ShardIter(url, 8, cache_dir=cache) as it:  # open: a cache no iterator reads fetches nothing ahead
         read_epoch(it)
         mirror = it.reader.store
-    before = mirror.downloads
-    make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation with one more date
-    upload_store(s3, local)
-    if mirror._ahead is not None:  # the reader's own fetch ahead (half way through its epoch) ends first
+        before = mirror.downloads
+        make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation with one more date
+        upload_store(s3, local)
+        if mirror._ahead is not None:  # the reader's own fetch ahead (half way through its epoch) ends first
+            mirror._ahead.join(30)
+        mirror.fetch_ahead(lambda m: m.shards)  # its epoch read, the reader holds no file: every shard is "new"
         mirror._ahead.join(30)
-    mirror.fetch_ahead(lambda m: m.shards)  # no reader holds a file now: every shard is "new"
-    mirror._ahead.join(30)
     folder = mirror.folder
     assert (folder / "2024-01-05.rec").is_file()
     assert not list(folder.glob("*.idx"))
