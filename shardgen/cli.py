@@ -27,8 +27,9 @@ from shardgen.store.gc import collect
 from shardgen.store.status import dumps, status, watch_fields
 from shardgen.store.verify import verify_store
 from shardgen.watch.alive import watcher_status
+from shardgen.watch.raw import prune_raw
 from shardgen.watch.state import load_state
-from shardgen.watch.watcher import Watcher, prune_raw
+from shardgen.watch.watcher import Watcher
 
 __all__ = ["main"]
 

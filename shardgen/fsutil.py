@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Union
 
 __all__ = ["temp_name", "atomic_write", "atomic_writer", "write_temp", "link_new", "fsync_dir", "clean_temp_files",
-           "clean_dead_joblib_files", "pid_alive",
+           "clean_dead_joblib_files", "pid_alive", "file_version",
            "host_token", "pid_namespace", "boot_id", "make_dirs", "remove_empty_dirs", "HOST_TOKEN"]
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -178,6 +178,15 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return not _dying(pid)
+
+
+def file_version(path: Path) -> Optional[tuple[str, float, int]]:
+    """What tells one version of a file from the next: its path, mtime and size (None: gone)."""
+    try:
+        st = Path(path).stat()
+    except FileNotFoundError:
+        return None
+    return str(path), st.st_mtime, st.st_size
 
 
 def clean_temp_files(folder: Path) -> list[Path]:
