@@ -21,9 +21,9 @@ from shardgen.fsutil import HOST_TOKEN, clean_dead_joblib_files, clean_temp_file
 from shardgen.produce.generator import STOP, abandon_with
 from shardgen.produce.pipeline import DateResult, prepare, produce
 from shardgen.store import Store
-from shardgen.store.base import WriterLockLike
 from shardgen.store.manifest import Manifest, ShardEntry
 from shardgen.store.publish import publish
+from shardgen.store.writer_lock import WriterLockLike
 
 __all__ = ["BuildReport", "build", "wanted", "run_dates"]
 
