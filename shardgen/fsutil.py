@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ __all__ = ["temp_name", "atomic_write", "atomic_writer", "write_temp", "link_new
            "clean_dead_joblib_files", "pid_alive", "file_version",
            "host_token", "pid_namespace", "boot_id", "make_dirs", "remove_empty_dirs", "HOST_TOKEN"]
 
+log = logging.getLogger(__name__)
 Buffer = Union[bytes, bytearray, memoryview]
 
 
@@ -190,8 +192,8 @@ def file_version(path: Path) -> Optional[tuple[str, float, int]]:
 
 
 def clean_temp_files(folder: Path) -> list[Path]:
-    """Delete temp files left in ``folder`` by dead processes of this host, pid namespace and boot
-    (``HOST_TOKEN``); return them. Others' temp files are never judged by pid."""
+    """Delete (and log) temp files left in ``folder`` by dead processes of this host, pid namespace
+    and boot (``HOST_TOKEN``); return them. Others' temp files are never judged by pid."""
     removed = []
     if not Path(folder).is_dir():
         return removed
@@ -201,6 +203,7 @@ def clean_temp_files(folder: Path) -> list[Path]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
+                log.info("removed %s left by a dead process", entry.name)
     return removed
 
 

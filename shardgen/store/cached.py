@@ -79,8 +79,7 @@ class CachedStore(S3Store):
         self._ahead: Optional[threading.Thread] = None
         self._ensure_folder()
         self.room.claim_folder()
-        for path in clean_temp_files(self.folder):  # downloads of killed processes of this host
-            log.info("removed %s left by a dead process", path.name)
+        clean_temp_files(self.folder)  # downloads of killed processes of this host
         self.objects.check()
 
     def __repr__(self) -> str:
