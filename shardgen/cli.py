@@ -24,11 +24,12 @@ from shardgen.errors import EXIT_ENVIRONMENT, ConfigError, LockError, ShardgenEr
 from shardgen.format.check import has_checksums
 from shardgen.produce.build import build
 from shardgen.store.gc import collect
-from shardgen.store.status import dumps, status, watch_fields
+from shardgen.store.status import dumps, print_text, status, watch_fields
 from shardgen.store.verify import verify_store
 from shardgen.watch.alive import watcher_status
+from shardgen.watch.raw import prune_raw
 from shardgen.watch.state import load_state
-from shardgen.watch.watcher import Watcher, prune_raw
+from shardgen.watch.watcher import Watcher
 
 __all__ = ["main"]
 
@@ -226,29 +227,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(dumps(info))
         return code
-    mb = info["bytes"] / 1e6
-    per = f"{info['bytes_per_window']} bytes per window, " if info["windows"] else ""
-    print(f"{info['manifest']}: generation {info['generation']}, {info['shards']} shards, "
-          f"{info['windows']} windows, {mb:.1f} MB ({per}layout {info['layout']['kind']})")
-    dates = (f"dates {info['first_date']} .. {info['last_date']} (lag {info['lag_days']} days)" if info["shards"]
-             else "no dates")
-    print(f"{dates}, window {info['window']}, retired {info['retired']}, updated {info['age_s']}s ago")
-    snaps = info["snapshots"]
-    print(f"snapshots kept: {len(snaps)}" + (f" (generations {', '.join(map(str, snaps))})" if snaps else "")
-          + f", format {info['format']}")
-    print(f"newest raw file {info['newest_raw']} (lag {info['raw_lag_days']} days)" if info["newest_raw"]
-          else "no raw file")
-    w = info["watcher"]
-    if info["watch_updated"] or w["pid"] is not None:
-        who = f"pid {w['pid']} on {w['host']}, " if w["pid"] is not None else ""
-        state = (f"alive ({who}heartbeat {w['heartbeat_age_s']:.0f}s ago)" if w["alive"]
-                 else f"NOT RUNNING ({who}{w['why']})")
-        last = f"last cycle {info['watch_updated']}" if info["watch_updated"] else "no cycle finished yet"
-        print(f"watcher: {state}; {last}, {len(info['failing'])} failing dates")
-    for f in info["failing"]:
-        retry = f"next retry {f['next_retry']}" if f["next_retry"] else "retried when the file changes"
-        tries = f"{f['attempts']} attempt" + ("s" if f["attempts"] != 1 else "")
-        print(f"failing {f['date']} ({f['kind']}, {tries}, {retry}): {f['error']}")
+    print_text(info)
     return code
 
 
@@ -293,12 +272,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         return 128 + signal.SIGPIPE  # quietly, as a Unix tool killed by SIGPIPE
-    except (ConfigError, LockError) as exc:
+    except ShardgenError as exc:  # usage, config, the lock (2); a manifest, a date (1); the store or the disk (3)
         print(f"shardgen: error: {exc}", file=sys.stderr)
-        return 2
-    except ShardgenError as exc:  # a manifest, a date; the store or the disk (EXIT_ENVIRONMENT)
-        print(f"shardgen: error: {exc}", file=sys.stderr)
-        return EXIT_ENVIRONMENT if is_environment(exc) else 1
+        return 2 if isinstance(exc, (ConfigError, LockError)) else EXIT_ENVIRONMENT if is_environment(exc) else 1
     except KeyboardInterrupt as exc:
         terminated = isinstance(exc, _Terminated)
         print(f"shardgen: {'terminated (SIGTERM)' if terminated else 'interrupted'}; finished shards were published",

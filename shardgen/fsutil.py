@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -14,9 +15,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Union
 
 __all__ = ["temp_name", "atomic_write", "atomic_writer", "write_temp", "link_new", "fsync_dir", "clean_temp_files",
-           "clean_dead_joblib_files", "pid_alive",
+           "clean_dead_joblib_files", "pid_alive", "file_version",
            "host_token", "pid_namespace", "boot_id", "make_dirs", "remove_empty_dirs", "HOST_TOKEN"]
 
+log = logging.getLogger(__name__)
 Buffer = Union[bytes, bytearray, memoryview]
 
 
@@ -180,9 +182,18 @@ def pid_alive(pid: int) -> bool:
     return not _dying(pid)
 
 
+def file_version(path: Path) -> Optional[tuple[str, float, int]]:
+    """What tells one version of a file from the next: its path, mtime and size (None: gone)."""
+    try:
+        st = Path(path).stat()
+    except FileNotFoundError:
+        return None
+    return str(path), st.st_mtime, st.st_size
+
+
 def clean_temp_files(folder: Path) -> list[Path]:
-    """Delete temp files left in ``folder`` by dead processes of this host, pid namespace and boot
-    (``HOST_TOKEN``); return them. Others' temp files are never judged by pid."""
+    """Delete (and log) temp files left in ``folder`` by dead processes of this host, pid namespace
+    and boot (``HOST_TOKEN``); return them. Others' temp files are never judged by pid."""
     removed = []
     if not Path(folder).is_dir():
         return removed
@@ -192,6 +203,7 @@ def clean_temp_files(folder: Path) -> list[Path]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
+                log.info("removed %s left by a dead process", entry.name)
     return removed
 
 

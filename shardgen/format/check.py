@@ -8,10 +8,11 @@ checked here first, once per process and file version (inode, size, mtime, ctime
 every record (magic, length, cflag, header flag == record_floats, id == the date's day, the
 constant image and padding) and what the codec checks inside the payload (items used, day, runs'
 row counts and window starts). The check reads a few words per record through a memory map; the
-common case (no record split by dmlc's magic word) is vectorised. ``verify="crc"`` (the default)
-also checks every record's CRC32 of its payload and image (``framing.CRC_WORD``), so a flipped
-payload byte is an error naming the record, not wrong data; shards written before record
-checksums (their manifest entry has no ``checksum``) are checked by frame only.
+common case (no record split by dmlc's magic word; split ones: :mod:`shardgen.format.split`) is
+vectorised. ``verify="crc"`` (the default) also checks every record's CRC32 of its payload and
+image (``framing.CRC_WORD``), so a flipped payload byte is an error naming the record, not wrong
+data; shards written before record checksums (their manifest entry has no ``checksum``) are
+checked by frame only.
 ``verify="sha256"`` also hashes the whole file against the manifest: a mismatch in a file whose
 every record is sound is the manifest's error, and is said so.
 
@@ -36,17 +37,16 @@ from shardgen.format.filemap import mapped
 from shardgen.format.framing import (
     CHECKSUM,
     CRC_WORD,
-    HEADER_BYTES,
     MAGIC,
     NUMBER_WORD,
     PAYLOAD_WORD,
     data_bytes,
     image_tail,
     payload_crcs,
-    split_lrec,
 )
 from shardgen.format.index import check_index_file, read_offsets
 from shardgen.format.schema import Schema, day_number
+from shardgen.format.split import split_record_words
 
 __all__ = ["VERIFY_MODES", "ShardFrames", "Published", "check_shard", "read_offsets", "check_index_file", "needs_index",
            "has_checksums", "REBUILD"]
@@ -118,45 +118,6 @@ def _whole_records(cols: Columns, n_rec: int, schema: Schema, day: int) -> np.nd
     return schema.codec.check(cols, n_rec, schema, day)
 
 
-def _reassemble(data: memoryview, start: int, end: int) -> bytes:
-    """The data of a record dmlc split at magic words (the magic words put back)."""
-    pos, body = start, b""
-    while True:
-        if pos + 8 > end:
-            raise Damage(0, "record runs past its index entry")
-        magic, word = np.frombuffer(data, "<u4", 2, pos)
-        cflag, length = split_lrec(word)
-        if magic != MAGIC:
-            raise Damage(0, f"bad magic word at byte {pos}")
-        if cflag > 3 or (cflag == 0 and body) or (cflag in (2, 3) and pos == start) or (cflag == 1 and pos != start):
-            raise Damage(0, f"bad continuation flag {cflag} at byte {pos}")  # dmlc aborts on 4-7 (review)
-        if pos + 8 + length > end:
-            raise Damage(0, "record runs past its index entry")
-        body += bytes(data[pos + 8: pos + 8 + length])
-        pos += 8 + length + (-length % 4)
-        if cflag in (0, 3):
-            break
-        body += np.uint32(MAGIC).tobytes()
-    if pos != end:
-        raise Damage(0, f"record spans {pos - start} bytes, the index says {end - start}")
-    return body
-
-
-def _one_split_record(data: memoryview, start: int, end: int, schema: Schema, day: int) -> np.ndarray:
-    """A split record, reassembled and checked; its words laid out as a whole record's."""
-    f = schema.record_floats
-    body = _reassemble(data, start, end)
-    want = data_bytes(f, schema.image)
-    if len(body) != want:
-        raise Damage(0, f"record has {len(body)} data bytes, expected {want}")
-    flag, label, rid, rid_high = np.frombuffer(body, "<u4", 4)
-    if flag != f or rid != day or label != 0 or rid_high != 0:
-        raise Damage(0, f"header flag is not {f}, label not 0 or id is not day {day}")
-    if body[HEADER_BYTES + 4 * f:] != schema.image:
-        raise Damage(0, "image bytes differ from the constant image")
-    return np.frombuffer(b"\0" * 8 + body + b"\0" * (-len(body) % 4), "<u4")
-
-
 def _renumber(where: np.ndarray, run):
     """Run ``run()``; a Damage it raises names ``where[record]`` instead of ``record``."""
     try:
@@ -191,7 +152,7 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
         rebuilt = np.empty((len(split), rb // 4), np.uint32)
         for j, i in enumerate(split.tolist()):
             try:
-                words = _one_split_record(buf, int(offsets[i]), int(ends[i]), schema, day)
+                words = split_record_words(buf, int(offsets[i]), int(ends[i]), schema, day)
             except Damage as bad:
                 raise Damage(i, bad.what) from None
             rebuilt[j, :len(words)] = words[:rb // 4]

@@ -21,9 +21,9 @@ from shardgen.fsutil import HOST_TOKEN, clean_dead_joblib_files, clean_temp_file
 from shardgen.produce.generator import STOP, abandon_with
 from shardgen.produce.pipeline import DateResult, prepare, produce
 from shardgen.store import Store
-from shardgen.store.base import WriterLockLike
 from shardgen.store.manifest import Manifest, ShardEntry
 from shardgen.store.publish import publish
+from shardgen.store.writer_lock import WriterLockLike
 
 __all__ = ["BuildReport", "build", "wanted", "run_dates"]
 
@@ -141,15 +141,10 @@ class _Pending:
         self.last = time.monotonic()
 
 
-def _clean_temp_files(store) -> None:
-    for path in clean_temp_files(store):
-        log.info("removed %s left by a dead process", path.name)
-
-
 def _open_store(cfg: Config, store: Store) -> Manifest:
     """Create the (staging) folder, remove dead processes' temp files and the shard files a killed
     run left without a sidecar (older than ``store.grace_s``); the manifest, with the config's window."""
-    _clean_temp_files(store.stage())
+    clean_temp_files(store.stage())
     manifest = store.open_manifest(cfg.schema, cfg.store.window)
     for name in store.discard_incomplete(manifest, min_age_s=cfg.store.grace_s):
         log.info("removed %s: left without its sidecar (a killed run's) for over store.grace_s", name)
@@ -251,7 +246,7 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
         pending.flush()
         if bar is not None:
             bar.close()
-    _clean_temp_files(store.staging)  # again: a killed run's worker may still have been exiting when this run began
+    clean_temp_files(store.staging)  # again: a killed run's worker may still have been exiting when this run began
     if report.manifest is None:
         report.manifest = store.load_manifest()
     report.seconds = time.perf_counter() - t0

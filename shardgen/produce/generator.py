@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
+from shardgen.backoff import retry_delay
 from shardgen.config import Config
 from shardgen.errors import GeneratorError, Interrupted, RawDataError
 from shardgen.fsutil import HOST_TOKEN, pid_alive
@@ -225,7 +227,7 @@ def _generate(cfg: Config, date: dt.date, path: Path, min_cols: int) -> np.ndarr
     stopping = _StopCheck()
     for attempt in range(attempts):
         if attempt:
-            delay = cfg.generator.backoff_s * 2 ** (attempt - 1)
+            delay = retry_delay(attempt, base=cfg.generator.backoff_s, cap=math.inf)
             log.info("%s: retry %d/%d in %.1fs", date, attempt, attempts - 1, delay)
             if stopping.wait(delay):
                 raise Interrupted(f"{date}: abandoned before retry (stopping)")

@@ -20,7 +20,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from pathlib import Path
-from typing import ContextManager, Iterable, Optional, Protocol
+from typing import ContextManager, Iterable, Optional
 
 from shardgen.clock import utc_now
 from shardgen.errors import ConfigError, ManifestError
@@ -38,30 +38,12 @@ from shardgen.store.naming import (
 )
 from shardgen.store.reading import ReadInPlace
 from shardgen.store.sidecar import Sidecar
+from shardgen.store.writer_lock import WriterLockLike
 
-__all__ = ["Store", "WriterLockLike", "check_schema"]
+__all__ = ["Store", "check_schema"]
 
 log = logging.getLogger(__name__)
 _SHARD_FILE = re.compile(r"^(?P<stem>\d{4}-\d{2}-\d{2}(?:\.v\d+)?)\.(?:rec|idx)$")  # naming.shard_paths
-
-
-class WriterLockLike(Protocol):
-    """What a store's ``writer_lock`` returns (``WriterLock`` or ``FolderWriterLock``)."""
-
-    what: str
-
-    @property
-    def lost(self) -> Optional[str]: ...
-
-    def acquire(self) -> WriterLockLike: ...
-
-    def check(self) -> None: ...
-
-    def release(self) -> None: ...
-
-    def __enter__(self) -> WriterLockLike: ...
-
-    def __exit__(self, *exc: object) -> None: ...
 
 
 def check_schema(manifest: Manifest, schema: Schema, where: str) -> Manifest:

@@ -11,8 +11,8 @@ natively from there, exactly as a store folder is, every shard checked before MX
   only then renamed into place: a file in the cache is whole and verified. Bytes that differ
   are fetched once more, then refused, naming the date;
 * mid-epoch (a reader's fetch with ``halt``), a store that cannot be reached is waited for, up to
-  ``SHARDGEN_OUTAGE_WAIT_S`` (default 10 minutes); at ``reset()`` the error is raised, and the
-  loader reads the generation it holds again;
+  ``SHARDGEN_OUTAGE_WAIT_S`` (default 10 minutes; :mod:`shardgen.store.outage`); at ``reset()`` the
+  error is raised, and the loader reads the generation it holds again;
 * once an epoch fetched its own shards, a newer generation's are fetched in the background
   (``fetch_ahead``), unless under a ``cache_limit``;
 * several processes may share one cache folder without a ``cache_limit`` (say, the ``dist_sync``
@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from shardgen.errors import ConfigError
 from shardgen.format.check import needs_index
 from shardgen.fsutil import atomic_write, clean_temp_files
 from shardgen.store.manifest import Manifest, ShardEntry
 from shardgen.store.naming import MANIFEST_NAME, SNAPSHOT_DIR, snapshot_name
-from shardgen.store.objstore import ObjectStoreError, StoreUnreachable
+from shardgen.store.objstore import ObjectStoreError
+from shardgen.store.outage import outage_wait_s, wait_out
 from shardgen.store.room import LOCKS, NoRoom, Room
 from shardgen.store.s3 import S3Store
 
@@ -47,8 +46,6 @@ __all__ = ["CachedStore", "DOWNLOAD_THREADS", "outage_wait_s"]
 
 log = logging.getLogger(__name__)
 DOWNLOAD_THREADS = 8
-OUTAGE_WAIT_S = 600.0  # default budget for waiting out a store outage mid-epoch (SHARDGEN_OUTAGE_WAIT_S)
-OUTAGE_RETRY_S = 5.0  # between two tries while waiting
 OBJECTS = "objects"  # <cache_dir>/objects/<bucket>/<prefix>: the caches of object stores
 _CACHES: dict[Path, CachedStore] = {}  # one per cache folder in a process: the iterators of a store share it
 _CACHES_LOCK = threading.Lock()
@@ -57,20 +54,6 @@ _CACHES_LOCK = threading.Lock()
 def _source(store: S3Store) -> tuple:
     """What a cache folder's files come from: the store's kind, URL and endpoint."""
     return type(store.objects), store.objects.url, store.objects.endpoint
-
-
-def outage_wait_s() -> float:
-    """Seconds a mid-epoch fetch waits for a store that cannot be reached: ``SHARDGEN_OUTAGE_WAIT_S``
-    (0: fail at once, after the store's own retries), else 10 minutes."""
-    text = os.environ.get("SHARDGEN_OUTAGE_WAIT_S", "")
-    try:
-        value = float(text) if text.strip() else OUTAGE_WAIT_S
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 7 * 86400:  # nan, inf and negatives too
-        raise ConfigError(f"SHARDGEN_OUTAGE_WAIT_S must be a number of seconds in [0, 604800] (a week), got "
-                          f"{text!r}")
-    return value
 
 
 class CachedStore(S3Store):
@@ -111,8 +94,7 @@ class CachedStore(S3Store):
         self._unread = threading.Event()  # no iterator reads this cache: downloads ahead stop (shutdown.STEPS)
         self._ensure_folder()
         self.room.claim_folder()
-        for path in clean_temp_files(self.folder):  # downloads of killed processes of this host
-            log.info("removed %s left by a dead process", path.name)
+        clean_temp_files(self.folder)  # downloads of killed processes of this host
         self.objects.check()
 
     def __repr__(self) -> str:
@@ -158,27 +140,8 @@ class CachedStore(S3Store):
         its ``.idx`` unless reading it needs one (``needs_index``: records of
         differing sizes). ``halt``: mid-epoch, an outage is waited out (and a full
         cache waits for room) until it is set."""
-        waited_since, shards = None, list(shards)
-        while True:
-            try:
-                self._fetch_once(shards, who, schema, halt)
-                break
-            except StoreUnreachable as exc:
-                # At reset() (no ``halt``) the loader reads the generation it holds again instead.
-                budget, now = outage_wait_s(), time.monotonic()
-                if halt is None or budget == 0:
-                    raise
-                if waited_since is None:
-                    waited_since = now
-                    log.warning("%s; waiting up to %.0f s for the store (SHARDGEN_OUTAGE_WAIT_S) before the epoch "
-                                "fails; it goes on where it was", exc, budget)
-                elif now - waited_since >= budget:
-                    raise StoreUnreachable(f"{exc}; still after waiting {now - waited_since:.0f} s "
-                                           f"(SHARDGEN_OUTAGE_WAIT_S={budget:g})") from None
-                if halt.wait(min(OUTAGE_RETRY_S, budget - (now - waited_since))):
-                    raise
-        if waited_since is not None:
-            log.warning("%s: reachable again after %.0f s", self.url, time.monotonic() - waited_since)
+        shards = list(shards)
+        wait_out(lambda: self._fetch_once(shards, who, schema, halt), halt, self.url)
 
     def _fetch_once(self, shards: list, who: str, schema, halt: Optional[threading.Event]) -> None:
         t0 = time.perf_counter()

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import ContextManager, Iterable, Optional
 
-from shardgen.fsutil import atomic_write
+from shardgen.fsutil import atomic_write, file_version
 from shardgen.store.base import Store
 from shardgen.store.lease_file import FileHeartbeat, judge_lease
 from shardgen.store.lock import StoreLock
@@ -100,14 +100,8 @@ class FolderStore(Store):
         return date_file_names(self.dir, date)
 
     def dated_sidecars(self) -> list[tuple[dt.date, str, tuple]]:
-        found = []
-        for date, path in dated_sidecars(self.dir):
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            found.append((date, path.name, (str(path), st.st_mtime, st.st_size)))
-        return found
+        found = [(date, path.name, file_version(path)) for date, path in dated_sidecars(self.dir)]
+        return [f for f in found if f[2] is not None]  # gone since it was listed
 
     def check(self) -> None:
         """A folder needs no check: what fails says so when it is used."""

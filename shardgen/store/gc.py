@@ -24,9 +24,9 @@ from typing import Callable, Optional, Union
 from shardgen.clock import seconds_since, utc_datetime
 from shardgen.errors import ManifestError
 from shardgen.store import Store, open_store
-from shardgen.store.base import WriterLockLike
 from shardgen.store.manifest import Manifest, RetiredEntry
 from shardgen.store.naming import MANIFEST_NAME, snapshot_name
+from shardgen.store.writer_lock import WriterLockLike
 
 __all__ = ["collect", "deletable", "kept_snapshots", "sweep", "entry_files"]
 

@@ -44,19 +44,10 @@ from shardgen.clock import parse_utc, utc_now
 from shardgen.errors import ManifestError
 from shardgen.format.framing import CHECKSUM
 from shardgen.format.schema import Schema
-from shardgen.store.naming import (
-    check_date,
-    check_name,
-    name_version,
-    shard_stem,
-    sidecar_of,
-    snapshot_generations,
-    snapshot_path,
-)
+from shardgen.store.naming import check_date, check_name, sidecar_of
 
-__all__ = ["FORMAT", "CHECKSUMS", "declared_format", "ShardEntry", "RetiredEntry",
-           "Manifest", "utc_now", "parse_utc", "check_name", "shard_stem", "name_version", "snapshot_path",
-           "snapshot_generations"]
+__all__ = ["FORMAT", "CHECKSUMS", "declared_format", "ShardEntry", "RetiredEntry", "Manifest", "utc_now",
+           "parse_utc", "check_name"]
 
 FORMAT = "shardgen/2"
 READABLE_FORMATS = ("shardgen/1", FORMAT)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from shardgen.backoff import retry_delay
 from shardgen.fsutil import temp_name
 from shardgen.store.objurl import ObjectMismatch, ObjectStoreError, StoreUnreachable
 
@@ -32,7 +33,7 @@ CHUNK = 1 << 20
 
 def backoff(failures: int) -> float:
     """Seconds to wait after the ``failures``-th failed try: 0.5, 1, 2, 4, then 8 at most."""
-    return min(BACKOFF_S * 2 ** (failures - 1), MAX_BACKOFF_S)
+    return retry_delay(failures, base=BACKOFF_S, cap=MAX_BACKOFF_S)
 
 
 class TransientFault(Exception):

@@ -19,7 +19,8 @@ What this module promises:
   names the endpoint and the object.
   Refused credentials are ``CredentialsRefused``: one line that says so.
 
-The URL, ``ObjectInfo`` and the errors are in :mod:`shardgen.store.objurl` (importable from here too).
+The URL, ``ObjectInfo`` and the errors are in :mod:`shardgen.store.objurl`, the client in
+:mod:`shardgen.store.s3client` (both importable from here too).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
-import os
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, TypeVar, Union
@@ -45,77 +44,13 @@ from shardgen.store.objurl import (
     parse_url,
     store_errors_as,
 )
+from shardgen.store.s3client import attempts, client, endpoint, forget_clients
 
 __all__ = ["is_remote", "parse_url", "ObjectStore", "ObjectInfo", "ObjectStoreError", "StoreUnreachable",
            "CredentialsRefused", "ObjectMismatch", "NoSuchStore", "ATTEMPTS", "store_errors_as", "forget_clients",
            "attempts"]
 
 T = TypeVar("T")
-_clients: dict = {}  # pid -> (client, attempts)
-_clients_lock = threading.RLock()  # re-entered when a finalizer (a lease release) runs during client creation
-
-
-def _client():
-    """One boto3 client per process (clients are thread-safe; a forked child makes its own)."""
-    return _session()[0]
-
-
-def attempts() -> int:
-    """Tries of one request or download: the AWS setting ``max_attempts`` (``AWS_MAX_ATTEMPTS``, or
-    ``max_attempts`` in the profile of ``~/.aws/config``), default ``ATTEMPTS``. Our own loop makes
-    them (botocore's retries are off), so every failure mode is counted the same way."""
-    return _session()[1]
-
-
-def _session() -> tuple:
-    key = os.getpid()
-    with _clients_lock:
-        if key not in _clients:
-            try:
-                import boto3
-                import botocore.session
-                from botocore.config import Config
-            except ImportError:
-                raise ObjectStoreError("s3:// stores need boto3: pip install 'shardgen[s3]'") from None
-
-            config = Config(connect_timeout=3, read_timeout=30, retries={"max_attempts": 1, "mode": "standard"},
-                            max_pool_connections=32,
-                            # S3-compatible servers may answer ranged GETs with whole-object checksums:
-                            # we check sizes and hashes ourselves.
-                            response_checksum_validation="when_required",
-                            request_checksum_calculation="when_required")
-            _clients.clear()
-            core = botocore.session.get_session()
-            try:
-                tries = core.get_config_variable("max_attempts")
-            except ValueError:
-                tries = 0
-            if tries is not None and (not isinstance(tries, int) or tries < 1):
-                raise ObjectStoreError(f"AWS_MAX_ATTEMPTS (or max_attempts in the AWS config): expected a whole "
-                                       f"number >= 1, got {os.environ.get('AWS_MAX_ATTEMPTS', tries)!r}")
-            try:
-                client = boto3.session.Session(botocore_session=core).client("s3", config=config)
-            except ValueError as exc:  # e.g. AWS_ENDPOINT_URL without http:// or https://
-                endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-                raise ObjectStoreError(f"S3 endpoint {endpoint!r}: {exc} (an endpoint URL starts with http:// "
-                                       "or https://)") from None
-            _clients[key] = (client, ATTEMPTS if tries is None else tries)
-        return _clients[key]
-
-
-def forget_clients() -> None:
-    """Drop the cached client: the next call makes one from the environment as it is now (a new
-    endpoint or credentials)."""
-    with _clients_lock:
-        _clients.clear()
-
-
-def endpoint() -> str:
-    """The S3 endpoint's URL, for messages."""
-    try:
-        return _client().meta.endpoint_url
-    except Exception:  # noqa: BLE001 - only for messages
-        return "the S3 endpoint"
 
 
 def _missing(exc: BaseException) -> bool:
@@ -226,11 +161,11 @@ class ObjectStore(Downloads):
 
     def check(self) -> None:
         """Raise a clear error unless the bucket is reachable with our credentials."""
-        self._call("checking the bucket", "", lambda: _client().head_bucket(Bucket=self.bucket))
+        self._call("checking the bucket", "", lambda: client().head_bucket(Bucket=self.bucket))
 
     def head(self, name: str) -> Optional[ObjectInfo]:
         def go():
-            r = _unless_missing(lambda: _client().head_object(Bucket=self.bucket, Key=self.key(name)))
+            r = _unless_missing(lambda: client().head_object(Bucket=self.bucket, Key=self.key(name)))
             if r is None:
                 return None
             return ObjectInfo(int(r["ContentLength"]), r["LastModified"].timestamp(), r.get("ETag", "").strip('"'))
@@ -245,7 +180,7 @@ class ObjectStore(Downloads):
     def get_with_info(self, name: str) -> Optional[tuple[bytes, ObjectInfo]]:
         """The object's bytes and its size, mtime and ETag (one request), or None."""
         def go():
-            r = _unless_missing(lambda: _client().get_object(Bucket=self.bucket, Key=self.key(name)))
+            r = _unless_missing(lambda: client().get_object(Bucket=self.bucket, Key=self.key(name)))
             if r is None:
                 return None
             body = r["Body"].read()
@@ -269,7 +204,7 @@ class ObjectStore(Downloads):
         def go():
             with contextlib.ExitStack() as stack:
                 body = source if isinstance(source, bytes) else stack.enter_context(open(source, "rb"))
-                _client().put_object(Bucket=self.bucket, Key=self.key(name), Body=body, ContentMD5=md5,
+                client().put_object(Bucket=self.bucket, Key=self.key(name), Body=body, ContentMD5=md5,
                                      ContentLength=size, Metadata={"sha256": sha})
 
         self._call("PUT", name, go)
@@ -288,14 +223,14 @@ class ObjectStore(Downloads):
             raise ObjectMismatch(f"{self.where(name)}: ETag {info.etag} after upload, expected MD5 {want}")
 
     def delete(self, name: str) -> None:
-        self._call("DELETE", name, lambda: _client().delete_object(Bucket=self.bucket, Key=self.key(name)))
+        self._call("DELETE", name, lambda: client().delete_object(Bucket=self.bucket, Key=self.key(name)))
 
     def list(self, under: str = "") -> dict[str, ObjectInfo]:
         """Objects whose name starts with ``under``: name (relative to the store) -> info."""
 
         def go():
             found = {}
-            pages = _client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.key(under))
+            pages = client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.key(under))
             for page in pages:
                 for o in page.get("Contents", []):
                     found[o["Key"][len(self.prefix):]] = ObjectInfo(int(o["Size"]), o["LastModified"].timestamp(),
@@ -316,7 +251,7 @@ class ObjectStore(Downloads):
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            r = _client().get_object(Bucket=self.bucket, Key=self.key(name))
+            r = client().get_object(Bucket=self.bucket, Key=self.key(name))
             yield from r["Body"].iter_chunks(CHUNK)
         except ClientError as exc:
             if _missing(exc):

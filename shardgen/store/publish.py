@@ -16,8 +16,9 @@ from typing import Iterable, Optional, Union
 from shardgen.clock import utc_now
 from shardgen.format.schema import Schema
 from shardgen.store import Store, open_store
-from shardgen.store.base import WriterLockLike, check_schema
+from shardgen.store.base import check_schema
 from shardgen.store.manifest import Manifest, RetiredEntry, ShardEntry
+from shardgen.store.writer_lock import WriterLockLike
 
 __all__ = ["publish", "apply_entries", "log_retired", "check_schema"]
 

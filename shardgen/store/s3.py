@@ -182,11 +182,8 @@ class S3Store(Store):
         for path in shard_paths(self.staging, date).values():
             path.unlink(missing_ok=True)
 
-    def local_files(self, names: Iterable[str]) -> ContextManager[Path]:
-        return self._downloaded(list(names))
-
     @contextlib.contextmanager
-    def _downloaded(self, names: list[str]) -> Iterator[Path]:
+    def local_files(self, names: Iterable[str]) -> Iterator[Path]:
         with tempfile.TemporaryDirectory(prefix="shardgen-objects-") as tmp:
             for name in names:
                 with contextlib.suppress(ObjectMismatch):  # no such object: missing here too

@@ -1,4 +1,5 @@
-"""``shardgen status``: a summary of a store's manifest, and of the watcher's state.
+"""``shardgen status``: a summary of a store's manifest, and of the watcher's state (``print_text``:
+the lines it prints).
 
 Written once for every kind of store. The watcher's state is read by whoever knows about the
 watcher (the CLI, with ``watch.state.load_state``) and summarised by ``watch_fields``: the store
@@ -17,7 +18,7 @@ from shardgen.store.manifest import Manifest, declared_format
 from shardgen.store.naming import MANIFEST_NAME
 from shardgen.store.verify import newest_snapshot_problem
 
-__all__ = ["status", "summary", "watch_fields", "dumps"]
+__all__ = ["status", "summary", "watch_fields", "dumps", "print_text"]
 
 
 def status(store: Union[Store, str, os.PathLike], *, today: Optional[dt.date] = None) -> dict:
@@ -76,3 +77,31 @@ def watch_fields(state: Optional[dict]) -> dict:
 
 def dumps(obj: dict) -> str:
     return json.dumps(obj, sort_keys=True, indent=1)
+
+
+def print_text(info: dict) -> None:
+    """Print ``info`` as ``shardgen status`` does without ``--json``: ``status`` and ``watch_fields``,
+    with the CLI's ``watcher``, ``newest_raw`` and ``raw_lag_days``."""
+    mb = info["bytes"] / 1e6
+    per = f"{info['bytes_per_window']} bytes per window, " if info["windows"] else ""
+    print(f"{info['manifest']}: generation {info['generation']}, {info['shards']} shards, "
+          f"{info['windows']} windows, {mb:.1f} MB ({per}layout {info['layout']['kind']})")
+    dates = (f"dates {info['first_date']} .. {info['last_date']} (lag {info['lag_days']} days)" if info["shards"]
+             else "no dates")
+    print(f"{dates}, window {info['window']}, retired {info['retired']}, updated {info['age_s']}s ago")
+    snaps = info["snapshots"]
+    print(f"snapshots kept: {len(snaps)}" + (f" (generations {', '.join(map(str, snaps))})" if snaps else "")
+          + f", format {info['format']}")
+    print(f"newest raw file {info['newest_raw']} (lag {info['raw_lag_days']} days)" if info["newest_raw"]
+          else "no raw file")
+    w = info["watcher"]
+    if info["watch_updated"] or w["pid"] is not None:
+        who = f"pid {w['pid']} on {w['host']}, " if w["pid"] is not None else ""
+        state = (f"alive ({who}heartbeat {w['heartbeat_age_s']:.0f}s ago)" if w["alive"]
+                 else f"NOT RUNNING ({who}{w['why']})")
+        last = f"last cycle {info['watch_updated']}" if info["watch_updated"] else "no cycle finished yet"
+        print(f"watcher: {state}; {last}, {len(info['failing'])} failing dates")
+    for f in info["failing"]:
+        retry = f"next retry {f['next_retry']}" if f["next_retry"] else "retried when the file changes"
+        tries = f"{f['attempts']} attempt" + ("s" if f["attempts"] != 1 else "")
+        print(f"failing {f['date']} ({f['kind']}, {tries}, {retry}): {f['error']}")

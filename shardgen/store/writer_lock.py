@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
 from shardgen.errors import LockError
 from shardgen.fsutil import HOST_TOKEN
@@ -33,11 +33,30 @@ from shardgen.store.lock import StoreLock
 from shardgen.store.naming import CLOCK_NAME, LEASE_DIR
 from shardgen.store.objstore import ObjectStore, ObjectStoreError
 
-__all__ = ["WRITER_LOCK", "WriterLock", "FolderWriterLock"]
+__all__ = ["WRITER_LOCK", "WriterLockLike", "WriterLock", "FolderWriterLock"]
 
 log = logging.getLogger(__name__)
 WRITER_LOCK = ".writer.lock"
 SETTLE_S = 1.0  # a new lock is read back after this: the later of two racing writers wins
+
+
+class WriterLockLike(Protocol):
+    """What a store's ``writer_lock`` returns (``WriterLock`` or ``FolderWriterLock``)."""
+
+    what: str
+
+    @property
+    def lost(self) -> Optional[str]: ...
+
+    def acquire(self) -> WriterLockLike: ...
+
+    def check(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def __enter__(self) -> WriterLockLike: ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
 
 class FolderWriterLock(StoreLock):

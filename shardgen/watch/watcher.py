@@ -34,6 +34,7 @@ from shardgen.backoff import retry_delay
 from shardgen.clock import utc_stamp
 from shardgen.config import Config
 from shardgen.errors import LockError, ShardgenError
+from shardgen.fsutil import file_version
 from shardgen.produce import generator
 from shardgen.produce.build import BuildReport, build, wanted
 from shardgen.store.gc import collect
@@ -41,6 +42,7 @@ from shardgen.store.manifest import Manifest
 from shardgen.store.publish import publish
 from shardgen.watch.adopt import adoptable
 from shardgen.watch.alive import WatcherHeartbeat
+from shardgen.watch.raw import prune_raw, settled
 from shardgen.watch.state import Failing, save_state
 
 __all__ = ["Watcher", "CycleReport"]
@@ -72,15 +74,6 @@ class CycleReport:
         return not self.failed
 
 
-def _version(path: Path) -> Optional[tuple[str, float, int]]:
-    """What tells one version of a file from the next: its path, mtime and size (None: gone)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return str(path), st.st_mtime, st.st_size
-
-
 class Watcher:
     """One store's watcher. ``run()`` loops until ``stop()``; ``cycle()`` does one pass."""
 
@@ -89,7 +82,7 @@ class Watcher:
         self.cfg, self.interval, self.jobs, self.today = cfg, interval, jobs, today
         self._stop = False
         self._failures: dict[dt.date, _Failure] = {}
-        self._bad_files: set[Optional[tuple]] = set()  # reported once per file version (_version)
+        self._bad_files: set[Optional[tuple]] = set()  # reported once per file version (file_version)
         self._warned: set[Optional[tuple]] = set()  # raw files never published, warned about once
         self._left: set[str] = set()  # dates seen leaving the window: their raw files go with their shards
         self.store = cfg.store.open()
@@ -175,7 +168,7 @@ class Watcher:
             now = time.monotonic()
             scheduled = cfg.dates_between(today=self.today())
             files = cfg.raw_files()
-            raw = self._settled_raw_files(files)
+            raw = settled(files, cfg.generator.settle_s)
             # A due date is generated (again) whatever its raw file holds, unless someone is still
             # writing that file, or the date is waiting for its retry.
             due = [d for d in scheduled if (d in raw or d not in files) and self._retry_at(d) <= now]
@@ -210,7 +203,7 @@ class Watcher:
         listed = {e.date for e in (*manifest.shards, *manifest.retired)} | self._left  # no news
         arrivals = []
         for date, path in sorted(raw.items()):
-            version = _version(path)
+            version = file_version(path)
             if date in skip or date.isoformat() in listed or version in self._bad_files:
                 continue
             if date > today:
@@ -233,18 +226,6 @@ class Watcher:
         if manifest is not None:
             self._left |= {r.date for r in manifest.retired} | set(deleted)
             self._left = prune_raw(self.cfg, manifest, self._left, files)[0]
-
-    def _settled_raw_files(self, files: dict[dt.date, Path]) -> dict[dt.date, Path]:
-        """Raw files whose mtime is ``settle_s`` old (not being written any more)."""
-        settled, now = {}, time.time()
-        for date, path in files.items():
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            if now - st.st_mtime >= self.cfg.generator.settle_s:
-                settled[date] = path
-        return settled
 
     def _save_state(self) -> None:
         """Failing dates, for ``shardgen status``; a store we cannot write to is logged, not fatal."""
@@ -271,7 +252,7 @@ class Watcher:
             previous = self._failures.get(date)
             count = (previous.attempts if previous else 0) + 1
             if date in arrivals:  # a bad dropped file: report once, retry when it changes
-                self._bad_files.add(_version(raw[date]))
+                self._bad_files.add(file_version(raw[date]))
                 self._failures[date] = _Failure(count, message, None)
                 log.warning("%s: %s is not generated here; will read it again when it changes", date, raw[date])
                 continue
@@ -279,31 +260,3 @@ class Watcher:
             self._failures[date] = _Failure(count, message, time.monotonic() + delay)
             log.warning("%s: will retry in %.0fs (failure %d)", date, delay, count)
 
-
-def prune_raw(cfg: Config, manifest: Manifest, left: set, files: dict[dt.date, Path]) -> tuple[set, list]:
-    """Remove the raw files of the dates gc deleted the shards of (``left``: dates that left the
-    manifest, in this process's memory) and, with the window full, of every date of ``files``
-    older than the oldest shard (never produced again: also after a gc that ran while no watcher
-    did), unless ``store.keep_raw``; never of a date the manifest lists. The dates of ``left``
-    still listed (retired, within their grace) are returned, to prune once gc deletes them, with
-    the dates whose raw file was removed."""
-    listed = {e.date for e in (*manifest.shards, *manifest.retired)}
-    if cfg.store.keep_raw:
-        return set(left), []
-    left = set(left)
-    if manifest.window and len(manifest.shards) >= manifest.window:  # as ``wanted`` judges a date too old
-        oldest = manifest.shards[0].date
-        left |= {d.isoformat() for d in files if d.isoformat() < oldest}
-    removed = []
-    for day in sorted(left - listed):
-        path = cfg.raw_path(dt.date.fromisoformat(day))
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            log.warning("%s: cannot remove the raw file of %s (%s)", path, day, exc.strerror)
-            continue
-        log.info("%s: removed %s (its shard was deleted; store.keep_raw = false)", day, path)
-        removed.append(day)
-    return left & listed, removed

@@ -654,7 +654,7 @@ def test_gc_removes_the_lease_of_a_reader_killed_9_once_its_heartbeat_aged(s3, t
     assert cli("gc", "-c", cfg).returncode == 0
     assert not any(p.exists() for p in leases), "this host's dead process: its lease goes at once"
     assert all(q.exists() for q in other), "a fresh heartbeat of another host is kept: that reader may live"
-    from shardgen.store.objstore import _client
+    from shardgen.store.s3client import client as _client
 
     for q, body in zip(other, bodies):  # its last heartbeat 40 s ago: rclone keeps the mtime a PUT says
         _client().put_object(Bucket=s3.bucket, Key=f"st/leases/{q.name}", Body=body.encode(),

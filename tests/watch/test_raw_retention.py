@@ -13,7 +13,7 @@ from conftest import make_store, write_config
 
 from shardgen.config import load_config
 from shardgen.store.manifest import Manifest
-from shardgen.watch.watcher import prune_raw
+from shardgen.watch.raw import prune_raw
 
 
 def _setup(tmp_path, window, shard_dates, raw_dates, keep_raw=False):
