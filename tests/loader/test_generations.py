@@ -22,7 +22,8 @@ from shardgen.produce.build import build
 from shardgen.store import FolderStore
 from shardgen.store.gc import collect
 from shardgen.store.lease import live_lease_generations
-from shardgen.store.manifest import Manifest, snapshot_generations, snapshot_path
+from shardgen.store.manifest import Manifest
+from shardgen.store.naming import snapshot_generations, snapshot_path
 from shardgen.store.sidecar import Sidecar
 from shardgen.store.status import status
 from shardgen.store.verify import verify_store

@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from conftest import ROOT, make_store
@@ -30,22 +31,34 @@ def _leases(store) -> list:
     return sorted(folder.iterdir()) if folder.is_dir() else []
 
 
+def _reading(tmp_path, caplog) -> tuple:
+    """An iterator that read a batch (steps logged), the name its steps are logged under, its plan's folder."""
+    caplog.set_level(logging.DEBUG, logger="loader.pipeline.shutdown")
+    make_store(tmp_path / "s", DATES)
+    it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
+    it.next()
+    return it, it.reader.epochs.who, it.reader.plan.folder
+
+
+def _threads() -> list:
+    return [t.name for t in threading.enumerate() if t.name.startswith("shardgen") and t.name != "shardgen-close"]
+
+
 def test_the_order_is_the_written_one():
     assert list(shutdown.STEPS) == ORDER
     assert shutdown.RESET_STEPS == ("stop_streams",)
 
 
 def test_close_runs_every_step_in_order_and_lets_go_of_everything(tmp_path, caplog):
-    caplog.set_level(logging.DEBUG, logger="loader.pipeline.shutdown")
-    make_store(tmp_path / "s", DATES)
-    it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
-    it.next()
-    who, folder = it.reader.epochs.who, it.reader.plan.folder
+    it, who, folder = _reading(tmp_path, caplog)
     assert _leases(tmp_path / "s") and folder.exists()
     it.close()
     assert _steps(caplog, who) == ORDER
     assert not folder.exists() and _leases(tmp_path / "s") == []
-    assert not any(t.name.startswith("shardgen") for t in threading.enumerate() if t.name != "shardgen-close")
+    deadline = time.monotonic() + 5  # the lease's heartbeat ends once it sees the release
+    while _threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _threads(), _threads()
     it.close()  # a second close runs nothing again
     assert _steps(caplog, who) == ORDER
 
@@ -63,11 +76,7 @@ def test_reset_stops_only_the_current_stream(tmp_path, caplog):
 
 
 def test_a_dropped_iterator_runs_the_same_order(tmp_path, caplog):
-    caplog.set_level(logging.DEBUG, logger="loader.pipeline.shutdown")
-    make_store(tmp_path / "s", DATES)
-    it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
-    it.next()
-    who, folder = it.reader.epochs.who, it.reader.plan.folder
+    it, who, folder = _reading(tmp_path, caplog)
     del it  # never closed
     gc.collect()
     join_closing(30)
@@ -120,11 +129,7 @@ def test_an_interrupt_stops_the_order_and_the_next_close_runs_it_all(tmp_path, c
     the next ``close()`` runs every step."""
     from loader.pipeline.epochs import Epochs
 
-    caplog.set_level(logging.DEBUG, logger="loader.pipeline.shutdown")
-    make_store(tmp_path / "s", DATES)
-    it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
-    it.next()
-    who, folder = it.reader.epochs.who, it.reader.plan.folder
+    it, who, folder = _reading(tmp_path, caplog)
     real, calls = Epochs.close_streams, []
 
     def interrupted(self):
