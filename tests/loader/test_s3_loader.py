@@ -994,37 +994,77 @@ def test_two_limits_on_one_cache_folder_in_one_process_are_one_clear_error(s3, t
         assert sorted(i for b in again for i in batch_ids(b)) == list(range(131))
 
 
-def test_a_store_rebuilt_with_its_records_split_elsewhere_is_read_with_its_new_index(s3, tmp_path):
-    """Review: the cache took any non-empty ``.idx`` as current; a store rebuilt under the same URL
-    whose records are split at dmlc's magic word in other places failed every read ('record 1 is
-    damaged'), each try dropping a good ``.rec``. An ``.idx`` is cached for the shard (sha256) it
-    was fetched with, as a ``.rec`` is."""
+def _split_store(local, split: tuple) -> np.ndarray:
+    """One date of 10 records, those of rows ``split`` holding dmlc's magic word (split: its ``.idx``
+    is needed); the rows written."""
     import datetime as dt
     import struct
 
     from shardgen.format import MAGIC, LabelSpec, Schema
     from shardgen.produce.writer import write_shard
-    from shardgen.store import open_store
     from shardgen.store.publish import publish
 
-    def build(local, split):
-        local.mkdir()
-        schema = Schema.create(time_steps=2, num_inputs=2, data_name="seq_var", labels=[LabelSpec("a", 1)])
-        x = np.arange(40, dtype=np.float32).reshape(10, 2, 2) + split[0]
-        x[list(split), 0, 1] = np.frombuffer(struct.pack("<I", MAGIC), np.float32)[0]
-        entry = write_shard(local, dt.date(2024, 1, 2), x, {"a": np.arange(10, dtype=np.float32)}, schema).entry()
-        publish(local, schema, 0, [entry])
-        return x
+    local.mkdir()
+    schema = Schema.create(time_steps=2, num_inputs=2, data_name="seq_var", labels=[LabelSpec("a", 1)])
+    x = np.arange(40, dtype=np.float32).reshape(10, 2, 2) + split[0]
+    x[list(split), 0, 1] = np.frombuffer(struct.pack("<I", MAGIC), np.float32)[0]
+    entry = write_shard(local, dt.date(2024, 1, 2), x, {"a": np.arange(10, dtype=np.float32)}, schema).entry()
+    publish(local, schema, 0, [entry])
+    return x
+
+
+def test_a_store_rebuilt_with_its_records_split_elsewhere_is_read_with_its_new_index(s3, tmp_path):
+    """Review: the cache took any non-empty ``.idx`` as current; a store rebuilt under the same URL
+    whose records are split at dmlc's magic word in other places failed every read ('record 1 is
+    damaged'), each try dropping a good ``.rec``. An ``.idx`` is cached for the shard (sha256) it
+    was fetched with, as a ``.rec`` is."""
+    from shardgen.store import open_store
 
     cache = tmp_path / "cache"
     for n, split in enumerate([(3, 7), (0, 9)]):
-        x = build(tmp_path / f"v{n}", split)
+        x = _split_store(tmp_path / f"v{n}", split)
         url = upload_store(s3, tmp_path / f"v{n}", "r")
         with ShardIter(url, 10, shuffle=False, cache_dir=cache) as it:
             assert np.array_equal(it.next().data[0].asnumpy(), x), f"version {n}"
         remote = open_store(url).objects
         for name in remote.list():  # the store rebuilt under the same URL
             remote.delete(name)
+
+
+def test_a_cached_index_damaged_on_disk_is_dropped_with_its_shard(s3, tmp_path):
+    """A cached ``.idx`` whose offsets are wrong (here: another build's) makes the check fail; the
+    shard's ``.rec`` and ``.idx`` both go, so the next iterator downloads both and reads."""
+    from shardgen.format import check
+    cache = tmp_path / "cache"
+    _split_store(tmp_path / "other", (3, 7))
+    x = _split_store(tmp_path / "v", (0, 9))
+    url = upload_store(s3, tmp_path / "v", "r")
+    with ShardIter(url, 10, shuffle=False, cache_dir=cache) as it:
+        assert np.array_equal(it.next().data[0].asnumpy(), x)
+    cached = cache / "objects" / "data" / "r" / "2024-01-02.idx"
+    cached.write_bytes((tmp_path / "other" / "2024-01-02.idx").read_bytes())
+    check._CACHE.clear()  # as a new process: the .rec's check is not remembered
+    with pytest.raises(LoaderError, match="the cached copy was removed"):
+        ShardIter(url, 10, shuffle=False, cache_dir=cache)
+    with ShardIter(url, 10, shuffle=False, cache_dir=cache) as it:
+        assert np.array_equal(it.next().data[0].asnumpy(), x)
+
+
+def test_a_new_iterator_on_a_cache_fetches_ahead_again(s3, tmp_path):
+    """The downloads ahead stop once no iterator reads the cache; the next iterator on it fetches
+    ahead again (the newest generation's new shard is in the cache after its epoch)."""
+    local, url = store_with(s3, tmp_path)
+    cache = tmp_path / "cache"
+    with ShardIter(url, 8, cache_dir=cache) as it:
+        read_epoch(it)
+    with ShardIter(url, 8, cache_dir=cache) as it:
+        make_store(local, {**COUNTS, "2024-01-05": 20})
+        upload_store(s3, local)
+        read_epoch(it)
+        store = it.reader.store
+        if store._ahead is not None:
+            store._ahead.join(30)
+        assert (store.folder / "2024-01-05.rec").is_file(), "nothing fetched ahead"
 
 
 def test_close_stops_the_downloads_fetching_the_next_generation_ahead(s3, tmp_path, monkeypatch):
