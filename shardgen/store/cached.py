@@ -214,8 +214,8 @@ class CachedStore(S3Store):
                 for path in (self._marker(name), self.folder / name):
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()
-        return (f"the cached copy was removed: the next reset() downloads it again (`shardgen verify` on "
-                f"{self.url} checks the store's own)")
+        return (f"the cached copy was removed: the next reset() (or a new iterator) downloads it again "
+                f"(`shardgen verify` on {self.url} checks the store's own)")
 
     def _download(self, name: str, shard: ShardEntry, kind: str, stop: Optional[threading.Event] = None) -> None:
         with self.room.file_lock(name):
