@@ -54,7 +54,7 @@ class Reader:
         self.epoch = 0
         self.cursor = self.batches = self.part_samples = 0
         self.phases: tuple = ()  # the phases of this epoch read before the current one (a resumed state)
-        who = f"iter-{id(self)}"
+        self.who = who = f"iter-{id(self)}"  # what the store knows this reader by
         cap = store.group_bytes()  # None: no bound on what reading holds
         if cap is not None:
             join_closing(60)  # iterators dropped unclosed let go of their files and claim first (their close thread)
@@ -163,7 +163,7 @@ class Reader:
             # A cache that holds the part fetches its new shards now, so a store lost since the
             # manifest came is met here, and the held generation is read again (``reset``).
             with as_loader_errors():
-                self.store.fetch_part(self._part_of(manifest), who=f"iter-{id(self)}-next", schema=manifest.schema)
+                self.store.fetch_part(self._part_of(manifest), who=f"{self.who}-next", schema=manifest.schema)
             return self._plan_for(manifest, shards)
         if manifest.generation != current.generation:  # same files: only the generation moves on
             return dataclasses.replace(current, generation=manifest.generation)
@@ -176,7 +176,7 @@ class Reader:
     def _plan_for(self, manifest: Manifest, shards: tuple) -> EpochPlan:
         with as_loader_errors():
             self.store.check_room(list(shards))
-        return make_plan(self.store, self.root, manifest, shards, verify=self.verify, who=f"iter-{id(self)}")
+        return make_plan(self.store, self.root, manifest, shards, verify=self.verify, who=self.who)
 
     def _part_of(self, manifest: Manifest) -> tuple:
         """The shards of ``manifest`` this part reads in the next epoch (fetched ahead of a new generation)."""

@@ -91,7 +91,6 @@ class CachedStore(S3Store):
         self.downloads = 0  # files this process downloaded (not found in the cache)
         self.downloaded_bytes = 0  # and their bytes
         self._ahead: Optional[threading.Thread] = None
-        self._unread = threading.Event()  # no iterator reads this cache: downloads ahead stop (shutdown.STEPS)
         self._ensure_folder()
         self.room.claim_folder()
         clean_temp_files(self.folder)  # downloads of killed processes of this host
@@ -161,11 +160,11 @@ class CachedStore(S3Store):
                 self.room.landed(missing)
             log.info("%s: %d files downloaded in %.1fs", self.url, len(missing), time.perf_counter() - t0)
 
-    def _download_all(self, missing: list, files: dict, stop: Optional[threading.Event]) -> None:
+    def _download_all(self, missing: list, files: dict, should_stop: Optional[Callable[[], bool]]) -> None:
         def one(name: str) -> None:
             try:
-                if stop is None or not stop.is_set():
-                    self._download(name, *files[name], stop=stop)
+                if should_stop is None or not should_stop():
+                    self._download(name, *files[name], should_stop=should_stop)
             finally:
                 self.room.landed([name])
 
@@ -188,8 +187,10 @@ class CachedStore(S3Store):
 
     def let_go(self, who: str) -> None:
         self.room.release(who)
-        if not self.room.streamers:
-            self._unread.set()
+
+    def _unread(self) -> bool:
+        """No iterator reads this cache (the last one let go): the downloads ahead stop."""
+        return not self.room.streamers
 
     def _cached(self, name: str, what: tuple) -> bool:
         """Whether ``name`` is in the cache as this shard needs it: downloaded for the shard of this
@@ -214,10 +215,11 @@ class CachedStore(S3Store):
                 for path in (self._marker(name), self.folder / name):
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()
-        return (f"the cached copy was removed: the next reset() (or a new iterator) downloads it again "
-                f"(`shardgen verify` on {self.url} checks the store's own)")
+        return (f"the cached copy was removed: the next reset() downloads it again (or a new ShardIter does; "
+                f"`shardgen verify` on {self.url} checks the store's own)")
 
-    def _download(self, name: str, shard: ShardEntry, kind: str, stop: Optional[threading.Event] = None) -> None:
+    def _download(self, name: str, shard: ShardEntry, kind: str,
+                  should_stop: Optional[Callable[[], bool]] = None) -> None:
         with self.room.file_lock(name):
             if self._cached(name, (shard, kind)):
                 return  # another process fetched it while we waited
@@ -227,9 +229,10 @@ class CachedStore(S3Store):
                     self._marker(name).unlink()
                 if kind == "rec":
                     self.objects.download(name, self.folder / name, size=shard.bytes, sha256=shard.sha256,
-                                          what=f"shard {shard.date}", stop=stop)
+                                          what=f"shard {shard.date}", should_stop=should_stop)
                 else:
-                    self.objects.download(name, self.folder / name, what=f"index of {shard.date}", stop=stop)
+                    self.objects.download(name, self.folder / name, what=f"index of {shard.date}",
+                                          should_stop=should_stop)
                 atomic_write(self._marker(name), shard.sha256.encode(), fsync=False)  # the shard it is of
                 with self.room.lock:
                     self.downloaded_bytes += (self.folder / name).stat().st_size
@@ -242,7 +245,6 @@ class CachedStore(S3Store):
 
     def claim(self, who: str) -> None:
         self.room.claim(who)
-        self._unread.clear()
 
     def check_room(self, shards: list) -> None:
         self.room.check_room(shards)

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from shardgen.backoff import retry_delay
 from shardgen.fsutil import temp_name
@@ -45,7 +45,7 @@ class _LocalWrite(Exception):
 
 
 class DownloadStopped(ObjectStoreError):
-    """A download given up mid-file: its ``stop`` was set, or the interpreter is exiting."""
+    """A download given up mid-file: its ``should_stop()`` said so, or the interpreter is exiting."""
 
 
 class Downloads:
@@ -66,16 +66,16 @@ class Downloads:
         raise NotImplementedError
 
     def download(self, name: str, dest: Path, *, size: Optional[int] = None, sha256: Optional[str] = None,
-                 what: str = "", stop: Optional[threading.Event] = None) -> None:
+                 what: str = "", should_stop: Optional[Callable[[], bool]] = None) -> None:
         """Fetch an object into ``dest`` (temp file, checks, rename). Transient faults are retried;
         bytes that differ from ``size``/``sha256`` are fetched once more, then ObjectMismatch. Once
-        ``stop`` is set (or the interpreter exits) it gives up between two chunks: DownloadStopped."""
+        ``should_stop()`` (or the interpreter exits) it gives up between two chunks: DownloadStopped."""
         dest = Path(dest)
         mismatches, faults = 0, 0
         while True:
             tmp = temp_name(dest)
             try:
-                got_size, got_sha = self._fetch(name, tmp, stop)
+                got_size, got_sha = self._fetch(name, tmp, should_stop)
                 problem = None
                 if size is not None and got_size != size:
                     problem = f"{got_size} bytes, the manifest says {size}"
@@ -109,7 +109,7 @@ class Downloads:
                 raise ObjectMismatch(f"{self.where(name)}{' (' + what + ')' if what else ''}: refused after "
                                      f"{mismatches} downloads: {problem}")
 
-    def _fetch(self, name: str, tmp: Path, stop: Optional[threading.Event] = None) -> tuple[int, str]:
+    def _fetch(self, name: str, tmp: Path, should_stop: Optional[Callable[[], bool]] = None) -> tuple[int, str]:
         """Size and sha256 of the object's bytes, written to ``tmp``."""
         sha, size = hashlib.sha256(), 0
         try:
@@ -118,7 +118,7 @@ class Downloads:
             raise _LocalWrite() from exc
         with fh:
             for chunk in self.chunks(name):
-                if (stop is not None and stop.is_set()) or not threading.main_thread().is_alive():
+                if (should_stop is not None and should_stop()) or not threading.main_thread().is_alive():
                     raise DownloadStopped(f"{self.where(name)}: download stopped (nothing reads it any more)")
                 sha.update(chunk)
                 try:

@@ -85,7 +85,7 @@ def test_a_failed_download_cancels_the_downloads_not_started(remote, tmp_path, m
     cache = CachedStore(S3Store(url), tmp_path / "cache", None)
     started, lock = [], threading.Lock()
 
-    def download(self, name, shard, kind, stop=None):
+    def download(self, name, shard, kind, should_stop=None):
         with lock:
             started.append(name)
             first = len(started) == 1
@@ -229,6 +229,7 @@ def test_the_next_generation_is_fetched_ahead_only_once_this_epoch_has_fetched(l
     epoch's own downloads first), then the newest generation's shards come."""
     remote, manifest = local_remote
     cache = CachedStore(S3Store(remote), tmp_path / "cache", None)
+    cache.claim("iter-1")  # fetched ahead while an iterator reads it
     after, remote.requests = threading.Event(), 0
     cache.fetch_ahead(lambda m: m.shards, after)
     time.sleep(1.0)
@@ -327,6 +328,7 @@ def test_nothing_is_fetched_ahead_under_a_cache_limit(local_remote, tmp_path):
     cache.fetch_ahead(lambda m: m.shards)
     assert cache._ahead is None
     unbounded = CachedStore(S3Store(remote), tmp_path / "other", None)
+    unbounded.claim("iter-1")  # fetched ahead while an iterator reads it
     unbounded.fetch_ahead(lambda m: m.shards)
     unbounded._ahead.join(30)
     assert list((tmp_path / "other").glob("*.rec")), "without a limit the newest generation is fetched ahead"
