@@ -45,12 +45,13 @@ class Reader:
     epoch on the generation ``choice`` picks, ``state()``/``load()`` to resume."""
 
     def __init__(self, store: Store, root, manifest: Manifest, params: StreamParams, *, choice: Choice,
-                 dates: DateRange, verify: str, memory: dict):
+                 dates: DateRange, selected: tuple, verify: str, memory: dict):
+        """``selected``: the shards of ``manifest`` that ``dates`` (normalized) select."""
         self.store, self.root, self.params, self.choice = store, root, params, choice
         self.manifest = manifest  # the generation read now: reset() goes on with it if the store is out of reach
         self.schema = manifest.schema
         self.verify, self.memory = verify, memory
-        self.dates = normalize_dates(dates)
+        self.dates = dates
         self.epoch = 0
         self.cursor = self.batches = self.part_samples = 0
         self.phases: tuple = ()  # the phases of this epoch read before the current one (a resumed state)
@@ -66,7 +67,6 @@ class Reader:
         self.epochs.on_ahead = lambda: (me() or _Gone)._ahead_opened()
         self._finalizer = weakref.finalize(self, self.epochs.close_when_free)  # dropped: shutdown.STEPS
         # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
-        selected = select_shards(manifest, self.dates)
         self.epochs.arena = Arena(self.schema, batch_floats(params), keep=caller_batches_held(params.prefetch_buffer),
                                   buffers=buffers_alive(params, selected))
         try:
@@ -85,10 +85,12 @@ class Reader:
         manifest = choice.manifest(store)
         schema = manifest.schema
         labels = check_label_names(label_names, [lab.name for lab in schema.labels])
-        selected = select_shards(manifest, normalize_dates(dates))
+        dates = normalize_dates(dates)
+        selected = select_shards(manifest, dates)
         params = stream_params(schema, selected, shuffle_buffer, labels, **knobs)
         memory = check_memory(params, shuffle_buffer, selected)
-        return cls(store, root, manifest, params, choice=choice, dates=dates, verify=verify, memory=memory)
+        return cls(store, root, manifest, params, choice=choice, dates=dates, selected=selected, verify=verify,
+                   memory=memory)
 
     # -- where it is ------------------------------------------------------------------------------
 
