@@ -23,7 +23,7 @@ from loader.pipeline.order import MAX_CANONICAL_PARTS, Phase, remainder
 from loader.source.selection import normalize_dates
 from shardgen.store.manifest import ShardEntry
 
-__all__ = ["STATE_VERSION", "state_of", "check_state"]
+__all__ = ["STATE_VERSION", "state_of", "check_state", "rewound", "check_origin"]
 
 STATE_VERSION = 5  # 4: the order is a value; a state lists the phases read; 5: blocks without a ramp, of equal size
 MUST_MATCH = ("seed", "shuffle")
@@ -83,6 +83,7 @@ def check_state(reader: Any, state: dict) -> None:
     if not sound:
         raise LoaderError("state_dict differs from what state_dict() saved (its 'sha256' does not match its "
                           "fields): it was altered or damaged; load an unaltered copy")
+    check_origin(state, reader)
     for key in MUST_MATCH:
         if state.get(key) != getattr(reader.params, key):
             raise LoaderError(f"state_dict was saved with {key}={state.get(key)!r}, this iterator has "
@@ -128,3 +129,56 @@ def _check_fields(state: dict) -> None:
         remainder(sum(e.samples for e in entries), [Phase(*ph) for ph in phases])
     except ValueError as exc:
         raise LoaderError(f"state_dict 'phases' {phases!r}: {exc}") from None
+
+
+def rewound(state: dict, batches: int) -> dict:
+    """``state`` (of ``state_of``) as it was ``batches`` batches earlier in its last phase: the
+    batches handed out that the caller has not trained (``ShardIter.state_dict(untrained=...)``)."""
+    if batches == 0:
+        return state
+    *done, (parts, size, read) = state["phases"]
+    if not (isinstance(batches, int) and not isinstance(batches, bool) and 0 < batches <= read):
+        raise LoaderError(f"untrained={batches!r}: expected a number of batches from 0 to the {read} this "
+                          f"iterator handed out since its epoch (or its resumed state) began")
+    body = {k: v for k, v in state.items() if k != "sha256"}
+    body["phases"] = [*done, [parts, size, read - batches]]
+    return {**body, "sha256": _digest(body)}
+
+
+def _span(shards: list) -> str:
+    """What a list of shard entries covers, as a message names it."""
+    dates = sorted(s.date for s in shards)
+    return f"{len(dates)} shards, {dates[0]} .. {dates[-1]}" if dates else "no shards"
+
+
+def check_origin(state: dict, reader: Any, known: tuple = (), listed: frozenset = frozenset()) -> None:
+    """LoaderError when ``state`` was saved on another store, or on a generation whose files this
+    store no longer holds: a shard file of the state that this store lists (``known``: entries this
+    process checked or the store lists; default the reader's plan and generation) with other
+    contents (a file name is never reused with other bytes in a store), or, with ``listed`` (every
+    file name the newest manifest lists, live and retired), one this store does not list at all.
+    The message names what the state records and what this iterator reads."""
+    try:
+        mine = [ShardEntry.from_json(s) for s in state["shards"]]
+        generation = state.get("generation")
+    except (KeyError, TypeError, ValueError):
+        return  # not a state's shard list: _check_fields names it
+    plan = reader.plan
+    if plan is None:  # closed: the caller says so
+        return
+    by_rec = {s.rec: s for s in (known or (*plan.shards, *reader.manifest.shards))}
+    here = f"this iterator reads generation {plan.generation} of {reader.where} ({_span(list(plan.shards))})"
+    saved = f"the state records generation {generation} ({_span(mine)})"
+    other = [s for s in mine if s.rec in by_rec and by_rec[s.rec].sha256 != s.sha256]
+    if other:
+        s = other[0]
+        raise LoaderError(f"state_dict was saved on another store: its shard {s.date} ({s.rec}) has sha256 "
+                          f"{s.sha256[:12]}, this store's file of that name {by_rec[s.rec].sha256[:12]} "
+                          f"({len(other)} of its {len(mine)} shards differ); {saved}, {here}. Load a state saved "
+                          "on this store")
+    gone = [s for s in mine if listed and s.rec not in by_rec and s.rec not in listed]
+    if gone:
+        s = gone[0]
+        raise LoaderError(f"state_dict's shard {s.date} ({s.rec}) is not in this store ({len(gone)} of its "
+                          f"{len(mine)} shards are not): the state was saved on another store, or on a generation "
+                          f"whose files gc has deleted; {saved}, {here}")

@@ -18,7 +18,7 @@ import math
 import weakref
 from typing import Callable, Optional
 
-from loader.checkpoint import check_state, state_of
+from loader.checkpoint import check_origin, check_state, state_of
 from loader.errors import LoaderError, StoreUnreachableError, as_loader_errors
 from loader.pipeline.batches import StreamParams, batch_floats
 from loader.pipeline.epochs import Epochs, join_closing
@@ -242,6 +242,8 @@ class Reader:
         split_phase(params, sum(s.samples for s in shards), phases, int(state["generation"]))
         manifest = newest(self.store)
         known = {s.rec: s for s in (*manifest.shards, *self.plan.shards)}  # files this process checked or lists
+        listed = frozenset({*manifest.files(), *(r.rec for r in manifest.retired)})
+        check_origin(state, self, tuple(known.values()), listed)  # another store's, or a deleted generation's
         for s in shards:  # a file checked before is not checked again: its entry must be the one it was checked for
             if s.rec in known and known[s.rec] != s:
                 raise LoaderError(f"state_dict's entry of shard {s.date} ({s.rec}) differs from the store's "

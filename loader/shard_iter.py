@@ -14,23 +14,24 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mxnet as mx
 
+from loader.checkpoint import rewound
 from loader.epoch_clock import EpochClock
-from loader.errors import LoaderError, as_loader_errors
+from loader.errors import LoaderError
 from loader.first_agreement import FirstAgreement
+from loader.fit_resume import fit_checkpoint
 from loader.lifecycle import report_rank, start, track
 from loader.pipeline.batches import asked_labels
 from loader.pipeline.settings import check_arguments
 from loader.reader import Reader
-from loader.sizes import parse_size
 from loader.source.generations import Choice
+from loader.source.opening import open_store
 from loader.source.plan import cache_root
 from loader.source.selection import DateRange, normalize_dates
-from shardgen.store import Store, open_reading
+from shardgen.store import Store
 from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["ShardIter"]
@@ -88,7 +89,7 @@ class ShardIter(mx.io.DataIter):
         self._closed = False
         self.history: list[dict] = []
         self.cache_dir = cache_root(cache_dir)
-        store = _open(manifest, self.cache_dir, cache_limit)
+        store = open_store(manifest, self.cache_dir, cache_limit)
         self.manifest_path = store.where(MANIFEST_NAME)
         self.reader = Reader.open(store, self.cache_dir, generation=generation, dates=dates, label_names=label_names,
                                   shuffle_buffer=shuffle_buffer, verify=verify, shuffle=shuffle, **knobs)
@@ -116,6 +117,8 @@ class ShardIter(mx.io.DataIter):
         return it
 
     _first_agreement: Optional[FirstAgreement] = None  # for_kvstore: the agreement due at the first batch
+    epoch_ended = False  # next() said StopIteration for this epoch (reset() and load_state_dict() clear it)
+    _loaded_end = False  # the state loaded ended its epoch: the next next() starts the next epoch
 
     # -- the contract ---------------------------------------------------------------------------
 
@@ -141,15 +144,19 @@ class ShardIter(mx.io.DataIter):
         self._first_agreement = None  # for_kvstore: this reset() is the agreement
         self.reader.reset()
         self._clock = EpochClock()
+        self.epoch_ended = self._loaded_end = False
 
     def next(self) -> mx.io.DataBatch:
         if self._first_agreement is not None and not self._closed:
             pending, self._first_agreement = self._first_agreement, None
             pending.settle(self)
-        t0 = time.perf_counter()
         reader = self.reader
         if reader.cursor >= reader.batches:
-            raise StopIteration
+            if not self._loaded_end:
+                self.epoch_ended = True  # fit_checkpoint: Module.fit holds no batch ahead now
+                raise StopIteration
+            self.reset()  # a state saved at its epoch's end (epoch_end_callback): the next epoch
+        t0 = time.perf_counter()
         self._clock.begin(t0)
         if self._closed and _prefetching():
             raise StopIteration  # MXNet's PrefetchingIter asks a batch ahead from its own thread: close() ends it
@@ -241,10 +248,17 @@ class ShardIter(mx.io.DataIter):
 
     # -- resumption -----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """Where this iterator is: enough to continue the same epoch in a new process."""
+    def state_dict(self, *, untrained: int = 0) -> dict:
+        """Where this iterator is: enough to continue the same epoch in a new process, after every batch
+        ``next()`` handed out. ``untrained``: the last batches handed out that the caller has not trained
+        yet, which the state leaves to read (``Module.fit`` holds one ahead: use :meth:`fit_checkpoint`)."""
         self._check_open()
-        return self.reader.state(str(self.manifest_path))
+        return rewound(self.reader.state(str(self.manifest_path)), untrained)
+
+    def fit_checkpoint(self, save: Callable[[dict], None], *, every: int = 1) -> Callable[[Any], None]:
+        """``Module.fit``'s ``batch_end_callback`` that calls ``save(state)`` every ``every`` batches with
+        the state of the batches fit trained (:mod:`loader.fit_resume`)."""
+        return fit_checkpoint(self, save, every)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: same shards, same epoch order, the same remaining batches."""
@@ -253,6 +267,7 @@ class ShardIter(mx.io.DataIter):
         self._check_open()
         if reader.load(state, before_end=self._keep_stats):
             self._clock = EpochClock()
+        self.epoch_ended, self._loaded_end = False, reader.cursor >= reader.batches
         if self._first_agreement is not None:  # the first batch still agrees, on the state's generation
             self._first_agreement.loaded = True
 
@@ -281,14 +296,3 @@ class ShardIter(mx.io.DataIter):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _open(manifest: os.PathLike | str | Store, root: Path, cache_limit: object) -> Store:
-    """The store ``manifest`` names, as a reader reads it (an object store through its cache under ``root``)."""
-    limit = None if cache_limit is None else parse_size(cache_limit, "cache_limit",
-                                                        "a positive number of bytes or a size such as '20GB'",
-                                                        bare_bytes=True)
-    try:
-        with as_loader_errors():
-            return open_reading(manifest, root, limit)
-    except ValueError as exc:
-        raise LoaderError(str(exc)) from None

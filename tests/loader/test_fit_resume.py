@@ -1,0 +1,152 @@
+"""MXNet's ``Module.fit`` stopped and resumed in another process (issue 62, items 1 and 2), through the
+real ``fit`` (tests/fit_resume_worker.py): fit asks for batch k+1 before the ``batch_end_callback`` of
+batch k, so a state saved there with ``it.fit_checkpoint`` counts the batches fit trained, not the
+ones it was handed; a state saved at an epoch's end resumes at the next epoch's first batch. Each
+window of the epoch is trained once over both processes, in the order of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, batch_ids, make_store
+
+from loader import LoaderError, ShardIter
+
+COUNTS = {f"2024-03-{d:02d}": 13 + 3 * (d % 3) for d in range(4, 12)}  # 8 dates, 131 windows
+KW = dict(label_names=["a"], seed=5, shuffle_buffer=8)
+B = 8
+WORKER = ROOT / "tests" / "fit_resume_worker.py"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fitresume") / "s"
+    make_store(path, COUNTS, pack=2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(store, tmp_path_factory):
+    """The ids of every batch of epochs 0 and 1, read without a stop."""
+    with ShardIter(store, B, cache_dir=tmp_path_factory.mktemp("c"), **KW) as it:
+        first = [batch_ids(b) for b in it]
+        it.reset()
+        return first, [batch_ids(b) for b in it]
+
+
+def _run(store, out, tag, *args, timeout=240):
+    done = subprocess.run([sys.executable, "-P", str(WORKER), "--store", str(store), "--out", str(out), "--tag", tag,
+                           *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _forwards(out, tag) -> list:
+    return [json.loads(line) for line in (out / f"{tag}.jsonl").read_text().splitlines()]
+
+
+def _trained_before_the_save(out) -> list:
+    """Process 1's forwards up to its last save (the state and the model's parameters of that moment)."""
+    saved = json.loads((out / "saved.json").read_text())
+    return _forwards(out, "first")[: saved["forwards"]]
+
+
+def _check_resumed(out, uninterrupted) -> None:
+    epoch0, epoch1 = uninterrupted
+    before, after = _trained_before_the_save(out), _forwards(out, "then")
+    assert before and all(e == 0 for e, _ in before)
+    resumed = [ids for e, ids in after if e == 0]
+    assert [ids for _, ids in before] + resumed == epoch0  # every batch once, in the uninterrupted order
+    assert [ids for e, ids in after if e == 1] == epoch1
+    trained = sorted(i for ids in epoch0 for i in ids)
+    assert trained == list(range(sum(COUNTS.values())))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stop", ["mid", "last"])
+def test_module_fit_stopped_after_a_checkpoint_resumes_training_every_window_once(store, uninterrupted, tmp_path,
+                                                                                   stop):
+    """``fit_checkpoint(save, every=2)``: saved after fit's 2nd, 4th, ... batch and its last; the run
+    stops at the save after its 5th batch (or at its last batch); a new process loads the state and
+    ``fit(begin_epoch=state["epoch"])`` (the issue: 256 windows, one batch, never trained)."""
+    at = 5 if stop == "mid" else len(uninterrupted[0])
+    _run(store, tmp_path, "first", "--stop-at", at)
+    assert json.loads((tmp_path / "saved.json").read_text())["forwards"] == (6 if stop == "mid" else at)
+    _run(store, tmp_path, "then", "--resume", "--epochs", 2)
+    _check_resumed(tmp_path, uninterrupted)
+
+
+@pytest.mark.timeout(600)
+def test_module_fit_killed_after_a_checkpoint_resumes_training_every_window_once(store, uninterrupted, tmp_path):
+    """kill -9 of the training process after its save at fit's 8th batch; the resume trains the rest."""
+    cmd = [sys.executable, "-P", str(WORKER), "--store", str(store), "--out", str(tmp_path), "--tag", "first",
+           "--hang-at", "7"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "hanging").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the first run never reached its save"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        proc.stderr.close()
+    assert json.loads((tmp_path / "saved.json").read_text())["forwards"] == 8
+    _run(store, tmp_path, "then", "--resume", "--epochs", 2)
+    _check_resumed(tmp_path, uninterrupted)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("offset", [1, 0])
+def test_module_fit_resumed_from_an_epoch_end_state_trains_the_next_epoch_whole(store, uninterrupted, tmp_path,
+                                                                                offset):
+    """``state_dict()`` saved in ``epoch_end_callback``, then ``fit(begin_epoch=state["epoch"] + 1)``
+    (or ``state["epoch"]``): the next epoch from its first batch (was: a bare StopIteration)."""
+    _run(store, tmp_path, "first", "--epoch-end")
+    assert json.loads((tmp_path / "saved.json").read_text())["state"]["epoch"] == 0
+    _run(store, tmp_path, "then", "--resume", "--offset", offset, "--epochs", 1)
+    assert _forwards(tmp_path, "then") == [[1, ids] for ids in uninterrupted[1]]
+
+
+def test_a_loaded_epoch_end_state_starts_the_next_epoch_once_in_a_loop_or_after_reset(store, uninterrupted,
+                                                                                      tmp_path):
+    """A Gluon loop over an epoch-end state reads the next epoch; so does ``reset()`` after the load
+    (no epoch skipped); ``state_dict()`` before either still says the epoch ended."""
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        for _ in it:
+            pass
+        end = it.state_dict()
+    for reset_first in (False, True):
+        with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+            it.load_state_dict(end)
+            assert it.state_dict() == end
+            if reset_first:
+                it.reset()
+            assert [batch_ids(b) for b in it] == uninterrupted[1] and it.epoch == 1
+
+
+def test_untrained_batches_leave_the_state_before_them_and_are_bounded(store, uninterrupted, tmp_path):
+    """``state_dict(untrained=k)``: the batches after the state are the k last handed out and the rest;
+    a plain ``state_dict()`` counts every batch handed out (a Gluon loop's meaning)."""
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        for _ in range(3):
+            it.next()
+        states = [it.state_dict(untrained=k) for k in (0, 1, 3)]
+        for bad in (4, -1, 1.0, True):
+            with pytest.raises(LoaderError, match=r"untrained=.*expected a number of batches from 0 to the 3"):
+                it.state_dict(untrained=bad)
+        with pytest.raises(LoaderError, match="every=0, expected a number of batches >= 1"):
+            it.fit_checkpoint(print, every=0)
+    for k, state in zip((0, 1, 3), states):
+        with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+            it.load_state_dict(state)
+            assert [batch_ids(b) for b in it] == uninterrupted[0][3 - k:]
