@@ -23,7 +23,7 @@ from loader.pipeline.order import MAX_CANONICAL_PARTS, Phase, remainder
 from loader.source.selection import normalize_dates
 from shardgen.store.manifest import ShardEntry
 
-__all__ = ["STATE_VERSION", "state_of", "check_state", "rewound", "check_origin"]
+__all__ = ["STATE_VERSION", "state_of", "check_state", "rewound", "at_end", "ends_epoch", "check_origin"]
 
 STATE_VERSION = 5  # 4: the order is a value; a state lists the phases read; 5: blocks without a ramp, of equal size
 MUST_MATCH = ("seed", "shuffle")
@@ -145,6 +145,25 @@ def rewound(state: dict, batches: int) -> dict:
     return {**body, "sha256": _digest(body)}
 
 
+def at_end(state: dict) -> dict:
+    """``state`` (of ``state_of``) marked as saved after its epoch's end was signalled (``next()`` raised
+    StopIteration: ``Module.fit``'s ``epoch_end_callback``, or after a loop's ``for``): loaded, the next
+    ``next()`` starts the next epoch. A state saved after the last batch but before that keeps the meaning
+    of a loop that may still ask: the rest of its epoch, nothing."""
+    body = {k: v for k, v in state.items() if k != "sha256"}
+    body["ended"] = True
+    return {**body, "sha256": _digest(body)}
+
+
+def ends_epoch(state: dict) -> bool:
+    """Whether ``state`` was marked by ``at_end`` (LoaderError for a value ``at_end`` never writes)."""
+    ended = state.get("ended")
+    if ended is not None and ended is not True:
+        raise LoaderError(f"state_dict 'ended' must be true or absent, got {ended!r}: the state was altered or "
+                          "damaged after state_dict() saved it")
+    return ended is True
+
+
 def _span(shards: list) -> str:
     """What a list of shard entries covers, as a message names it."""
     dates = sorted(s.date for s in shards)
@@ -164,7 +183,7 @@ def check_origin(state: dict, reader: Any, known: tuple = (), listed: frozenset 
     except (KeyError, TypeError, ValueError):
         return  # not a state's shard list: _check_fields names it
     plan = reader.plan
-    if plan is None:  # closed: the caller says so
+    if plan is None or state.get("fingerprint") != reader.schema.fingerprint:  # closed; another schema: said so
         return
     by_rec = {s.rec: s for s in (known or (*plan.shards, *reader.manifest.shards))}
     here = f"this iterator reads generation {plan.generation} of {reader.where} ({_span(list(plan.shards))})"

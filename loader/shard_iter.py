@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import mxnet as mx
 
-from loader.checkpoint import rewound
+from loader.checkpoint import at_end, ends_epoch, rewound
 from loader.epoch_clock import EpochClock
 from loader.errors import LoaderError
 from loader.first_agreement import FirstAgreement
@@ -117,8 +117,7 @@ class ShardIter(mx.io.DataIter):
         return it
 
     _first_agreement: Optional[FirstAgreement] = None  # for_kvstore: the agreement due at the first batch
-    epoch_ended = False  # next() said StopIteration for this epoch (reset() and load_state_dict() clear it)
-    _loaded_end = False  # the state loaded ended its epoch: the next next() starts the next epoch
+    epoch_ended = _loaded_end = False  # next() said StopIteration / the state loaded had: reset() clears them
 
     # -- the contract ---------------------------------------------------------------------------
 
@@ -155,7 +154,7 @@ class ShardIter(mx.io.DataIter):
             if not self._loaded_end:
                 self.epoch_ended = True  # fit_checkpoint: Module.fit holds no batch ahead now
                 raise StopIteration
-            self.reset()  # a state saved at its epoch's end (epoch_end_callback): the next epoch
+            self.reset()  # a state saved after its epoch's end (epoch_end_callback): the next epoch
         t0 = time.perf_counter()
         self._clock.begin(t0)
         if self._closed and _prefetching():
@@ -250,24 +249,26 @@ class ShardIter(mx.io.DataIter):
 
     def state_dict(self, *, untrained: int = 0) -> dict:
         """Where this iterator is: enough to continue the same epoch in a new process, after every batch
-        ``next()`` handed out. ``untrained``: the last batches handed out that the caller has not trained
-        yet, which the state leaves to read (``Module.fit`` holds one ahead: use :meth:`fit_checkpoint`)."""
+        ``next()`` handed out (saved after ``next()`` said StopIteration, it resumes at the next epoch's first
+        batch). ``untrained``: the last batches handed out that the caller has not trained yet, which the
+        state leaves to read (``Module.fit`` holds one ahead: use :meth:`fit_checkpoint`)."""
         self._check_open()
-        return rewound(self.reader.state(str(self.manifest_path)), untrained)
+        state = rewound(self.reader.state(str(self.manifest_path)), untrained)
+        return at_end(state) if (self.epoch_ended or self._loaded_end) and not untrained else state
 
     def fit_checkpoint(self, save: Callable[[dict], None], *, every: int = 1) -> Callable[[Any], None]:
-        """``Module.fit``'s ``batch_end_callback`` that calls ``save(state)`` every ``every`` batches with
-        the state of the batches fit trained (:mod:`loader.fit_resume`)."""
+        """``Module.fit``'s ``batch_end_callback``: ``save(state)`` of what fit trained (:mod:`loader.fit_resume`)."""
         return fit_checkpoint(self, save, every)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: same shards, same epoch order, the same remaining batches."""
         reader = self.reader
         reader.check(state)
+        ended = ends_epoch(state)
         self._check_open()
         if reader.load(state, before_end=self._keep_stats):
             self._clock = EpochClock()
-        self.epoch_ended, self._loaded_end = False, reader.cursor >= reader.batches
+        self.epoch_ended, self._loaded_end = False, ended and reader.cursor >= reader.batches
         if self._first_agreement is not None:  # the first batch still agrees, on the state's generation
             self._first_agreement.loaded = True
 

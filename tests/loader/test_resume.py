@@ -315,7 +315,7 @@ def test_a_state_of_the_order_with_a_ramp_is_refused_saying_what_to_do(store, tm
 def test_a_state_the_new_parts_cannot_split_is_refused_before_the_epoch_is_let_go(store, tmp_path):
     """Saved one batch before the end (1 sample left), loaded on 2 parts: part 1 would be empty;
     the iterator goes on. With last_batch='discard', the end of an epoch resumes on any number of
-    parts as an epoch with nothing left (discard leaves the rest out)."""
+    parts (discard leaves the rest out): saved after the epoch's end, the next epoch follows."""
     with ShardIter(store, 9, cache_dir=tmp_path / "a", **KW) as old:
         for _ in range(old.batches_per_epoch - 1):
             old.next()
@@ -333,11 +333,13 @@ def test_a_state_the_new_parts_cannot_split_is_refused_before_the_epoch_is_let_g
             for _ in old:
                 pass
             state = old.state_dict()
-        with ShardIter(store, B, num_parts=new, last_batch="discard", cache_dir=tmp_path / "e", **KW) as it:
-            it.load_state_dict(state)
-            assert list(it) == [] and it.epoch == 0
-            it.reset()
-            assert it.epoch == 1 and len(list(it)) == it.batches_per_epoch > 0
+        for reset in (False, True):  # saved after the epoch's end: the next epoch, with or without a reset()
+            with ShardIter(store, B, num_parts=new, last_batch="discard", cache_dir=tmp_path / "e", **KW) as it:
+                it.load_state_dict(state)
+                assert it.epoch == 0
+                if reset:
+                    it.reset()
+                assert len(list(it)) == it.batches_per_epoch > 0 and it.epoch == 1
 
 
 def test_canonical_parts_is_bounded(store, tmp_path):
