@@ -30,6 +30,7 @@ from mxnet import autograd, gluon
 from loader.errors import LoaderError
 from loader.shard_iter import ShardIter
 from loader.tools.train_checkpoint import load_checkpoint, save_checkpoint
+from loader.tools.train_fit import FirstBatches, evaluate_module
 
 __all__ = ["main", "build_net", "batch_losses", "contexts"]
 
@@ -113,19 +114,26 @@ def _cache(args: argparse.Namespace, kv) -> dict:
     return {**out, "cache_limit": args.cache_limit} if args.cache_limit else out
 
 
-def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
-    common = dict(preprocess_threads=args.threads, prefetch_buffer=args.prefetch, seed=args.seed, **_cache(args, kv))
+def _iterators(args: argparse.Namespace, kv, **kw: Any) -> tuple[ShardIter, Optional[ShardIter]]:
+    """The training iterator (the dates before ``--val-from``) and the validation one (from it on;
+    None without ``--val-from``), the same for both paths. With a kvstore every worker reads its own
+    part of the generation rank 0 picked (at construction and each reset): train and val are made and
+    reset in the same order everywhere."""
+    common = dict(preprocess_threads=args.threads, prefetch_buffer=args.prefetch, seed=args.seed, **_cache(args, kv),
+                  **kw)
     val_end = (np.datetime64(args.val_from) - np.timedelta64(1, "D")).astype(str) if args.val_from else None
 
     def make(**kw) -> ShardIter:
-        # With a kvstore every worker reads its own part of the generation rank 0 picked (at
-        # construction and each reset): train and val are made and reset in the same order everywhere.
         if kv is not None:
             return ShardIter.for_kvstore(kv, args.manifest, args.batch_size, **kw, **common)
         return ShardIter(args.manifest, args.batch_size, **kw, **common)
 
     train = make(dates=(None, val_end) if val_end else None)
-    val = make(shuffle=False, dates=(args.val_from, None)) if args.val_from else None
+    return train, make(shuffle=False, dates=(args.val_from, None)) if args.val_from else None
+
+
+def train_gluon(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
+    train, val = _iterators(args, kv)
     target = [lab.name for lab in train.schema.labels].index(args.target)
     net = build_net(args.hidden, ctx, args.seed)
     trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": args.lr},
@@ -181,11 +189,9 @@ def train_module(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
     """The same iterator through the symbolic Module API (a small MLP over the flattened window).
     With a kvstore, the iterator is ``for_kvstore``'s (this worker's part) and ``Module.fit`` gets
     the same kvstore object (a second ``mx.kv.create("dist_sync")`` in a worker never returns)."""
-    common = dict(label_names=[args.target], seed=args.seed, preprocess_threads=args.threads,
-                  prefetch_buffer=args.prefetch, **_cache(args, kv))
-    it = (ShardIter.for_kvstore(kv, args.manifest, args.batch_size, **common) if kv is not None
-          else ShardIter(args.manifest, args.batch_size, **common))
+    it, val = _iterators(args, kv, label_names=[args.target])
     target = list(it.label_names).index(args.target)
+    mx.random.seed(args.seed)
     data = mx.sym.var(it.provide_data[0].name)
     hidden = mx.sym.Activation(mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=args.hidden), "relu")
     out = mx.sym.flatten(mx.sym.FullyConnected(hidden, num_hidden=1))
@@ -203,16 +209,23 @@ def train_module(args: argparse.Namespace, ctx: list, kv) -> list[dict]:
 
     def on_epoch(epoch, *_):
         s = it.stats  # fit() calls this before it resets the iterator
-        history.append({"epoch": epoch, "batches": s["batches"], "samples": s["samples"], "train_mse": mse[0],
-                        "samples_per_s": s["samples_per_s"], "stall_pct": 100 * s["stall_fraction"]})
+        row = {"epoch": epoch, "batches": s["batches"], "samples": s["samples"], "train_mse": mse[0],
+               "samples_per_s": s["samples_per_s"], "stall_pct": 100 * s["stall_fraction"]}
+        if val is not None:
+            row["val_mse"] = evaluate_module(mod, val, target)
+        history.append(row)
         seen.append([])
-        print(f"{label}epoch {epoch}: train mse {mse[0]:.4f} | {s['batches']} batches, {s['samples']} samples, "
-              f"{s['samples_per_s']:,.0f} samples/s, data stall {100 * s['stall_fraction']:.1f}%", flush=True)
+        val_text = f", val mse {row['val_mse']:.4f}" if "val_mse" in row else ""
+        print(f"{label}epoch {epoch}: train mse {mse[0]:.4f}{val_text} | {s['batches']} batches, {s['samples']} "
+              f"samples, {s['samples_per_s']:,.0f} samples/s, data stall {100 * s['stall_fraction']:.1f}%", flush=True)
 
-    mod.fit(it, num_epoch=args.epochs, optimizer="adam", optimizer_params={"learning_rate": args.lr},
+    batches = FirstBatches(it, args.max_batches) if args.max_batches else it
+    mod.fit(batches, num_epoch=args.epochs, optimizer="adam", optimizer_params={"learning_rate": args.lr},
             eval_metric="mse", batch_end_callback=on_batch, epoch_end_callback=on_epoch,
             initializer=mx.init.Xavier(), kvstore=kv if kv is not None else "local")
     it.close()
+    if val is not None:
+        val.close()
     _write_outputs(args, kv, mod.save_params, seen[:-1])
     return history
 

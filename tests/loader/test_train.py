@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import mxnet as mx
 import numpy as np
@@ -82,3 +83,36 @@ def test_module_fit_example(tmp_path):
 def test_bad_manifest_is_one_line(tmp_path):
     r = run_train("--manifest", tmp_path / "nope.json")
     assert r.returncode == 2 and "no manifest" in r.stderr and "Traceback" not in r.stderr
+
+
+VAL_COUNTS = {"2024-01-02": 20, "2024-01-03": 18, "2024-01-04": 15, "2024-01-05": 11}  # ids 0-37 precede 01-04
+
+
+def _dates_of(ids: list) -> list:
+    """The dates of window ids (make_store numbers them in date order)."""
+    bounds = np.cumsum(list(VAL_COUNTS.values()))
+    return sorted({list(VAL_COUNTS)[int(np.searchsorted(bounds, i, side="right"))] for i in ids})
+
+
+def test_both_paths_train_on_the_dates_before_val_from_and_honour_max_batches(tmp_path):
+    """Gluon and ``--module`` with ``--val-from 2024-01-04``: every epoch trains each window of the
+    dates before it once, and reports a validation figure; with ``--max-batches 2``, two batches of
+    those dates an epoch (the issue: ``--module`` trained on every date, 68 batches, no val figure)."""
+    make_store(tmp_path / "s", VAL_COUNTS)
+    for path in ("gluon", "module"):
+        for limit in (0, 2):
+            out = tmp_path / f"{path}-{limit}"
+            r = run_train("--manifest", tmp_path / "s/manifest.json", "--epochs", "2", "--batch-size", "8",
+                          "--val-from", "2024-01-04", "--target", "a", "--hidden", "4", "--max-batches", limit,
+                          "--record-log", f"{out}-seen.json", "--history-out", f"{out}-h.json",
+                          *(["--module"] if path == "module" else []))
+            assert r.returncode == 0, r.stderr
+            seen = json.loads(Path(f"{out}-seen.json").read_text())
+            hist = json.loads(Path(f"{out}-h.json").read_text())
+            assert len(seen) == 2 and [h["epoch"] for h in hist] == [0, 1], (path, limit)
+            for ids, h in zip(seen, hist):
+                ids = [int(i) for i in ids]
+                assert _dates_of(ids) == ["2024-01-02", "2024-01-03"], (path, limit)
+                assert len(set(ids)) == len(ids) == (16 if limit else 38), (path, limit)
+                assert h["batches"] == (2 if limit else 5) and np.isfinite(h["val_mse"]), (path, limit, h)
+            assert "val mse" in r.stdout, (path, limit)
