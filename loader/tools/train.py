@@ -3,7 +3,9 @@
     python -m loader.tools.train --manifest shards/manifest.json --epochs 2 --gpus 0,1 --val-from 2024-01-29
 
 Gluon with ``ShardIter``: each batch is split over the contexts (``--gpus``; CPU when none), padded
-rows of the last batch are masked out of the loss; ``--module`` uses ``mx.mod.Module.fit`` instead.
+rows of the last batch are masked out of the loss; ``--module`` uses ``mx.mod.Module.fit`` instead. Both
+train on the dates before ``--val-from`` (and report the mse of the dates from it on) and stop each epoch
+after ``--max-batches``.
 ``--kvstore dist_sync`` (under ``python -m loader.tools.launch``): each worker reads its own part of
 every epoch (with ``--module`` too: the iterator and ``Module.fit`` share the one kvstore).
 
