@@ -17,6 +17,8 @@ import pytest
 from conftest import ROOT, batch_ids, make_store
 
 from loader import LoaderError, ShardIter
+from loader.checkpoint import _digest
+from loader.tools.train_fit import evaluate_module
 
 COUNTS = {f"2024-03-{d:02d}": 13 + 3 * (d % 3) for d in range(4, 12)}  # 8 dates, 131 windows
 KW = dict(label_names=["a"], seed=5, shuffle_buffer=8)
@@ -131,7 +133,9 @@ def test_a_loaded_epoch_end_state_starts_the_next_epoch_once_in_a_loop_or_after_
             assert it.state_dict() == end
             if reset_first:
                 it.reset()
-            assert [batch_ids(b) for b in it] == uninterrupted[1] and it.epoch == 1
+            assert [batch_ids(it.next()) for _ in uninterrupted[1]] == uninterrupted[1] and it.epoch == 1
+            with pytest.raises(StopIteration):  # then that epoch ends, as any other
+                it.next()
 
 
 def test_untrained_batches_leave_the_state_before_them_and_are_bounded(store, uninterrupted, tmp_path):
@@ -146,7 +150,57 @@ def test_untrained_batches_leave_the_state_before_them_and_are_bounded(store, un
                 it.state_dict(untrained=bad)
         with pytest.raises(LoaderError, match="every=0, expected a number of batches >= 1"):
             it.fit_checkpoint(print, every=0)
+        for _ in it:
+            pass
+        last = it.state_dict(untrained=1)  # after StopIteration, one batch not trained: not the epoch's end
+        assert "ended" not in last and it.state_dict()["ended"] is True
+        edited = {k: v for k, v in it.state_dict().items() if k != "sha256"}
+        edited["ended"] = 1
+        with pytest.raises(LoaderError, match="'ended' must be true or absent, got 1"):
+            it.load_state_dict({**edited, "sha256": _digest(edited)})
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        it.load_state_dict(last)
+        assert [batch_ids(b) for b in it] == uninterrupted[0][-1:]
     for k, state in zip((0, 1, 3), states):
         with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
             it.load_state_dict(state)
             assert [batch_ids(b) for b in it] == uninterrupted[0][3 - k:]
+
+
+def _module(it):
+    import mxnet as mx
+
+    data = mx.sym.var("seq_var")
+    out = mx.sym.flatten(mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=1))
+    net = mx.sym.LinearRegressionOutput(out, label=mx.sym.var("a"), name="out")
+    return mx.mod.Module(net, data_names=["seq_var"], label_names=["a"])
+
+
+def test_fit_checkpoint_states_count_the_batches_fit_trained_in_every_epoch(store, uninterrupted, tmp_path):
+    """In one real ``Module.fit`` of two epochs, ``every=3``: a state after fit's 3rd, 6th, ... batch
+    and its last, each counting the batches trained (the last marked as the epoch's end)."""
+    n = len(uninterrupted[0])
+    saved = []
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        mod = _module(it)
+        on_batch = it.fit_checkpoint(lambda state: saved.append(state), every=3)
+        mod.fit(it, num_epoch=2, optimizer="sgd", optimizer_params={"learning_rate": 1e-6}, batch_end_callback=on_batch)
+    want = [(e, k, k == n) for e in (0, 1) for k in range(1, n + 1) if k % 3 == 0 or k == n]
+    assert [(s["epoch"], s["phases"][-1][2], s.get("ended", False)) for s in saved] == want
+
+
+def test_the_module_paths_validation_figure_leaves_the_pad_out(store, tmp_path):
+    """``evaluate_module`` (the example trainer's ``--module`` val mse): the mse over the real rows, as
+    MXNet's own ``Module.predict`` (which trims each batch by its pad) gives them."""
+    import numpy as np
+
+    with ShardIter(store, 10, shuffle=False, cache_dir=tmp_path / "c", **{**KW, "shuffle_buffer": None}) as it:
+        assert sum(COUNTS.values()) % 10, "the last batch is padded"
+        mod = _module(it)
+        mod.bind(it.provide_data, it.provide_label, for_training=False)
+        mod.init_params()
+        got = evaluate_module(mod, it, 0)
+        pred = mod.predict(it).asnumpy().reshape(-1)
+        it.reset()
+        labels = np.concatenate([b.label[0].asnumpy()[: 10 - b.pad] for b in it])
+    assert got == pytest.approx(float(((pred - labels) ** 2).mean()), rel=1e-5)
