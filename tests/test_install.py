@@ -4,11 +4,13 @@ CPU wheel, silently); without MXNet, ``import loader`` says what to install; the
 demo (``shardgen demo DIR``), which builds what ``make shards`` builds. Real pip into fresh venvs."""
 
 import json
+import os
 import re
 import subprocess
 import sys
 import sysconfig
 
+import numpy as np
 import pytest
 import venvs
 from conftest import ROOT
@@ -114,3 +116,31 @@ def test_the_readme_says_which_pythons_and_why():
     assert requires == ">=3.9,<3.12"
     setup = (ROOT / "README.md").read_text().split("## What it is for")[0]
     assert "Python 3.9–3.11" in setup and "numpy<1.24" in setup and "3.12" in setup
+
+
+@pytest.mark.parametrize("version, refused", [("1.23.5", False), ("1.24.0", True), ("2.0.1", True),
+                                              ("1.16.6", False), ("1.25.0.dev0+1", True)])
+def test_numpy_from_1_24_is_named_as_what_breaks_mxnet(version, refused):
+    from loader.framework import numpy_problem
+
+    problem = numpy_problem(version)
+    assert (problem is not None) == refused
+    if refused:
+        assert f"numpy {version} is installed, and MXNet 1.9.1 needs numpy<1.24" in problem
+
+
+def test_a_compiler_that_fails_leaves_the_demo_on_the_python_stand_in(tmp_path):
+    """``shardgen demo`` with a compiler that fails says why and writes the stand-in's config, whose
+    first date is the one build/seqgen (``make install``) writes."""
+    r = run(sys.executable, "-m", "shardgen.cli", "demo", tmp_path / "demo", env={**os.environ, "CXX": "false"})
+    assert r.returncode == 0, r.stderr
+    assert "Python stand-in seqgen.py (same data, slower): " in r.stdout and "false failed (exit 1" in r.stdout
+    assert not (tmp_path / "demo" / "build" / "seqgen").exists()
+    r = run(sys.executable, "-m", "shardgen.cli", "build", "-c", tmp_path / "demo" / "shardgen.toml", "--end",
+            "2024-01-02")
+    assert r.returncode == 0, r.stderr
+    raw = np.load(tmp_path / "demo" / "raw" / "2024-01-02.npy")
+    r = run(ROOT / "build" / "seqgen", "--date", "2024-01-02", "--out", tmp_path / "c.npy", "--cols", "37",
+            "--targets", "5")
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(raw, np.load(tmp_path / "c.npy"))
