@@ -158,12 +158,13 @@ def start() -> None:
 
 
 def install_exit_guard() -> bool:
-    """Let this ``dist_sync`` worker end its job whether it ends normally or fails (idempotent; call it
-    in your worker script, before or after making the kvstore; ``loader.tools.launch`` does it for
-    its workers). In a process with ``DMLC_ROLE=worker`` it wraps ``sys.exit``, ``exit`` and
-    ``quit`` to see the exit code (``loader.exitcode``), makes a second ``mx.kv.create("dist_*")`` a
-    ``LoaderError`` instead of a hang, and makes a failure end the process with ``os._exit(code)``
-    once the iterators are closed; it returns True. Anywhere else it changes nothing and returns False."""
+    """Let this ``dist_sync`` worker end its job when it fails, instead of hanging in MXNet's kvstore
+    teardown (idempotent; call it in your worker script, before or after making the kvstore;
+    ``loader.tools.launch`` does it for its workers). In a process with ``DMLC_ROLE=worker`` it
+    wraps ``sys.exit``, ``exit`` and ``quit`` to see the exit code (``loader.exitcode``), makes a
+    second ``mx.kv.create("dist_*")`` a ``LoaderError`` instead of a hang, and makes a failure end
+    the process with ``os._exit(code)`` once the iterators are closed; it returns True. Anywhere
+    else it changes nothing and returns False."""
     if not _is_worker():
         return False
     with _START:
