@@ -180,32 +180,6 @@ def test_a_straggling_worker_stops_the_job(tmp_path):
     assert not r.left_behind
 
 
-@pytest.mark.parametrize("guard", [True, False])
-def test_the_launcher_asks_for_the_exit_guard_in_its_workers_unless_told_not_to(tmp_path, capfd, guard):
-    """``loader.tools.launch`` owns its workers: their first ShardIter installs the exit guard
-    (``--no-exit-guard``: ``Job(exit_guard=False)``, even with the variable in the launcher's own
-    environment, leaves them as Python made them)."""
-    from loader.tools.launch import Job
-
-    make_store(tmp_path / "store", COUNTS)
-    worker = tmp_path / "worker.py"
-    worker.write_text(textwrap.dedent(f"""
-        import sys
-        from loader import ShardIter
-        ShardIter({str(tmp_path / "store")!r}, batch_size=4).close()
-        print("sys.exit is", type(sys.exit).__name__)
-    """))
-    os.environ["SHARDGEN_EXIT_GUARD"] = "1"  # a launcher started from a guarded worker, say
-    try:
-        job = Job([sys.executable, str(worker)], workers=1, servers=1, grace_s=1, exit_guard=guard)
-        job.start()
-        assert job.wait(60) == 0
-    finally:
-        os.environ.pop("SHARDGEN_EXIT_GUARD")
-    out = capfd.readouterr().out
-    assert f"[worker 0] sys.exit is {'_Recorded' if guard else 'builtin_function_or_method'}" in out, out
-
-
 def test_launch_rejects_a_non_positive_straggler_timeout():
     r = launch("--straggler-s", 0, "--", "true", timeout=60)
     assert r.returncode == 2 and "--straggler-s must be > 0" in r.stderr

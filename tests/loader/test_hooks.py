@@ -142,3 +142,29 @@ def test_a_dist_kvstore_made_before_the_first_iterator_counts_as_the_first(tmp_p
     assert r.returncode == 0, r.stderr
     assert "MXNet's constructor was called" not in r.stdout
     assert "this worker has a 'dist_sync' kvstore already" in r.stdout
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_the_launcher_asks_for_the_exit_guard_in_its_workers_unless_told_not_to(tmp_path, capfd, guard):
+    """``loader.tools.launch`` owns its workers: their first ShardIter installs the exit guard
+    (``--no-exit-guard``: ``Job(exit_guard=False)``, even with the variable in the launcher's own
+    environment, leaves them as Python made them)."""
+    from loader.tools.launch import Job
+
+    make_store(tmp_path / "store", COUNTS)
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent(f"""
+        import sys
+        from loader import ShardIter
+        ShardIter({str(tmp_path / "store")!r}, batch_size=4).close()
+        print("sys.exit is", type(sys.exit).__name__)
+    """))
+    os.environ["SHARDGEN_EXIT_GUARD"] = "1"  # a launcher started from a guarded worker, say
+    try:
+        job = Job([sys.executable, str(worker)], workers=1, servers=1, grace_s=1, exit_guard=guard)
+        job.start()
+        assert job.wait(60) == 0
+    finally:
+        os.environ.pop("SHARDGEN_EXIT_GUARD")
+    out = capfd.readouterr().out
+    assert f"[worker 0] sys.exit is {'_Recorded' if guard else 'builtin_function_or_method'}" in out, out
