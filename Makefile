@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 CXX    ?= g++
+# The extras `make install` adds: `cpu` is the CPU MXNet wheel. On a CUDA machine put its MXNet wheel into .venv
+# first and leave `cpu` out (`make install EXTRAS=dev`): pip never replaces an MXNet already there then.
+EXTRAS ?= cpu,dev
 
 .PHONY: install shards test lint train bench clean
 
@@ -14,7 +17,7 @@ install: $(VENV)/.installed build/seqgen
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
 build/seqgen: shardgen/reference/seqgen.cpp

@@ -1,13 +1,14 @@
-"""How is this process ending? The exit code of a failure, for ``loader.lifecycle``'s exit hook.
+"""How is this process ending? The exit code of a failure, for ``loader.lifecycle``'s exit hook
+(used only once the exit guard, ``loader.install_exit_guard``, is installed: it calls ``install()``).
 
 Python tells atexit hooks nothing about how the program ended. What is left to look at:
 
 * an uncaught exception (other than ``SystemExit``) was printed by the interpreter, which sets
   ``sys.last_value`` first; Python then exits with 1 (130 for ``KeyboardInterrupt``). In an
   interactive session every error at the prompt sets it too, so it is ignored there;
-* ``SystemExit`` leaves no trace, so ``install()`` (at the first ``ShardIter`` of a dist worker)
-  wraps ``sys.exit`` and the builtins ``exit`` and ``quit`` to remember the code of the last call
-  made in the main thread, and rebinds the module globals bound to them before it (``from sys
+* ``SystemExit`` leaves no trace, so ``install()`` (by the exit guard of a dist worker) wraps
+  ``sys.exit`` and the builtins ``exit`` and ``quit`` to remember the code of the last call made
+  in the main thread, and rebinds the module globals bound to them before it (``from sys
   import exit`` in the script, or in any module loaded by then) to the wrapped ones.
 
 Not seen: ``raise SystemExit(n)`` written out (no function is called), and ``sys.exit`` held

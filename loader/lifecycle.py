@@ -1,40 +1,44 @@
-"""How the loader's process ends: the live iterators, and the one exit hook that closes them and
-lets a ``dist_sync`` worker exit, whether it ends normally or fails.
+"""How the loader's process ends: the live iterators, the one exit hook that closes them, and the
+exit guard that lets a ``dist_sync`` worker exit, whether it ends normally or fails.
 
-Importing ``loader`` changes nothing in the process: the hooks below start with the first
-``ShardIter`` (``start()``, called at the top of its construction; once, whichever thread makes it).
+Importing ``loader`` changes nothing in the process, and neither does a ``ShardIter`` beyond
+registering the exit hook (``start()``, at the top of its construction; once, whichever thread
+makes it). What changes the process (``sys.exit``, ``mx.kv.create``, the exit path) is the exit
+guard, installed only when asked: by ``install_exit_guard()`` (``loader.install_exit_guard``) in a
+worker script, or in the workers ``loader.tools.launch`` starts (it sets ``GUARD_ENV``, and the
+first ``ShardIter`` then installs it).
 
-*Normal end.* A worker whose script ends right after its last ``trainer.step(...)`` still has
-kvstore pushes and pulls in flight in MXNet's engine; MXNet's own exit hook (``MXNotifyShutdown``)
-then hangs in the kvstore's finalisation, and the whole job with it (most runs, on loopback).
-``mx.nd.waitall()`` before that hook fixes it.
+*Normal end* (always). A worker whose script ends right after its last ``trainer.step(...)`` still
+has kvstore pushes and pulls in flight in MXNet's engine; MXNet's own exit hook
+(``MXNotifyShutdown``) then hangs in the kvstore's finalisation, and the whole job with it (most
+runs, on loopback). ``mx.nd.waitall()`` before that hook fixes it.
 
-*Failure.* A worker that raises, or calls ``sys.exit(n)`` with n != 0, hangs in the kvstore's
-teardown (ps-lite's finalize barrier waits for the other workers, which wait in ``trainer.step`` for
-it). In a process with ``DMLC_ROLE=worker`` a failure (``loader.exitcode``: the traceback has been
-printed by then) ends the process at once with its code, MXNet's teardown skipped, so a launcher
-sees the failure and stops the job.
+*Failure* (with the guard). A worker that raises, or calls ``sys.exit(n)`` with n != 0, hangs in
+the kvstore's teardown (ps-lite's finalize barrier waits for the other workers, which wait in
+``trainer.step`` for it). In a guarded process with ``DMLC_ROLE=worker`` a failure
+(``loader.exitcode``: the traceback has been printed by then) ends the process at once with its
+code, MXNet's teardown skipped, so a launcher sees the failure and stops the job.
 
-*A second dist kvstore.* In a worker, ``mx.kv.create("dist_sync")`` a second time (``Module.fit(it,
-kvstore="dist_sync")`` does it when the iterator's kvstore exists already) waits forever in MXNet's
-constructor: a ps-lite barrier of a second customer, which the servers and the scheduler never
-join. ``start()`` makes that second call a ``LoaderError`` saying to pass the same kvstore object;
-a dist kvstore made before the first ``ShardIter`` (the usual order: ``for_kvstore(kv, ...)``)
-counts as the first.
+*A second dist kvstore* (with the guard). In a worker, ``mx.kv.create("dist_sync")`` a second time
+(``Module.fit(it, kvstore="dist_sync")`` does it when the iterator's kvstore exists already) waits
+forever in MXNet's constructor: a ps-lite barrier of a second customer, which the servers and the
+scheduler never join. The guard makes that second call a ``LoaderError`` saying to pass the same
+kvstore object; a dist kvstore made before the guard counts as the first.
 
-``start()`` registers one hook, ``_at_exit``; ``mxnet`` is imported by then (this module imports
-it, and registers MXNet's hook), and atexit runs hooks last-registered first, so ours runs before
-MXNet's, whatever else was imported. Every ``ShardIter`` is ``track``-ed here from its
-construction. The order of the hook's steps is ``exit_steps``:
+The exit hook, ``_at_exit``, is registered once (by the first ``ShardIter`` or the guard);
+``mxnet`` is imported by then (this module imports it, and registers MXNet's hook), and atexit runs
+hooks last-registered first, so ours runs before MXNet's, whatever else was imported. Every
+``ShardIter`` is ``track``-ed here from its construction. The order of the hook's steps is
+``exit_steps``:
 
 * normal exit: 1. ``wait_for_engine`` (``mx.nd.waitall()`` in a daemon thread joined for at most
   ``EXIT_WAIT_S`` seconds; a warning is logged if it does not finish, and exit goes on);
   2. ``close_iterators`` (``close_all``: stops the threads of every live ``ShardIter``; native
   threads still running at MXNet's shutdown crash the process, "pure virtual method called");
-  then the hooks registered before the first ``ShardIter``, MXNet's among them.
-* failing worker: 1. ``close_iterators``; 2. ``flush`` (logging, stdout, stderr); 3. ``exit_now``
-  (``os._exit(code)``): the hooks registered before the first ``ShardIter`` (MXNet's among them)
-  and the interpreter's teardown do not run.
+  then the hooks registered before ours, MXNet's among them.
+* failing guarded worker: 1. ``close_iterators``; 2. ``flush`` (logging, stdout, stderr);
+  3. ``exit_now`` (``os._exit(code)``): the hooks registered before ours (MXNet's among them) and
+  the interpreter's teardown do not run.
 """
 
 from __future__ import annotations
@@ -52,13 +56,15 @@ import mxnet as mx
 
 import loader.exitcode as exitcode
 
-__all__ = ["EXIT_WAIT_S", "RANK_FILE", "start", "track", "close_all", "wait_for_engine", "exit_steps",
-           "report_rank"]
+__all__ = ["EXIT_WAIT_S", "GUARD_ENV", "RANK_FILE", "start", "install_exit_guard", "track", "close_all",
+           "wait_for_engine", "exit_steps", "report_rank"]
 
 log = logging.getLogger(__name__)
 EXIT_WAIT_S = 30.0  # seconds the exit hook waits for MXNet's engine before giving up
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # every ShardIter not yet collected
-_STARTED: list[bool] = []  # start() ran (its lock makes it once)
+GUARD_ENV = "SHARDGEN_EXIT_GUARD"  # "1" in a worker of loader.tools.launch: its first ShardIter installs the guard
+_HOOKED: list[bool] = []  # the exit hook is registered (once, under _START)
+_GUARDED: list[bool] = []  # install_exit_guard() ran in this dist worker (once, under _START)
 _START = threading.Lock()
 
 
@@ -125,7 +131,7 @@ def _is_worker() -> bool:
 
 
 def _at_exit() -> None:
-    code = exitcode.failure_code() if _is_worker() else None
+    code = exitcode.failure_code() if _GUARDED and _is_worker() else None
     if code is not None:
         log.warning("loader: this dist worker is failing (exit code %d); exiting now, without MXNet's "
                     "kvstore shutdown (it would wait for the other workers forever)", code)
@@ -143,19 +149,37 @@ def _at_exit() -> None:
 
 
 def start() -> None:
-    """The process hooks, once (idempotent and thread-safe): the exit hook, and in a ``dist_sync``
-    worker the exit-code record and the one-dist-kvstore guard. Called by every ``ShardIter``."""
+    """The exit hook, once (idempotent and thread-safe), called by every ``ShardIter``; the exit
+    guard too in a worker started by ``loader.tools.launch`` (``GUARD_ENV``), and nowhere else."""
     with _START:
-        if not _STARTED:
-            _install()
+        _hook()
+    if os.environ.get(GUARD_ENV) == "1":
+        install_exit_guard()
 
 
-def _install() -> None:
-    _STARTED.append(True)
-    if _is_worker():
-        exitcode.install()
-        _one_dist_kvstore()
-    atexit.register(_at_exit)
+def install_exit_guard() -> bool:
+    """Let this ``dist_sync`` worker end its job when it fails, instead of hanging in MXNet's kvstore
+    teardown (idempotent; call it in your worker script, before or after making the kvstore;
+    ``loader.tools.launch`` does it for its workers). In a process with ``DMLC_ROLE=worker`` it
+    wraps ``sys.exit``, ``exit`` and ``quit`` to see the exit code (``loader.exitcode``), makes a
+    second ``mx.kv.create("dist_*")`` a ``LoaderError`` instead of a hang, and makes a failure end
+    the process with ``os._exit(code)`` once the iterators are closed; it returns True. Anywhere
+    else it changes nothing and returns False."""
+    if not _is_worker():
+        return False
+    with _START:
+        if not _GUARDED:
+            _GUARDED.append(True)
+            exitcode.install()
+            _one_dist_kvstore()
+            _hook()
+    return True
+
+
+def _hook() -> None:
+    if not _HOOKED:
+        _HOOKED.append(True)
+        atexit.register(_at_exit)
 
 
 def _one_dist_kvstore() -> None:
@@ -183,8 +207,8 @@ def _one_dist_kvstore() -> None:
 
 
 def _dist_kvstores() -> list:
-    """The distributed kvstores this process holds already (made before the first ``ShardIter``):
-    one pass over the garbage collector's objects, once per worker."""
+    """The distributed kvstores this process holds already (made before the guard): one pass over
+    the garbage collector's objects, once per guarded worker."""
     from mxnet.kvstore import KVStore
 
     return [o for o in gc.get_objects() if isinstance(o, KVStore) and "dist" in o.type]

@@ -1,4 +1,4 @@
-"""``shardgen build|watch|status|verify|gc``: parses arguments and delegates to the library.
+"""``shardgen build|watch|status|verify|gc|demo``: parses arguments and delegates to the library.
 
 Exit codes (docs/config.md's table): 0 all went well, 1 some work or check failed (the rest is kept
 and published), 2 usage or config error, 3 the environment failed (the store cannot be reached or
@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from shardgen.cli_demo import add_demo_parser, run_demo
 from shardgen.config import load_config, parse_date
 from shardgen.errors import EXIT_ENVIRONMENT, ConfigError, LockError, ShardgenError, is_environment
 from shardgen.format.check import has_checksums
@@ -128,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
                                "(size, sha256, record framing), .idx (byte for byte) and sidecar of every "
                                "shard they list: no published file may have changed since publication. "
                                "Exit 1 naming each damaged file.")
+    add_demo_parser(sub)
     return p
 
 
@@ -257,7 +259,7 @@ def _stdout_gone() -> bool:
 
 
 COMMANDS = {"build": _cmd_build, "watch": _cmd_watch, "gc": _cmd_gc, "status": _cmd_status,
-            "verify": _cmd_verify}
+            "verify": _cmd_verify, "demo": run_demo}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

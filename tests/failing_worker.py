@@ -2,7 +2,10 @@
 batches, as ``HOW`` says: ``raise`` (RuntimeError), ``exit`` (``sys.exit(3)``) or ``kill``
 (SIGKILL to itself). The other rank trains on, and waits in ``trainer.step`` once its peer is gone.
 
-    failing_worker.py MANIFEST FAIL_RANK HOW
+    failing_worker.py MANIFEST FAIL_RANK HOW [guard]
+
+With ``guard`` the script asks for the loader's exit guard itself (``loader.install_exit_guard()``),
+as a worker under a launcher of its own does (the test runs it under ``--no-exit-guard``).
 """
 
 import os
@@ -13,6 +16,10 @@ import mxnet as mx
 from dist_model import setup
 
 manifest, fail_rank, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+if sys.argv[4:] == ["guard"]:
+    import loader
+
+    loader.install_exit_guard()
 kv = mx.kv.create("dist_sync")
 train, step = setup(kv, manifest)
 batches = 0

@@ -58,7 +58,8 @@ def test_every_failure_class_of_the_table_exits_with_its_code(tmp_path, monkeypa
         raise exc
 
     monkeypatch.setitem(cli.COMMANDS, command, fails)
-    assert cli.main([command, "-c", str(write_config(tmp_path / "p"))]) == code, what
+    where = [str(tmp_path / "demo")] if command == "demo" else ["-c", str(write_config(tmp_path / "p"))]
+    assert cli.main([command, *where]) == code, what
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err  # one line
     if isinstance(exc, OSError) and exc.filename:

@@ -12,7 +12,9 @@ reports it, a script of your own calls ``loader.lifecycle.report_rank(kv.rank)``
 prints the mapping (``launch: worker 1 is rank 0``) and names both in every message about a worker.
 
 The first process to fail stops the job: the others are killed (whole process groups) and the exit
-code is non-zero, never a hang. Ctrl-C / SIGTERM do the same. On
+code is non-zero, never a hang. The launcher owns its workers, so it asks for the loader's exit
+guard in them (``GUARD_ENV``: their first ``ShardIter`` calls ``loader.install_exit_guard()``), which
+makes a failing worker exit at once instead of hanging in MXNet's kvstore teardown. Ctrl-C / SIGTERM do the same. On
 Linux every process gets SIGKILL when the launcher dies, even by ``kill -9`` (``PR_SET_PDEATHSIG``).
 
 The job ends when every worker has exited 0 (scheduler and servers get ``grace_s`` to follow, then
@@ -42,7 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from loader.lifecycle import RANK_FILE
+from loader.lifecycle import GUARD_ENV, RANK_FILE
 
 __all__ = ["main", "dmlc_env", "Job", "STRAGGLER_S", "TIMED_OUT"]
 
@@ -105,7 +107,9 @@ class Job:
     """The processes of one job; ``wait()`` returns the exit code of the whole job."""
 
     def __init__(self, command: Sequence[str], *, workers: int, servers: int, host: str = "127.0.0.1",
-                 port: Optional[int] = None, grace_s: float = 30.0, straggler_s: float = STRAGGLER_S):
+                 port: Optional[int] = None, grace_s: float = 30.0, straggler_s: float = STRAGGLER_S,
+                 exit_guard: bool = True):
+        self.exit_guard = exit_guard  # its workers' first ShardIter installs loader.install_exit_guard()
         self.command, self.workers, self.servers, self.host = list(command), workers, servers, host
         self.port = port or free_port()
         self.grace_s = grace_s
@@ -122,6 +126,9 @@ class Job:
         if rank is not None:
             env["SHARDGEN_WORKER_RANK"] = str(rank)  # the launch index; MXNet assigns kv.rank itself
             env[RANK_FILE] = rank_file = os.path.join(self._ranks, f"worker-{rank}")
+            env.pop(GUARD_ENV, None)
+            if self.exit_guard:
+                env[GUARD_ENV] = "1"
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent())
         member = Member(name, proc, role == "worker", rank_file)
@@ -245,6 +252,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--straggler-s", type=float, default=STRAGGLER_S, metavar="S",
                    help="stop the job (exit 124, naming the worker) if a worker is still running S seconds "
                         f"after another worker exited 0 (default {STRAGGLER_S:g})")
+    p.add_argument("--no-exit-guard", action="store_true",
+                   help="leave the workers' exit as Python and MXNet make it (by default their first ShardIter "
+                        "installs loader.install_exit_guard(), so a failing worker exits instead of hanging)")
     args = p.parse_args(own)
     if not command:
         p.error("give the worker command after --, e.g. -- python -m loader.tools.train --kvstore dist_sync")
@@ -253,7 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.straggler_s <= 0 or (args.timeout is not None and args.timeout <= 0):
         p.error("--timeout and --straggler-s must be > 0")
     job = Job(command, workers=args.num_workers, servers=args.num_servers, host=args.host, port=args.port,
-              straggler_s=args.straggler_s)
+              straggler_s=args.straggler_s, exit_guard=not args.no_exit_guard)
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt

@@ -65,15 +65,17 @@ def test_exit_steps_of_a_normal_exit_and_of_a_failing_worker():
                                        ("import threading; t = threading.Thread(target=sys.exit, args=(5,)); "
                                         "t.start(); t.join()", 0)])
 def test_a_failing_worker_closes_iterators_flushes_and_skips_mxnet_teardown(tmp_path, how, code):
-    """Without a job: a DMLC_ROLE=worker process that fails runs loader's exit steps, then nothing else."""
+    """Without a job: a DMLC_ROLE=worker process with the exit guard that fails runs loader's exit
+    steps, then nothing else."""
     make_store(tmp_path / "store", COUNTS)
     script = tmp_path / "fail.py"
     script.write_text(textwrap.dedent(f"""
         import atexit, sys
         from sys import exit as sys_exit
         import mxnet as mx
-        from loader import ShardIter
-        atexit.register(print, "teardown ran", flush=True)  # registered before the first iterator: runs after it
+        from loader import ShardIter, install_exit_guard
+        atexit.register(print, "teardown ran", flush=True)  # registered before the guard: runs after it
+        install_exit_guard()
         real_close = ShardIter.close
         def close(self):
             print("closed")  # buffered too: only the flush step shows it
@@ -96,6 +98,32 @@ def test_a_failing_worker_closes_iterators_flushes_and_skips_mxnet_teardown(tmp_
         assert r.stdout.splitlines()[-1] == "teardown ran"
     if how.startswith("raise RuntimeError"):
         assert "Traceback (most recent call last)" in r.stderr and "RuntimeError: boom" in r.stderr
+
+
+@pytest.mark.parametrize("how, code", [("raise RuntimeError('boom')", 1), ("sys.exit(3)", 3)])
+def test_without_the_exit_guard_a_failing_worker_exits_as_python_does(tmp_path, how, code):
+    """Issue 63: the first ShardIter of a dist worker rebound sys.exit and ended a failure with
+    os._exit, skipping every earlier atexit hook. Unasked, a failure now exits as Python and MXNet
+    make it: the hooks registered before run, after the loader's own (which closes the iterators)."""
+    make_store(tmp_path / "store", COUNTS)
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, sys
+        real_exit = sys.exit
+        atexit.register(print, "teardown ran", flush=True)
+        from loader import ShardIter
+        it = ShardIter(sys.argv[1], batch_size=4)
+        next(iter(it))
+        assert sys.exit is real_exit
+        {how}
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DMLC_ROLE": "worker"}
+    env.pop("SHARDGEN_EXIT_GUARD", None)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "store" / "manifest.json")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == code, r.stderr
+    assert r.stdout.splitlines() == ["teardown ran"]
+    assert "this dist worker is failing" not in r.stderr
 
 
 def test_engine_wait_is_bounded_and_logged(monkeypatch, caplog):
@@ -191,6 +219,22 @@ def test_a_failing_worker_ends_the_job(small_store, how, rank):
     members = member_pids(r.stderr)
     assert len(members) == 4
     assert not [name for name, pid in members.items() if pid in r.alive_at_exit], "a member outlived the launcher"
+    assert not r.left_behind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_failing_worker_that_asks_for_the_exit_guard_itself_ends_the_job(small_store, how):
+    """The documented call (``loader.install_exit_guard()`` in the worker script) holds the promise the
+    launcher's guard holds, for a job whose launcher does not install it (``--no-exit-guard``)."""
+    t0 = time.monotonic()
+    r = launch("--no-exit-guard", "-n", 2, "-s", 1, "--", sys.executable, FAILING_WORKER, small_store, 1, how,
+               "guard", timeout=40)
+    took = time.monotonic() - t0
+    code, what = EXPECTED[how]
+    assert r.returncode == code, r.stdout + r.stderr
+    assert re.search(rf"launch: worker \d \(rank 1\) {what}; stopping the job", r.stderr), r.stderr
+    assert took < 30, f"took {took:.0f}s"
     assert not r.left_behind
 
 
