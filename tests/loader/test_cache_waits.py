@@ -180,3 +180,25 @@ def test_close_from_another_thread_ends_a_reset_whose_epoch_waits_for_room(s3, t
     finally:
         it.close()
         cache.let_go("another-reader")
+
+
+def test_close_from_another_thread_waits_for_the_stream_a_reset_is_ending(s3, tmp_path, monkeypatch):
+    """reset() in one thread is ending the epoch's stream (whose fetch waited for room) when close()
+    comes from another: close() returns only once that stream has stopped, so no thread of the
+    iterator is left reading (its native readers would open files close() let go of: a crash)."""
+    for trial in range(3):
+        before = set(threading.enumerate())
+        it, cache, waits = _full(s3, tmp_path / f"t{trial}", monkeypatch)
+        try:
+            assert waits.seen(BOUND_S), "no fetch waited for room (the test's set-up)"
+            resetting = threading.Thread(target=lambda: _call(it.reset), daemon=True)
+            resetting.start()
+            time.sleep(0.005)  # reset() has taken the stream out and is stopping it
+            exc, _ = _bounded(it.close, "close() from another thread during reset()", monkeypatch)
+            left = sorted(t.name for t in set(threading.enumerate()) - before
+                          if t is not resetting and t.name != "shardgen-lease" and t.is_alive())
+            assert exc is None and not left, f"trial {trial}: close() returned with {left} still running ({exc})"
+            resetting.join(BOUND_S)
+        finally:
+            it.close()
+            cache.let_go("another-reader")
