@@ -191,7 +191,7 @@ def test_close_from_another_thread_waits_for_the_stream_a_reset_is_ending(s3, tm
         it, cache, waits = _full(s3, tmp_path / f"t{trial}", monkeypatch)
         try:
             assert waits.seen(BOUND_S), "no fetch waited for room (the test's set-up)"
-            resetting = threading.Thread(target=lambda: _call(it.reset), daemon=True)
+            resetting = threading.Thread(target=_call, args=(it.reset,), daemon=True)
             resetting.start()
             time.sleep(0.005)  # reset() has taken the stream out and is stopping it
             exc, _ = _bounded(it.close, "close() from another thread during reset()", monkeypatch)
@@ -202,3 +202,27 @@ def test_close_from_another_thread_waits_for_the_stream_a_reset_is_ending(s3, tm
         finally:
             it.close()
             cache.let_go("another-reader")
+
+
+def test_a_pinned_reader_at_its_least_limit_resumes_and_reads_on(s3, tmp_path, monkeypatch):
+    """A pinned reader's least limit counts its snapshot, not manifest.json, which a load_state_dict()
+    fetches (to check the state's shards against the store's): the state loads and its epoch and the
+    next one are read whole, or the load is refused at once, saying the least limit; never a
+    fetch that fails (or waits for room) mid-epoch."""
+    monkeypatch.setattr(room, "ROOM_WAIT_S", 5.0)  # a wait for room that cannot end fails in seconds
+    local, url = _remote(s3, tmp_path, generations=2)
+    least = _least(url, tmp_path / "probe", generation=1)
+    total = Manifest.load(local / "generations" / "1.json").samples
+    with ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=least, generation=1, shuffle_buffer=16,
+                   native_batch=4, readers=1) as it:
+        first = [i for _, b in zip(range(3), it) for i in batch_ids(b)]
+        state = it.state_dict()
+        try:
+            it.load_state_dict(state)
+        except LoaderError as exc:
+            assert re.search(r"cache_limit .* is too small .* at least [\d,]+ bytes", str(exc)), exc
+            assert sorted(first + [i for b in it for i in batch_ids(b)]) == list(range(total))
+            return
+        assert sorted(first + [i for b in it for i in batch_ids(b)]) == list(range(total))
+        it.reset()
+        assert sorted(i for b in it for i in batch_ids(b)) == list(range(total))

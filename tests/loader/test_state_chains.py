@@ -62,7 +62,8 @@ def _stretch(store, cache, state, parts: int, bs: int, k, lasts: dict) -> tuple[
         for p, it in enumerate(iters):
             if state is not None:
                 it.load_state_dict(state)
-            rows = [[b.label[0].asnumpy().astype(int).tolist(), b.pad] for _, b in zip(range(10**9 if k is None else k), it)]
+            batches = it if k is None else (b for _, b in zip(range(k), it))
+            rows = [[b.label[0].asnumpy().astype(int).tolist(), b.pad] for b in batches]
             read.add(len(rows))
             ids += _real(rows, bs, lasts.setdefault(p, [None]))
         assert len(read) == 1, f"the parts of one job read {sorted(read)} batches: they must read as many"
