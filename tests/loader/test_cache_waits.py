@@ -226,3 +226,28 @@ def test_a_pinned_reader_at_its_least_limit_resumes_and_reads_on(s3, tmp_path, m
         assert sorted(first + [i for b in it for i in batch_ids(b)]) == list(range(total))
         it.reset()
         assert sorted(i for b in it for i in batch_ids(b)) == list(range(total))
+
+
+def test_close_from_another_thread_ends_a_reset_whose_first_fetch_waits_for_room(s3, tmp_path, monkeypatch):
+    """The other reader takes the whole room the moment reset() lets this epoch's files go, so the
+    next epoch's first fetch (which reset() waits for) waits for room: close() from another thread
+    ends it within seconds."""
+    it, cache, waits = _full(s3, tmp_path, monkeypatch)
+    manifest = open_store(it.manifest_path.rsplit("/", 1)[0]).require_manifest()
+    third = sorted(manifest.shards, key=lambda s: -s.bytes)[2:3]
+    try:
+        holder = threading.Thread(target=cache.make_local, args=(third,), daemon=True,
+                                  kwargs=dict(who="third-reader", schema=manifest.schema, halt=threading.Event()))
+        holder.start()  # waits until reset() lets the epoch's files go
+        resetting = threading.Thread(target=_call, args=(it.reset,), daemon=True)
+        resetting.start()
+        holder.join(BOUND_S)
+        assert waits.seen(BOUND_S), "no fetch waited for room (the test's set-up)"
+        exc, _ = _bounded(it.close, "close() from another thread during reset()", monkeypatch)
+        assert exc is None, exc
+        resetting.join(BOUND_S)
+        assert not resetting.is_alive(), "reset() went on waiting for room after close()"
+    finally:
+        it.close()
+        cache.let_go("another-reader")
+        cache.let_go("third-reader")
