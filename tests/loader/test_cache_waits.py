@@ -104,22 +104,19 @@ class _Waits:
 
 
 def _full(s3, tmp_path, monkeypatch):
-    """An iterator at the least limit whose cache is then filled by another reader's files (two of
-    the largest shards, never let go): its next fetch waits for room."""
+    """An iterator at the least limit whose cache holds another reader's files first (two of the
+    largest shards, never let go): it reads a group of files at a time, and once nothing consumes
+    its batches, its next fetch waits for room."""
     _, url = _remote(s3, tmp_path)
     limit = _least(url, tmp_path / "probe")
     waits = _Waits(monkeypatch)
+    monkeypatch.setattr(room, "ROOM_WAIT_S", 600.0)
+    cache = CachedStore.of(open_store(url), tmp_path / "c", limit)  # the one the iterator will read through
+    manifest = open_store(url).require_manifest()
+    cache.make_local(sorted(manifest.shards, key=lambda s: -s.bytes)[:2], who="another-reader",
+                     schema=manifest.schema)
     it = ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=limit, shuffle_buffer=40, native_batch=4, readers=1,
                    prefetch_buffer=2)
-    cache = CachedStore.of(open_store(url), tmp_path / "c", limit)
-    manifest = open_store(url).require_manifest()
-    biggest = sorted(manifest.shards, key=lambda s: -s.bytes)[:2]
-    holder = threading.Thread(target=cache.make_local, args=(biggest,), daemon=True,
-                              kwargs=dict(who="another-reader", schema=manifest.schema, halt=threading.Event()))
-    holder.start()  # waits for the iterator's first reads to let their files go, then holds the room
-    holder.join(BOUND_S)
-    assert not holder.is_alive(), "the other reader never got its room"
-    monkeypatch.setattr(room, "ROOM_WAIT_S", 600.0)
     return it, cache, waits
 
 
@@ -149,13 +146,11 @@ def _call(fn):
 def test_close_from_another_thread_ends_a_fetch_that_waits_for_room(s3, tmp_path, monkeypatch):
     it, cache, waits = _full(s3, tmp_path, monkeypatch)
     try:
-        consumer = threading.Thread(target=lambda: [b for b in it], daemon=True)  # ends on the LoaderError
-        consumer.start()
         assert waits.seen(BOUND_S), "no fetch waited for room (the test's set-up)"
         exc, _ = _bounded(it.close, "close() from another thread", monkeypatch)
         assert exc is None, exc
-        consumer.join(BOUND_S)
-        assert not consumer.is_alive(), "next() went on waiting after close()"
+        with pytest.raises(LoaderError, match="closed"):
+            it.next()
     finally:
         it.close()
         cache.let_go("another-reader")
