@@ -49,6 +49,7 @@ class Epochs:
         self.ahead: Optional[EpochStream] = None
         self.ending: set = set()  # streams end_current() took out and is stopping: close() waits for them too
         self.plan: Optional[EpochPlan] = None
+        self.starting: Optional[EpochStream] = None  # the stream start() waits for (under lock): close() ends it first
         self.arena: Optional[Arena] = None
         self.lock = threading.Lock()
         self.closed = False  # close() ran: no stream starts again (a reset() racing a close() in another thread)
@@ -79,7 +80,11 @@ class Epochs:
                 stream = ahead if ahead is not None else EpochStream(
                     plan, epoch, params, self.arena, phases=phases, skip=skip, cap=self.cap, on_half=self._half_way)
                 if wait:
-                    stream.started()  # its first read is open (from an object store: its first files are here)
+                    self.starting = stream
+                    try:
+                        stream.started()  # its first read is open (from an object store: its first files are here)
+                    finally:
+                        self.starting = None
             except BaseException:
                 if stream is not None:
                     stream.close()
@@ -204,7 +209,12 @@ class Epochs:
 
     def close(self) -> None:
         """An iterator's end (``close()``, its finalizer, the exit hook): ``shutdown.STEPS``, in
-        their order, under ``lock`` (a ``reset()`` in another thread waits, then finds it closed)."""
+        their order, under ``lock`` (a ``reset()`` in another thread waits, then finds it closed). A stream
+        whose first read a ``reset()`` waits for under ``lock`` (its first fetch may wait for room in a
+        full cache, up to 10 minutes) is stopped first, so that wait ends now (issue 64)."""
+        starting = self.starting
+        if starting is not None:
+            starting.close()
         with self.lock:
             if self.shut:  # once (the exit hook, then the reader's own close, run it twice)
                 return

@@ -178,13 +178,18 @@ class Room:
 
     def meta_bytes(self) -> int:
         """Room for the manifest twice and then some (the next one is written beside it before it
-        replaces it, and may list a shard more) and the snapshots."""
-        meta = 0
+        replaces it, and may list a shard more) and the snapshots. Before the manifest is in the
+        cache (a reader pinned to a generation reads its snapshot; a ``load_state_dict()`` fetches the
+        manifest later), the largest snapshot stands in for it: the room is counted at construction,
+        not found missing mid-epoch (issue 64)."""
+        snapshots = []
         with contextlib.suppress(OSError):
-            meta += 2 * self.manifest_path.stat().st_size + self.manifest_path.stat().st_size // 8
-        with contextlib.suppress(OSError):
-            meta += sum(p.stat().st_size for p in (self.folder / SNAPSHOT_DIR).iterdir())
-        return meta
+            snapshots = [p.stat().st_size for p in (self.folder / SNAPSHOT_DIR).iterdir()]
+        try:
+            manifest = self.manifest_path.stat().st_size
+        except OSError:
+            manifest = max(snapshots, default=0)
+        return 2 * manifest + manifest // 8 + sum(snapshots)
 
     def check_room(self, shards: list) -> None:
         """LoaderError unless ``cache_limit`` holds 3 of the largest of ``shards`` beside ``meta_bytes``

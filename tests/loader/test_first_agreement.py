@@ -5,6 +5,8 @@ and a state loaded before the first batch must be of rank 0's generation. The re
 ``test_distributed.py::test_module_fit_with_the_iterator_made_first``,
 ``test_generations.py::test_dist_sync_workers_agree_when_a_date_lands_mid_race``."""
 
+import re
+
 import numpy as np
 import pytest
 from conftest import make_store
@@ -92,3 +94,45 @@ def test_a_state_of_another_generation_than_rank_0s_is_refused_at_the_first_batc
         it.load_state_dict(state)
         assert it.generation == 1 and it.next().label[0].shape == (8,)  # the same state everywhere: read on
         assert len(kv.calls) == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_dist_worker_built_on_another_schema_than_rank_0s_generation_is_one_clear_error(tmp_path):
+    """A real dist_sync job over loopback (issue 64, contract 3): rank 1 built its iterator on
+    generation 1, rank 0 on generation 2, published between them with another schema (time_steps 3
+    -> 4). At the first batch rank 1 takes rank 0's generation: its ``provide_data`` (what the model
+    was bound to) no longer describes the data, so it is one LoaderError saying what changed, never a
+    batch of another shape under the old ``provide_data``. Rank 0 reads on."""
+    import json
+    import os
+    import sys
+    import time
+
+    import proctree
+    from conftest import ROOT
+
+    store, flags, out = tmp_path / "s", tmp_path / "flags", tmp_path / "out"
+    flags.mkdir()
+    out.mkdir()
+    make_store(store, COUNTS)  # generation 1: time_steps 3
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "loader.tools.launch", "-n", "2", "-s", "1", "--timeout", "170", "--", sys.executable,
+           str(ROOT / "tests" / "dist_schema_worker.py"), "--store", str(store), "--flags", str(flags), "--out",
+           str(out)]
+    with proctree.Tagged(cmd, cwd=ROOT, env=env) as job:  # every process it starts is killed at the end
+        deadline = time.monotonic() + 120
+        while not (flags / "built").exists():
+            assert job.proc.poll() is None, job.output
+            assert time.monotonic() < deadline, "rank 1 never built its iterator"
+            time.sleep(0.02)
+        (store / "manifest.json").unlink()  # the store starts over with another schema: generation 2
+        make_store(store, {"2024-01-08": 40}, t=4)
+        (flags / "published").write_text("2")
+        code = job.wait(180)
+    assert code == 0, job.output[-3000:]
+    rank0, rank1 = (json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == {"generation": 2, "provide_data": [4, 4, 2], "batch": [4, 4, 2]}, rank0
+    assert rank1["provide_data"] == [4, 3, 2] and "batch" not in rank1, \
+        f"rank 1 read batches of rank 0's schema under its old provide_data: {rank1}"
+    assert re.search(r"schema changed .* between this worker's generation 1 and rank 0's 2; make the iterators "
+                     r"again", rank1["error"]), rank1
