@@ -6,8 +6,9 @@ dmlc aborts the whole process (``dmlc::Error`` thrown in a native thread) on a b
 word, and MXNet fails without naming the file on a bad header flag or image. So every shard is
 checked here first, once per process and file version (inode, size, mtime, ctime): the framing of
 every record (magic, length, cflag, header flag == record_floats, id == the date's day, id2's low
-word == the record's number in its shard (shards with checksums), the constant image and padding) and what the codec checks inside the payload (items used, day, runs'
-row counts and window starts). The check reads a few words per record through a memory map; the
+word == the record's number in its shard (shards with checksums), the constant image and padding)
+and what the codec checks inside the payload (items used, day, runs' row counts and window
+starts). The check reads a few words per record through a memory map; the
 common case (no record split by dmlc's magic word; split ones: :mod:`shardgen.format.split`) is
 vectorised. ``verify="crc"`` (the default) also checks every record's CRC32 of its payload and
 image (``framing.CRC_WORD``), so a flipped payload byte is an error naming the record, not wrong

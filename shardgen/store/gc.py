@@ -4,10 +4,11 @@ A snapshot ``generations/<N>.json`` is kept while it is the newest, while a live
 names ``N`` or an older generation (that reader may be about to open a newer one: e.g. the
 generation its dist_sync workers agree on next), or while it was superseded less than
 ``grace_s`` ago. A snapshot numbered past the manifest's generation (or any, in a store with no
-manifest) was left by a writer killed before it published it, and is removed. A retired shard's files are deleted once it has been retired for ``grace_s``,
-no live lease names a generation that still listed it, and no kept snapshot lists them. The
-manifest then drops them (generation + 1). Every name is checked to be a plain file name inside
-the store when the manifest is read: nothing outside the store is ever unlinked.
+manifest) was left by a writer killed before it published it, and is removed. A retired shard's
+files are deleted once it has been retired for ``grace_s``, no live lease names a generation that
+still listed it, and no kept snapshot lists them. The manifest then drops them (generation + 1).
+Every name is checked to be a plain file name inside the store when the manifest is read: nothing
+outside the store is ever unlinked.
 
 ``collect`` is written once for every kind of store (the rules are ``kept_snapshots`` and ``sweep``):
 under the store's ``publishing()`` lock and the writer's lock (checked before each deletion).

@@ -211,7 +211,8 @@ def test_a_holder_process_stopped_past_the_ttl_gives_the_lock_up_when_it_continu
     does before each publish) is stopped with SIGSTOP; past the TTL B takes the lock over. On
     SIGCONT the holder says it lost the lock and exits, and the lock stays B's."""
     env = {**os.environ, **FakeServer(tmp_path / "objects").env(),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+                                          os.environ.get("PYTHONPATH", "")])}
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, "fake://data/store", str(TTL_S)], env=env,
                               stdout=subprocess.PIPE, text=True, start_new_session=True)
     b = WriterLock(FakeObjects("fake://data/store"), what="watch", ttl_s=TTL_S)
