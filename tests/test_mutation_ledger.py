@@ -7,6 +7,7 @@ such entry is repointed to the same logic where it moved, or removed with the lo
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from conftest import ROOT
@@ -37,9 +38,18 @@ def stale_entries(specs: Path, root: Path) -> list[str]:
             if found != want:
                 stale.append(f"{where}: its find occurs {found} times in {m['file']}, expected {want}")
             for test in m["tests"]:
-                if not (root / test.split("::")[0]).is_file():
+                test_file, _, name = test.partition("::")
+                if not (root / test_file).is_file():
                     stale.append(f"{where}: names test file {test}, which does not exist")
+                elif name and not _defines(root / test_file, name.split("::")[0].split("[")[0]):
+                    stale.append(f"{where}: names test {test}, which {test_file} does not define")
     return stale
+
+
+def _defines(path: Path, name: str) -> bool:
+    """Whether the test file defines the test function or class ``name`` (pytest would run nothing)."""
+    pattern = rf"^(?:async )?def {re.escape(name)}\(|^class {re.escape(name)}\b"
+    return re.search(pattern, path.read_text(), re.M) is not None
 
 
 def test_every_mutation_entry_applies():
@@ -50,13 +60,16 @@ def test_every_mutation_entry_applies():
 def test_a_stale_entry_is_listed(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "a.py").write_text("x = 1\nx = 1\n")
-    (tmp_path / "t.py").write_text("")
+    (tmp_path / "t.py").write_text("def test_y():\n    pass\n")
     entries = [{"name": "ok", "file": "a.py", "find": "x = 1", "replace": "x = 2", "count": 2, "tests": ["t.py"]},
                {"name": "once", "file": "a.py", "find": "x = 1", "replace": "x = 2", "tests": ["t.py"]},
                {"name": "gone", "file": "b.py", "find": "x", "replace": "y", "tests": ["t.py::test_x"]},
-               {"name": "no test", "file": "a.py", "find": "x = 1\nx", "replace": "y", "tests": ["u.py"]}]
+               {"name": "no test", "file": "a.py", "find": "x = 1\nx", "replace": "y", "tests": ["u.py"]},
+               {"name": "named", "file": "a.py", "find": "x = 1\nx", "replace": "y", "tests": ["t.py::test_y[1]"]},
+               {"name": "unnamed", "file": "a.py", "find": "x = 1\nx", "replace": "y", "tests": ["t.py::test_x"]}]
     (tmp_path / "m" / "s.json").write_text(json.dumps(entries))
     assert stale_entries(tmp_path / "m", tmp_path) == [
         "s.json[1] 'once': its find occurs 2 times in a.py, expected 1",
         "s.json[2] 'gone': b.py does not exist",
-        "s.json[3] 'no test': names test file u.py, which does not exist"]
+        "s.json[3] 'no test': names test file u.py, which does not exist",
+        "s.json[5] 'unnamed': names test t.py::test_x, which t.py does not define"]

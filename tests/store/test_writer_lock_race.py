@@ -188,6 +188,24 @@ def test_a_holder_whose_heartbeat_stalled_past_the_ttl_does_not_write_its_lock_o
         a.release(), b.release()
 
 
+def test_a_holder_that_finds_another_writers_lock_writes_nothing_more(objects):
+    """Another writer's lock over ours (a writer taken for the holder by a race, or an operator):
+    the heartbeat finds it within a period or two, counts the lock lost and never writes ours back."""
+    a = WriterLock(objects, what="build", ttl_s=TTL_S).acquire()
+    try:
+        other = json.dumps({"token": "elsewhere-1-00000000", "host": "elsewhere", "pid": 1, "what": "watch"})
+        objects.put(WRITER_LOCK, other.encode())
+        deadline = time.monotonic() + BOUND_S
+        while a.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a.lost is not None and "another writer" in a.lost
+        time.sleep(TTL_S / 2)  # three heartbeat periods
+        assert token_on_the_store(objects) == "elsewhere-1-00000000"
+    finally:
+        a.release()
+    assert token_on_the_store(objects) == "elsewhere-1-00000000"  # release deletes only its own
+
+
 HOLDER = """
 import sys, time
 from shardgen.errors import LockError
