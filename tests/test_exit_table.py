@@ -65,3 +65,74 @@ def test_every_failure_class_of_the_table_exits_with_its_code(tmp_path, monkeypa
     if isinstance(exc, OSError) and exc.filename:
         assert exc.filename in err  # the path named
 
+
+
+def _raised(outer: Exception, inner: BaseException, *, cause: bool) -> Exception:
+    """``outer`` as raised while handling ``inner``: ``from inner`` (cause) or ``from None``."""
+    try:
+        try:
+            raise inner
+        except BaseException as exc:
+            if cause:
+                raise outer from exc
+            raise outer from None
+    except Exception as caught:
+        return caught
+
+
+GERMAN_ENOSPC = OSError(errno.ENOSPC, "Kein Speicherplatz mehr auf dem Gerät", "shards/2024-01-02.rec")
+WRAPPED = [
+    ("a shard error from a full disk", lambda: _raised(
+        ShardError("2024-01-02: cannot write shards/2024-01-02.rec (Kein Speicherplatz mehr auf dem Gerät)"),
+        GERMAN_ENOSPC, cause=True)),
+    ("a manifest error from a full disk, from None", lambda: _raised(
+        ManifestError("shards/manifest.json: cannot write (Kontingent überschritten)"),
+        OSError(errno.EDQUOT, "Kontingent überschritten"), cause=False)),
+    ("a generator error wrapping a shard error wrapping a full disk", lambda: _raised(
+        GeneratorError("2024-01-02: cannot keep the output"),
+        _raised(ShardError("2024-01-02: kaputt"), GERMAN_ENOSPC, cause=False), cause=True)),
+]
+
+
+@pytest.mark.parametrize("command", ["build", "verify"])
+@pytest.mark.parametrize("what, make", WRAPPED, ids=[row[0] for row in WRAPPED])
+def test_a_full_disk_wrapped_in_a_shardgen_error_exits_as_the_environment(tmp_path, monkeypatch, capsys, command,
+                                                                          what, make):
+    """Issue 64 contract 10: the errno of the OSError a ShardgenError wraps decides (3), in any language;
+    a data error wrapping another data error stays 1."""
+    exc = make()
+
+    def fails(args):
+        raise exc
+
+    monkeypatch.setitem(cli.COMMANDS, command, fails)
+    assert cli.main([command, "-c", str(write_config(tmp_path / "p"))]) == 3, what
+    assert "Traceback" not in capsys.readouterr().err
+    plain = _raised(ShardError("2024-01-02: record 3 is damaged"), ValueError("bad magic"), cause=True)
+    monkeypatch.setitem(cli.COMMANDS, command, lambda args: (_ for _ in ()).throw(plain))
+    assert cli.main([command, "-c", str(write_config(tmp_path / "p"))]) == 1
+
+
+PROCESSOR_ON_A_FULL_DISK = '''
+import errno
+
+from shardgen.process import sliding_windows
+
+
+def windows(raw, date, **kw):
+    if str(date) == "2024-01-03":  # the processor's own scratch file meets a full disk
+        raise OSError(errno.ENOSPC, "Kein Speicherplatz mehr auf dem Gerät", "/scratch/2024-01-03.tmp")
+    return sliding_windows(raw, date, **kw)
+'''
+
+
+def test_a_build_whose_processor_meets_a_full_disk_exits_3(tmp_path):
+    """Through the real CLI: the processor's ENOSPC reaches main wrapped in a ProcessorError (its
+    message in the host's language); the other dates are published and the exit code is 3."""
+    from conftest import shardgen_cli
+
+    cfg = write_config(tmp_path / "p", process="fullproc:windows")
+    (tmp_path / "p" / "fullproc.py").write_text(PROCESSOR_ON_A_FULL_DISK)
+    r = shardgen_cli("build", "-c", cfg)
+    assert r.returncode == 3, r.stderr
+    assert "2024-01-03" in r.stderr and "Kein Speicherplatz" in r.stderr and "Traceback" not in r.stderr

@@ -5,9 +5,10 @@ before MXNet reads it).
 dmlc aborts the whole process (``dmlc::Error`` thrown in a native thread) on a bad magic or length
 word, and MXNet fails without naming the file on a bad header flag or image. So every shard is
 checked here first, once per process and file version (inode, size, mtime, ctime): the framing of
-every record (magic, length, cflag, header flag == record_floats, id == the date's day, the
-constant image and padding) and what the codec checks inside the payload (items used, day, runs'
-row counts and window starts). The check reads a few words per record through a memory map; the
+every record (magic, length, cflag, header flag == record_floats, id == the date's day, id2's low
+word == the record's number in its shard (shards with checksums), the constant image and padding)
+and what the codec checks inside the payload (items used, day, runs' row counts and window
+starts). The check reads a few words per record through a memory map; the
 common case (no record split by dmlc's magic word; split ones: :mod:`shardgen.format.split`) is
 vectorised. ``verify="crc"`` (the default) also checks every record's CRC32 of its payload and
 image (``framing.CRC_WORD``), so a flipped payload byte is an error naming the record, not wrong
@@ -126,8 +127,8 @@ def _renumber(where: np.ndarray, run):
         raise Damage(int(where[bad.record]), bad.what) from None
 
 
-def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, crcs: bool
-                   ) -> np.ndarray:
+def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, crcs: bool,
+                   numbers: bool) -> np.ndarray:
     """The general case (some record split at a magic word): whole records column-wise as in
     ``_whole_records`` (gathered by offset), only the split ones one by one."""
     size, rb = len(buf), schema.record_bytes
@@ -145,8 +146,9 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
 
     counts[whole] = _renumber(whole, lambda: _whole_records(whole_cols, len(whole), schema, day))
     length = data_bytes(schema.record_floats, schema.image)
-    if crcs:
+    if numbers:
         _check_numbers(flat[first + NUMBER_WORD], whole)
+    if crcs:
         _check_crcs(buf, offsets[whole], flat[first + CRC_WORD], length, whole)
     if len(split):
         rebuilt = np.empty((len(split), rb // 4), np.uint32)
@@ -161,8 +163,9 @@ def _split_records(buf: memoryview, offsets: np.ndarray, schema: Schema, day: in
             return rebuilt[:, a:b]
 
         counts[split] = _renumber(split, lambda: schema.codec.check(split_cols, len(split), schema, day))
-        if crcs:
+        if numbers:
             _check_numbers(rebuilt[:, NUMBER_WORD], split)
+        if crcs:
             _check_crcs(memoryview(rebuilt).cast("B"), np.arange(len(split)) * rb, rebuilt[:, CRC_WORD], length,
                         split)
     return counts
@@ -174,6 +177,7 @@ def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify
     ``buf`` outlives the call. "sha256-sound": the hash differs, every record's frame and CRC hold."""
     sha_ok = verify != "sha256" or hashlib.sha256(buf).hexdigest() == entry.sha256
     crcs = verify in ("crc", "sha256") and has_checksums(entry)
+    numbers = verify != "none" and has_checksums(entry)  # a header field: the frame check's too
     rb = schema.record_bytes
     try:
         if len(offsets) * rb == len(buf) and (np.diff(offsets) == rb).all():
@@ -185,11 +189,12 @@ def _scan(buf: memoryview, offsets: np.ndarray, schema: Schema, day: int, verify
             if verify == "none":
                 return schema.codec.counts(cols, len(offsets), schema), None
             found = _whole_records(cols, len(offsets), schema, day)
-            if crcs:
+            if numbers:
                 _check_numbers(words[:, NUMBER_WORD], np.arange(len(offsets)))
+            if crcs:
                 _check_crcs(buf, offsets, words[:, CRC_WORD], data_bytes(schema.record_floats, schema.image))
         else:
-            found = _split_records(buf, offsets, schema, day, crcs)
+            found = _split_records(buf, offsets, schema, day, crcs, numbers)
         return (found, None) if sha_ok else (None, "sha256-sound" if crcs else "sha256")
     except Damage as bad:  # leaving the block drops the exception and its frames (views of the map)
         problem = (bad.record, bad.what)

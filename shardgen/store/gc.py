@@ -3,10 +3,12 @@
 A snapshot ``generations/<N>.json`` is kept while it is the newest, while a live reader lease
 names ``N`` or an older generation (that reader may be about to open a newer one: e.g. the
 generation its dist_sync workers agree on next), or while it was superseded less than
-``grace_s`` ago. A retired shard's files are deleted once it has been retired for ``grace_s``,
-no live lease names a generation that still listed it, and no kept snapshot lists them. The
-manifest then drops them (generation + 1). Every name is checked to be a plain file name inside
-the store when the manifest is read: nothing outside the store is ever unlinked.
+``grace_s`` ago. A snapshot numbered past the manifest's generation (or any, in a store with no
+manifest) was left by a writer killed before it published it, and is removed. A retired shard's
+files are deleted once it has been retired for ``grace_s``, no live lease names a generation that
+still listed it, and no kept snapshot lists them. The manifest then drops them (generation + 1).
+Every name is checked to be a plain file name inside the store when the manifest is read: nothing
+outside the store is ever unlinked.
 
 ``collect`` is written once for every kind of store (the rules are ``kept_snapshots`` and ``sweep``):
 under the store's ``publishing()`` lock and the writer's lock (checked before each deletion).
@@ -50,7 +52,7 @@ def kept_snapshots(numbers: list[int], manifest: Manifest, live: list[int], grac
                    load: Callable[[int], Manifest]) -> tuple[list[int], list[int]]:
     """(kept, removable) of the snapshot generations ``numbers``, by the rule in the module
     docstring; ``load(n)`` reads snapshot ``n``. Snapshots newer than the manifest are leftovers of
-    a writer killed before it published them."""
+    a writer killed before it published them (every snapshot of a store with no manifest is too)."""
     published = [n for n in numbers if n <= manifest.generation]
     oldest_live = min(live) if live else None
     superseded_at = {}  # generation -> when the next published generation replaced it
@@ -102,13 +104,16 @@ def collect(store: Union[Store, str, os.PathLike], *, grace_s: float, lease_ttl_
     """Delete what may go; returns the dates whose retired files were deleted. ``lock``: the
     store's writer lock if the caller holds it (else it is taken for this collection)."""
     store = open_store(store)
-    if store.size(MANIFEST_NAME) is None:
+    if store.size(MANIFEST_NAME) is None and not store.snapshot_generations():
         return []
     if lock is None:
         with store.writer_lock("gc", ttl_s=lease_ttl_s) as held:
             return collect(store, grace_s=grace_s, lease_ttl_s=lease_ttl_s, now=now, lock=held)
     now = now or utc_datetime()
     with store.publishing():
+        if store.size(MANIFEST_NAME) is None:  # no generation was ever published: every snapshot is a
+            _remove_snapshots(store, store.snapshot_generations())  # killed first writer's leftover
+            return []
         manifest = store.require_manifest()  # refuses names outside the store
         live = store.live_generations(lease_ttl_s)
         load = functools.lru_cache(None)(store.load_generation)
@@ -121,7 +126,11 @@ def collect(store: Union[Store, str, os.PathLike], *, grace_s: float, lease_ttl_
             log.info("deleted retired shard %s (%s)", entry.date, entry.rec)
         if gone:
             store.save(replace(manifest, retired=tuple(kept_entries)), lock)
-        for n in old_snapshots:
-            store.delete(snapshot_name(n))
-            log.info("removed snapshot of generation %d", n)
+        _remove_snapshots(store, old_snapshots)
     return [entry.date for entry in gone]
+
+
+def _remove_snapshots(store: Store, numbers: list[int]) -> None:
+    for n in numbers:
+        store.delete(snapshot_name(n))
+        log.info("removed snapshot of generation %d", n)

@@ -5,7 +5,11 @@ On an object store (``S3Store.writer_lock``), ``build``, ``watch`` and ``gc`` ho
 the TTL by the store's clock it is stale and taken over). Object stores without conditional writes
 cannot make taking it atomic: two writers starting within the same second could both take it.
 Each writer reads the lock back after a pause and again before every publish, and stops when it
-finds another owner.
+finds another owner. A judgement is only as fresh as the read it rests on: a writer whose read of
+the lock took past half the pause (a stalled request or process) reads again before it writes,
+and one whose write landed that late takes nothing. A holder that confirmed its lock no later than
+half the TTL ago refreshes it; past that (its process or heartbeat stalled: SIGSTOP, swap, a hung
+request) a successor may own it by now, so it writes nothing more and counts itself lost.
 
 On a store folder (``FolderStore.writer_lock``) the same writers hold ``FolderWriterLock``: a kernel
 ``flock`` on ``<store>/.writer.lock`` for the writer's lifetime (released by the kernel when it
@@ -38,6 +42,7 @@ __all__ = ["WRITER_LOCK", "WriterLockLike", "WriterLock", "FolderWriterLock"]
 log = logging.getLogger(__name__)
 WRITER_LOCK = ".writer.lock"
 SETTLE_S = 1.0  # a new lock is read back after this: the later of two racing writers wins
+READS = 5  # reads of the lock a writer makes before it gives up on a store too slow to judge by
 
 
 class WriterLockLike(Protocol):
@@ -106,6 +111,7 @@ class WriterLock:
         self._stop = threading.Event()
         self._lost: Optional[str] = None
         self._thread: Optional[threading.Thread] = None
+        self._confirmed = 0.0  # time.monotonic() before the last write of our lock known to be ours
 
     def _holder(self) -> tuple[Optional[dict], Optional[float]]:
         found = self.objects.get_with_info(WRITER_LOCK)
@@ -118,19 +124,35 @@ class WriterLock:
             holder = {}
         return (holder if isinstance(holder, dict) else {}), info.mtime
 
+    def _judge(self) -> float:
+        """When (``time.monotonic()``) the read that found the lock free or stale began; LockError
+        while another writer holds it. A read slower than half the pause is made again."""
+        for _ in range(READS):
+            began = time.monotonic()
+            holder, mtime = self._holder()
+            if holder is not None and holder.get("token") != self.token:
+                age = self.objects.clock(f"{LEASE_DIR}/{CLOCK_NAME}") - mtime
+                if age <= self.ttl_s:
+                    raise LockError(self._refusal(holder, age))
+                if time.monotonic() - began <= SETTLE_S / 2:
+                    log.warning("%s: taking over a stale writer lock of %s pid %s (no heartbeat for %.0fs)",
+                                self.objects.where(WRITER_LOCK), holder.get("host"), holder.get("pid"), age)
+            if time.monotonic() - began <= SETTLE_S / 2:
+                return began
+        raise LockError(f"{self.objects.where(WRITER_LOCK)}: {self.what} refused: {READS} reads of the lock each "
+                        f"took over {SETTLE_S / 2:g}s, too slow to take it safely")
+
     def acquire(self) -> WriterLock:
-        holder, mtime = self._holder()
-        if holder is not None and holder.get("token") != self.token:
-            age = self.objects.clock(f"{LEASE_DIR}/{CLOCK_NAME}") - mtime
-            if age <= self.ttl_s:
-                raise LockError(self._refusal(holder, age))
-            log.warning("%s: taking over a stale writer lock of %s pid %s (no heartbeat for %.0fs)",
-                        self.objects.where(WRITER_LOCK), holder.get("host"), holder.get("pid"), age)
+        began = self._judge()
         self.objects.put(WRITER_LOCK, json.dumps(self.info).encode())
+        if time.monotonic() - began > SETTLE_S / 2:  # it may have landed over a writer that read its own back
+            raise LockError(f"{self.objects.where(WRITER_LOCK)}: {self.what} refused: writing the lock took over "
+                            f"{SETTLE_S / 2:g}s, too late to know that no other writer took it meanwhile")
         time.sleep(SETTLE_S)
         holder, _ = self._holder()
         if holder is None or holder.get("token") != self.token:
             raise LockError(self._refusal(holder or {}, None) + " (it took the lock at the same time as us)")
+        self._confirmed = began
         self._thread = threading.Thread(target=self._beat, name="shardgen-writer-lock", daemon=True)
         self._thread.start()
         return self
@@ -141,16 +163,29 @@ class WriterLock:
                 f"({holder.get('what', 'unknown')} on {holder.get('host', '?')}, pid {holder.get('pid', '?')}"
                 f"{beat}); one writer per store")
 
+    def _stalled(self) -> Optional[str]:
+        """Why our lock may be a successor's by now: not confirmed for over half the TTL."""
+        since = time.monotonic() - self._confirmed
+        if since <= self.ttl_s / 2:
+            return None
+        return (f"{self.objects.where(WRITER_LOCK)}: {self.what} lost the writer lock: not refreshed for {since:.1f}s "
+                f"(over half its TTL of {self.ttl_s:g}s: stalled), another writer may hold it now")
+
     def _beat(self) -> None:
-        while not self._stop.wait(self.ttl_s / 6):
+        period = 0.0  # the first refresh at once: the read-back's pause aged the lock by SETTLE_S
+        while not self._stop.wait(period):
+            period = self.ttl_s / 6
             try:
+                began = time.monotonic()
                 holder, _ = self._holder()
-                if holder is None or holder.get("token") != self.token:
-                    self._lost = self._refusal(holder or {}, None)
+                stalled = self._stalled()  # after the read too: the read itself may have stalled
+                if stalled is not None or holder is None or holder.get("token") != self.token:
+                    self._lost = stalled or self._refusal(holder or {}, None)
                     log.error("%s: lost the writer lock; this process publishes nothing more",
                               self.objects.where(WRITER_LOCK))
                     return
                 self.objects.put(WRITER_LOCK, json.dumps(self.info).encode(), verify=False)
+                self._confirmed = began
             except ObjectStoreError as exc:
                 log.warning("%s: cannot refresh the writer lock (%s)", self.objects.where(WRITER_LOCK), exc)
 
@@ -165,6 +200,8 @@ class WriterLock:
             holder, _ = self._holder()
             if holder is None or holder.get("token") != self.token:
                 self._lost = self._refusal(holder or {}, None)
+            else:
+                self._lost = self._stalled()
         if self._lost is not None:
             raise LockError(self._lost)
 

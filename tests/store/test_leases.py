@@ -168,6 +168,29 @@ def test_lease_age_is_measured_by_the_store_clock(tmp_path, monkeypatch, skew_s)
     assert abs(os.stat(store / LEASE_DIR / ".clock").st_mtime - real_time()) < 5
 
 
+
+@pytest.mark.parametrize("last_gc_s", [None, 3600])
+def test_a_dead_readers_lease_ages_out_by_the_store_clock_alone(tmp_path, last_gc_s):
+    """Issue 64 contract 5: the store folder's clock moves by itself. A reader on another host
+    (its pid cannot be checked) stopped beating 10 minutes ago, and nothing but gc touches the
+    store: ``shardgen gc`` judges the lease by the store's "now", not by the clock file's mtime
+    from the last gc (an hour ago) or by nothing (a store no gc ran on), and collects what only
+    that reader's generation kept."""
+    cfg = write_config(tmp_path / "proj", grace=0)
+    store = retired_store(tmp_path)
+    lease = write_lease(store, "elsewhere-1-0000abcd.json", host="elsewhere", pid=1)
+    now = time.time()
+    os.utime(lease, (now - 600, now - 600))  # beyond the TTL (60 s) by any clock
+    clock = store / LEASE_DIR / ".clock"
+    if last_gc_s is not None:
+        clock.touch()
+        os.utime(clock, (now - last_gc_s, now - last_gc_s))  # the last gc ran an hour ago
+    r = shardgen_cli("gc", "-c", cfg)
+    assert r.returncode == 0, r.stderr
+    assert "2024-01-02" in r.stdout and not (store / "2024-01-02.rec").exists()
+    assert not lease.exists()
+    assert abs(clock.stat().st_mtime - time.time()) < 60  # gc set the store's "now"
+
 # -- the heartbeat ------------------------------------------------------------------------------
 
 
