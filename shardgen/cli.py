@@ -2,7 +2,7 @@
 
 Exit codes (docs/config.md's table): 0 all went well, 1 some work or check failed (the rest is kept
 and published), 2 usage or config error, 3 the environment failed (the store cannot be reached or
-its bucket does not exist, the credentials are refused, the disk is full). Errors are one line each
+its bucket does not exist, the credentials are refused, the disk is full or read-only). Errors are one line each
 on stderr; results go to stdout.
 """
 
@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 success; 1 some dates or shards failed (verify, status: a published file is "
                "damaged; status: the watcher reports failing dates); 2 usage or config error; 3 the environment "
                "failed (the store cannot be reached or its bucket does not exist, the credentials are refused, "
-               "the disk is full); 130/143 interrupted by SIGINT/SIGTERM.")
+               "the disk is full or read-only); 130/143 a build interrupted by SIGINT/SIGTERM, 0 a watcher "
+               "stopped by either.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     b = sub.add_parser("build", parents=[common], help="generate, process and publish a range of dates",
                        description="Generate, process and shard every configured date not yet published, "

@@ -78,10 +78,10 @@ EXIT_ENVIRONMENT = 3  # the CLI's exit code when the environment failed (see ``i
 def is_environment(exc: BaseException) -> bool:
     """A failure of the environment, not of a date or the config: the store cannot be reached (its
     endpoint is down, or its bucket does not exist) or refuses the credentials, or the disk is full
-    (the CLI exits ``EXIT_ENVIRONMENT``)."""
+    or mounted read-only (the CLI exits ``EXIT_ENVIRONMENT``)."""
     if isinstance(exc, (StoreUnreachable, CredentialsRefused, NoSuchStore)):
         return True
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         return True
     text = str(exc)
     return "the disk is full" in text or "No space left on device" in text or "Disk quota exceeded" in text
