@@ -12,15 +12,18 @@ import logging
 import os
 import threading
 import time
+import warnings
 from concurrent.futures import BrokenExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional
 
+from shardgen.clock import utc_stamp
 from shardgen.config import Config
 from shardgen.fsutil import HOST_TOKEN, clean_dead_joblib_files, clean_temp_files
 from shardgen.produce.generator import STOP, abandon_with
 from shardgen.produce.pipeline import DateResult, prepare, produce
 from shardgen.store import Store
+from shardgen.store.build_state import record_build
 from shardgen.store.manifest import Manifest, ShardEntry
 from shardgen.store.publish import publish
 from shardgen.store.writer_lock import WriterLockLike
@@ -182,6 +185,17 @@ def _say_layout(cfg: Config, res: DateResult) -> bool:
     return True
 
 
+def _close(results: Iterable) -> None:
+    """Stop the dates still running now (not when the generator is collected), without joblib's
+    warning that finished tasks were "not used" or were "cancelled": a stop asked for exactly that
+    (the shards that finished were published; the rest are tried again)."""
+    close = getattr(results, "close", None)
+    if close is not None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*(executed +but not used|still being processed)")
+            close()
+
+
 def _workers_died(report: BuildReport, todo: list[dt.date], exc: BaseException, *, stopping: bool) -> None:
     """A worker process died (SIGTERM to the group, OOM killer, SIGKILL): unless we are stopping,
     every date not finished is failed, to be tried again on the next run."""
@@ -213,9 +227,14 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
     store = cfg.store.open()
     if lock is None:
         with store.writer_lock("build", ttl_s=cfg.store.lease_ttl_s) as held:
-            return build(cfg, start=start, end=end, jobs=jobs, force=force, today=today, dates=dates,
-                         raw_dates=raw_dates, progress=progress, should_stop=should_stop,
-                         publish_every_s=publish_every_s, lock=held)
+            report = build(cfg, start=start, end=end, jobs=jobs, force=force, today=today, dates=dates,
+                           raw_dates=raw_dates, progress=progress, should_stop=should_stop,
+                           publish_every_s=publish_every_s, lock=held)
+            # a build on its own says what it could not publish, for ``shardgen status`` (a watcher's
+            # cycles pass their lock and keep their own state)
+            record_build(store, updated=utc_stamp(time.time()), published=report.published, failed=report.failed,
+                         empty=report.empty)
+            return report
     t0 = time.perf_counter()
     manifest = _open_store(cfg, store)
     raw_dates = frozenset(raw_dates)
@@ -227,8 +246,9 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
     bar = progress(len(todo)) if progress and todo else None
     pending = _Pending(cfg, store, report, publish_every_s, lock)
     said = False  # the layout note, once a build
+    results = run_dates(cfg, todo, jobs=jobs or cfg.run.jobs, force=force, raw_dates=raw_dates)
     try:
-        for res in run_dates(cfg, todo, jobs=jobs or cfg.run.jobs, force=force, raw_dates=raw_dates):
+        for res in results:
             _tally(report, res, pending)
             said = said or _say_layout(cfg, res)
             if bar is not None:
@@ -243,6 +263,7 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
     except BrokenExecutor as exc:  # a worker process died: SIGTERM to the group, OOM killer, SIGKILL
         _workers_died(report, todo, exc, stopping=should_stop() or STOP.is_set())
     finally:
+        _close(results)
         pending.flush()
         if bar is not None:
             bar.close()
