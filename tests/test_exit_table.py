@@ -58,6 +58,8 @@ def test_every_failure_class_of_the_table_exits_with_its_code(tmp_path, monkeypa
         raise exc
 
     monkeypatch.setitem(cli.COMMANDS, command, fails)
+    if command == "watch" and isinstance(exc, KeyboardInterrupt):
+        code = 0  # a watcher stopped by a signal, however sent (issue 62)
     assert cli.main([command, "-c", str(write_config(tmp_path / "p"))]) == code, what
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err  # one line

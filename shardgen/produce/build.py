@@ -8,12 +8,14 @@ is also the one code path the watcher calls each cycle.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import os
 import threading
 import time
 import warnings
-from concurrent.futures import BrokenExecutor, ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -32,6 +34,7 @@ __all__ = ["BuildReport", "build", "wanted", "run_dates"]
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 5.0  # during a long build, finished shards reach the manifest this often
+_SLICE_S = 0.1  # the longest the coordinating thread waits before it looks for a signal (``_waited``)
 
 
 @dataclass
@@ -105,7 +108,7 @@ def _pipelined(cfg: Config, dates: list[dt.date], *, force: bool, raw_dates: fro
     try:
         for i, d in enumerate(dates):
             current, ahead = ahead, (pool.submit(prepare_one, dates[i + 1]) if i + 1 < len(dates) else None)
-            result = produce(cfg, d, force=force, raw_only=d in raw_dates, ahead=current.result)
+            result = produce(cfg, d, force=force, raw_only=d in raw_dates, ahead=functools.partial(_waited, current))
             current = None  # its raw array goes now, not at the next date
             yield result
     finally:
@@ -115,6 +118,17 @@ def _pipelined(cfg: Config, dates: list[dt.date], *, force: bool, raw_dates: fro
                 f.cancel()
         current = ahead = None
         pool.shutdown(wait=True)  # what runs stops within a poll (~50 ms): killed, Interrupted
+
+
+def _waited(future: Future) -> object:
+    """``future.result()``, waited for in short slices: a signal the kernel hands to another thread
+    (it may: any thread that does not block it) only trips a flag that this thread checks once its
+    wait returns, and an untimed wait returned only with the generator (Ctrl-C ignored 30 s, issue 62)."""
+    while True:
+        try:
+            return future.result(timeout=_SLICE_S)
+        except FutureTimeout:
+            continue
 
 
 class _Pending:
