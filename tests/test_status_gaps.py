@@ -41,6 +41,19 @@ def test_status_lists_the_dates_a_build_failed_or_found_empty_until_they_are_pub
     assert text.returncode == 0 and code == 0, text.stdout
     assert info["failing"] == [] and [e["date"] for e in info["empty"]] == ["2024-01-04"]
     assert "failing 2024" not in text.stdout and "empty 2024-01-04" in text.stdout
+    state = json.loads((tmp_path / "p" / "shards" / ".build-state.json").read_text())
+    assert state["failing"] == []  # gone for good: not back once the date leaves the manifest
+
+
+def test_a_date_a_build_failed_and_a_watcher_published_is_no_longer_listed(tmp_path):
+    cfg = write_config(tmp_path / "p", start="2024-01-02", end="2024-01-03", modes={"2024-01-03": "fail"})
+    assert shardgen_cli("build", "-c", cfg).returncode == 1
+    assert _status(cfg)[2] == 1
+    (tmp_path / "p" / "modes.json").write_text("{}")
+    r = shardgen_cli("watch", "-c", cfg, "--once")
+    assert r.returncode == 0, r.stderr
+    text, info, code = _status(cfg)
+    assert code == 0 and info["failing"] == [] and info["shards"] == 2, text.stdout
 
 
 def test_an_empty_date_says_what_brings_it_back_and_that_does(tmp_path):

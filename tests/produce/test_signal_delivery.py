@@ -37,13 +37,26 @@ def other_threads(pid: int) -> list[int]:
     return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
 
 
+def signal_a_thread(pid: int, k: int, sig: int) -> None:
+    """Send ``sig`` to the ``k``-th other thread of ``pid`` (modulo their number); a thread that
+    ended meanwhile (the loader opens its readers in short-lived threads) is replaced by another."""
+    for _ in range(50):
+        threads = other_threads(pid)
+        try:
+            tgkill(pid, threads[k % len(threads)], sig)
+            return
+        except ProcessLookupError:
+            continue
+    raise AssertionError(f"no thread of {pid} took the signal")
+
+
 def stopped_within(proc: subprocess.Popen, bound: float) -> tuple[float, str]:
     """Seconds until ``proc`` exited, and its stderr; past ``bound``, its threads' stacks are dumped
     (SIGABRT to a faulthandler-enabled Python) and the test fails naming where it waited."""
     t0 = time.monotonic()
     try:
         _, err = proc.communicate(timeout=bound)
-    except subprocess.TimeoutExpired:
+    except subprocess.SubprocessError:  # not acted on within the bound
         proc.send_signal(signal.SIGABRT)
         try:
             _, err = proc.communicate(timeout=10)
@@ -113,8 +126,7 @@ def test_a_reading_process_stops_at_once_whichever_thread_the_signal_reaches(tmp
                              start_new_session=True)
         try:
             assert p.stdout.readline().strip() == "reading"
-            threads = other_threads(p.pid)
-            tgkill(p.pid, threads[k % len(threads)], signal.SIGINT)
+            signal_a_thread(p.pid, k, signal.SIGINT)
             _, err = stopped_within(p, BOUND_S)
         finally:
             if p.poll() is None:

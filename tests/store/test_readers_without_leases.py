@@ -6,6 +6,7 @@ write a lease is told what protects it (store.grace_s)."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import shardgen_cli, write_config
 from osaccess import PYTHON, as_user, other_user, read_only_view, shared_folder, writable_by_all
+
+from shardgen.store.lease import Lease
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +86,8 @@ def test_a_reader_running_as_another_user_is_seen_by_gc(tmp_path):
 
 def test_an_old_stores_owner_only_lease_folder_is_opened_up_by_its_writer(tmp_path):
     """A store whose ``leases/`` an earlier version made 0755: the next build (its owner) opens it up;
-    a folder a site gave a group mode (2770) is left as it is."""
+    a folder a site gave a group mode (2770) is left as it is; a missing one the first reader makes
+    open, whatever its umask."""
     cfg = write_config(tmp_path / "proj", end="2024-01-02")
     leases = tmp_path / "proj" / "shards" / "leases"
     leases.mkdir(parents=True)
@@ -93,6 +97,15 @@ def test_an_old_stores_owner_only_lease_folder_is_opened_up_by_its_writer(tmp_pa
     os.chmod(leases, 0o2770)
     assert shardgen_cli("gc", "-c", cfg).returncode == 0
     assert stat.S_IMODE(leases.stat().st_mode) == 0o2770
+    shutil.rmtree(leases)  # the first reader makes it anew: open from the start, whatever the umask
+    old_umask = os.umask(0o077)
+    try:
+        lease = Lease(leases.parent)
+        lease.renew(1)
+        lease.release()
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(leases.stat().st_mode) == 0o1777
 
 
 def test_a_reader_on_a_read_only_mount_is_told_what_protects_it(tmp_path):
