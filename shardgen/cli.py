@@ -2,7 +2,7 @@
 
 Exit codes (docs/config.md's table): 0 all went well, 1 some work or check failed (the rest is kept
 and published), 2 usage or config error, 3 the environment failed (the store cannot be reached or
-its bucket does not exist, the credentials are refused, the disk is full). Errors are one line each
+its bucket does not exist, the credentials are refused, the disk is full or read-only). Errors are one line each
 on stderr; results go to stdout.
 """
 
@@ -24,6 +24,7 @@ from shardgen.config import load_config, parse_date
 from shardgen.errors import EXIT_ENVIRONMENT, ConfigError, LockError, ShardgenError, is_environment
 from shardgen.format.check import has_checksums
 from shardgen.produce.build import build
+from shardgen.stopping import Terminated, with_stop_handlers
 from shardgen.store.gc import collect
 from shardgen.store.status import dumps, print_text, status, watch_fields
 from shardgen.store.verify import verify_store
@@ -94,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 success; 1 some dates or shards failed (verify, status: a published file is "
                "damaged; status: the watcher reports failing dates); 2 usage or config error; 3 the environment "
                "failed (the store cannot be reached or its bucket does not exist, the credentials are refused, "
-               "the disk is full); 130/143 interrupted by SIGINT/SIGTERM.")
+               "the disk is full or read-only); 130/143 a build interrupted by SIGINT/SIGTERM, 0 a watcher "
+               "stopped by either.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     b = sub.add_parser("build", parents=[common], help="generate, process and publish a range of dates",
                        description="Generate, process and shard every configured date not yet published, "
@@ -133,15 +135,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM during a build: stopped as Ctrl-C stops it (generators killed, finished shards
-    published), exit 143."""
-
-
-def _on_sigterm(_signum, _frame) -> None:
-    raise _Terminated()
-
-
 def _check_range(cfg, args: argparse.Namespace) -> None:
     """A reversed range is a usage error, refused before anything is created (as in the config)."""
     start, end = args.start or cfg.dates.start, args.end or cfg.dates.end
@@ -156,8 +149,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         raise ConfigError("--jobs must be >= 1")
     _check_range(cfg, args)
     # Python's default SIGTERM ends this process at once: its joblib workers (jobs > 1) and their
-    # generators went on running (review). Now stopped as Ctrl-C stops them.
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    # generators went on running (review). Now stopped as Ctrl-C stops them (main's handlers).
     report = build(cfg, start=args.start, end=args.end, jobs=args.jobs, force=args.force, progress=_bar)
     print(report.summary())
     return EXIT_ENVIRONMENT if report.environment else 1 if report.failed else 0
@@ -222,8 +214,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     raw = [d for d in cfg.raw_files() if d <= today]  # a file for a later date is no input yet (watch warns)
     info["newest_raw"] = max(raw).isoformat() if raw else None
     info["raw_lag_days"] = (today - max(raw)).days if raw else None
-    # a cron monitor: 1 while the watcher reports failing dates, or the newest snapshot is damaged
-    code = 1 if info["failing"] or info["snapshot_problem"] else 0
+    info["failing"] = info["failing"] + info.pop("build_failing")  # the watcher's and the builds' (kind "build")
+    # a cron monitor: 1 while dates fail (a watcher's or a build's), the watcher's last cycle failed as a
+    # whole (a refused schema), or the newest snapshot is damaged
+    code = 1 if info["failing"] or info["watch_error"] or info["snapshot_problem"] else 0
     if info["snapshot_problem"]:
         print(f"shardgen: error: {info['snapshot_problem']}", file=sys.stderr)
     if args.json:
@@ -262,10 +256,19 @@ COMMANDS = {"build": _cmd_build, "watch": _cmd_watch, "gc": _cmd_gc, "status": _
             "verify": _cmd_verify, "demo": run_demo}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    _setup_logging(args.verbose + (args.command == "watch"))  # the watcher logs what it does
+def main(argv: Optional[Sequence[str]] = None, *, early: Sequence[int] = ()) -> int:
+    """``early``: signals that came before ``main`` ran (:mod:`shardgen.entry`), acted on once the command is known."""
+    return with_stop_handlers(_main, sys.argv[1:] if argv is None else list(argv), early)
+
+
+def _main(argv: list, early: Sequence[int]) -> int:
+    command = next((a for a in argv if a in COMMANDS), None)  # until parsed: what a signal stops
     try:
+        args = _parser().parse_args(argv)
+        command = args.command
+        _setup_logging(args.verbose + (args.command == "watch"))  # the watcher logs what it does
+        if early:
+            raise Terminated() if early[0] == signal.SIGTERM else KeyboardInterrupt()
         code = COMMANDS[args.command](args)
         sys.stdout.flush()  # a reader gone from the pipe shows here, not in Python's flush at exit
         return code
@@ -278,7 +281,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"shardgen: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, (ConfigError, LockError)) else EXIT_ENVIRONMENT if is_environment(exc) else 1
     except KeyboardInterrupt as exc:
-        terminated = isinstance(exc, _Terminated)
+        terminated = isinstance(exc, Terminated)
+        if command == "watch":  # a watcher stopped by a signal, however sent (to it, to its group): 0
+            print(f"shardgen: watch stopped ({'SIGTERM' if terminated else 'SIGINT'}); finished shards were published",
+                  file=sys.stderr)
+            return 0
         print(f"shardgen: {'terminated (SIGTERM)' if terminated else 'interrupted'}; finished shards were published",
               file=sys.stderr)
         return 143 if terminated else 130

@@ -78,15 +78,15 @@ EXIT_ENVIRONMENT = 3  # the CLI's exit code when the environment failed (see ``i
 def is_environment(exc: BaseException) -> bool:
     """A failure of the environment, not of a date or the config: the store cannot be reached (its
     endpoint is down, or its bucket does not exist) or refuses the credentials, or the disk is full
-    (the CLI exits ``EXIT_ENVIRONMENT``). An error raised while handling another (a ShardgenError
-    that wraps the OSError, even ``from None``) is judged by that one too: the errno decides, not
-    the words, which a host with LC_MESSAGES set writes in its own language."""
+    or mounted read-only (the CLI exits ``EXIT_ENVIRONMENT``). An error raised while handling
+    another (a ShardgenError that wraps the OSError, even ``from None``) is judged by that one too:
+    the errno decides, not the words, which a host with LC_MESSAGES set writes in its own language."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, (StoreUnreachable, CredentialsRefused, NoSuchStore)):
             return True
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
             return True
         text = str(exc)
         if "the disk is full" in text or "No space left on device" in text or "Disk quota exceeded" in text:

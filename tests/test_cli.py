@@ -17,7 +17,9 @@ def test_build_status_verify(cfg_dir):
     assert "Traceback" not in r.stderr
     r = shardgen_cli("status", "-c", cfg, "--json")
     info = json.loads(r.stdout)
-    assert r.returncode == 0 and info["shards"] == 3 and info["windows"] == 3 * 26
+    # the date the build failed is listed, and status exits 1 while it fails (issue 62)
+    assert r.returncode == 1 and [f["date"] for f in info["failing"]] == ["2024-01-04"]
+    assert info["shards"] == 3 and info["windows"] == 3 * 26
     assert info["first_date"] == "2024-01-02" and info["last_date"] == "2024-01-05"
     r = shardgen_cli("status", "-c", cfg)
     # A slow machine publishes more than once in a build (every publish_every_s): the generation

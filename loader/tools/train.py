@@ -275,8 +275,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         kv = mx.kv.create(args.kvstore) if args.kvstore else None
         history = train_module(args, ctx, kv) if args.module else train_gluon(args, ctx, kv)
-    except LoaderError as exc:
-        print(f"loader: error: {exc}", file=sys.stderr)
+    except LoaderError as exc:  # the library names its keyword; this command's user has the flag
+        print(f"loader: error: {str(exc).replace('pass cache_dir= ', 'pass --cache-dir ')}", file=sys.stderr)
         return 2
     if args.history_out:
         Path(args.history_out.format(rank=_rank(kv))).write_text(json.dumps(history, indent=1))

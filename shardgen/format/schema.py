@@ -19,7 +19,7 @@ from shardgen.format.codec import HEAD_FLOATS, Codec, positive
 from shardgen.format.framing import MAX_RECORD_BYTES, record_bytes
 from shardgen.format.registry import KINDS, codec_for
 
-__all__ = ["LabelSpec", "Layout", "Schema", "day_number", "from_day_number"]
+__all__ = ["LabelSpec", "Layout", "Schema", "day_number", "from_day_number", "schema_changes"]
 
 _EPOCH = dt.date(1970, 1, 1)
 
@@ -204,6 +204,27 @@ class Schema:
         if obj.get("fingerprint") != schema.fingerprint:
             raise ValueError(f"fingerprint {obj.get('fingerprint')} != {schema.fingerprint}")
         return schema
+
+
+def _labels_text(labels) -> str:
+    return "[" + ", ".join(f"{lab.name}:{lab.width}" for lab in labels if lab.name != "date") + "]"
+
+
+def schema_changes(old: Schema, new: Schema) -> list[str]:
+    """Each field that differs between ``old`` and ``new``, named as the config names it, ``old -> new``
+    (``store.run_rows`` follows ``time_steps``, ``store.pack`` and ``[process] stride``)."""
+    pairs = [("schema.time_steps", old.time_steps, new.time_steps),
+             ("schema.num_inputs", old.num_inputs, new.num_inputs),
+             ("schema.data_name", old.data_name, new.data_name),
+             ("schema.labels", _labels_text(old.labels), _labels_text(new.labels)),
+             ("store.layout", old.layout.kind, new.layout.kind),
+             ("store.pack", old.layout.pack, new.layout.pack),
+             ("store.run_rows (time_steps + (pack - 1) * [process] stride)", old.layout.run_rows,
+              new.layout.run_rows)]
+    changes = [f"{name} {a} -> {b}" for name, a, b in pairs if a != b]
+    if not changes and old.fingerprint != new.fingerprint:  # the record format itself (format 1 -> 2)
+        changes.append(f"record format {old.codec.format} -> {new.codec.format}")
+    return changes
 
 
 def unpack_samples(payload, schema: Schema):

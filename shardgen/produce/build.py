@@ -8,19 +8,24 @@ is also the one code path the watcher calls each cycle.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import os
 import threading
 import time
-from concurrent.futures import BrokenExecutor, ThreadPoolExecutor
+import warnings
+from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional
 
+from shardgen.clock import utc_stamp
 from shardgen.config import Config
 from shardgen.fsutil import HOST_TOKEN, clean_dead_joblib_files, clean_temp_files
 from shardgen.produce.generator import STOP, abandon_with
 from shardgen.produce.pipeline import DateResult, prepare, produce
 from shardgen.store import Store
+from shardgen.store.build_state import record_build
 from shardgen.store.manifest import Manifest, ShardEntry
 from shardgen.store.publish import publish
 from shardgen.store.writer_lock import WriterLockLike
@@ -29,6 +34,7 @@ __all__ = ["BuildReport", "build", "wanted", "run_dates"]
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY_S = 5.0  # during a long build, finished shards reach the manifest this often
+_SLICE_S = 0.1  # the longest the coordinating thread waits before it looks for a signal (``_waited``)
 
 
 @dataclass
@@ -102,7 +108,7 @@ def _pipelined(cfg: Config, dates: list[dt.date], *, force: bool, raw_dates: fro
     try:
         for i, d in enumerate(dates):
             current, ahead = ahead, (pool.submit(prepare_one, dates[i + 1]) if i + 1 < len(dates) else None)
-            result = produce(cfg, d, force=force, raw_only=d in raw_dates, ahead=current.result)
+            result = produce(cfg, d, force=force, raw_only=d in raw_dates, ahead=functools.partial(_waited, current))
             current = None  # its raw array goes now, not at the next date
             yield result
     finally:
@@ -112,6 +118,17 @@ def _pipelined(cfg: Config, dates: list[dt.date], *, force: bool, raw_dates: fro
                 f.cancel()
         current = ahead = None
         pool.shutdown(wait=True)  # what runs stops within a poll (~50 ms): killed, Interrupted
+
+
+def _waited(future: Future) -> object:
+    """``future.result()``, waited for in short slices: a signal the kernel hands to another thread
+    (it may: any thread that does not block it) only trips a flag that this thread checks once its
+    wait returns, and an untimed wait returned only with the generator (Ctrl-C ignored 30 s, issue 62)."""
+    while True:
+        try:
+            return future.result(timeout=_SLICE_S)
+        except FutureTimeout:
+            continue
 
 
 class _Pending:
@@ -182,6 +199,17 @@ def _say_layout(cfg: Config, res: DateResult) -> bool:
     return True
 
 
+def _close(results: Iterable) -> None:
+    """Stop the dates still running now (not when the generator is collected), without joblib's
+    warning that finished tasks were "not used" or were "cancelled": a stop asked for exactly that
+    (the shards that finished were published; the rest are tried again)."""
+    close = getattr(results, "close", None)
+    if close is not None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*(executed +but not used|still being processed)")
+            close()
+
+
 def _workers_died(report: BuildReport, todo: list[dt.date], exc: BaseException, *, stopping: bool) -> None:
     """A worker process died (SIGTERM to the group, OOM killer, SIGKILL): unless we are stopping,
     every date not finished is failed, to be tried again on the next run."""
@@ -213,9 +241,14 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
     store = cfg.store.open()
     if lock is None:
         with store.writer_lock("build", ttl_s=cfg.store.lease_ttl_s) as held:
-            return build(cfg, start=start, end=end, jobs=jobs, force=force, today=today, dates=dates,
-                         raw_dates=raw_dates, progress=progress, should_stop=should_stop,
-                         publish_every_s=publish_every_s, lock=held)
+            report = build(cfg, start=start, end=end, jobs=jobs, force=force, today=today, dates=dates,
+                           raw_dates=raw_dates, progress=progress, should_stop=should_stop,
+                           publish_every_s=publish_every_s, lock=held)
+            # a build on its own says what it could not publish, for ``shardgen status`` (a watcher's
+            # cycles pass their lock and keep their own state)
+            record_build(store, updated=utc_stamp(time.time()), published=report.published, failed=report.failed,
+                         empty=report.empty)
+            return report
     t0 = time.perf_counter()
     manifest = _open_store(cfg, store)
     raw_dates = frozenset(raw_dates)
@@ -227,8 +260,9 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
     bar = progress(len(todo)) if progress and todo else None
     pending = _Pending(cfg, store, report, publish_every_s, lock)
     said = False  # the layout note, once a build
+    results = run_dates(cfg, todo, jobs=jobs or cfg.run.jobs, force=force, raw_dates=raw_dates)
     try:
-        for res in run_dates(cfg, todo, jobs=jobs or cfg.run.jobs, force=force, raw_dates=raw_dates):
+        for res in results:
             _tally(report, res, pending)
             said = said or _say_layout(cfg, res)
             if bar is not None:
@@ -243,6 +277,7 @@ def build(cfg: Config, *, start: Optional[dt.date] = None, end: Optional[dt.date
     except BrokenExecutor as exc:  # a worker process died: SIGTERM to the group, OOM killer, SIGKILL
         _workers_died(report, todo, exc, stopping=should_stop() or STOP.is_set())
     finally:
+        _close(results)
         pending.flush()
         if bar is not None:
             bar.close()

@@ -25,6 +25,9 @@ from shardgen.store.sidecar import Sidecar
 __all__ = ["DateResult", "produce", "prepare", "warm"]
 
 log = logging.getLogger(__name__)
+# An empty date's marker (a sidecar of 0 records) makes later builds skip it, even if its data changes.
+_AGAIN = ("later builds skip this date; once its data changes, run: shardgen build --force --start {date} "
+          "--end {date}")
 
 
 @dataclass(frozen=True)
@@ -104,9 +107,10 @@ def _produce(cfg: Config, date: dt.date, *, force: bool, raw_only: bool,
                                                                              raw_only=raw_only)
         if sidecar is not None:
             store.discard_staged(date)  # in the store already: a copy a killed run left in staging goes
-            status = "empty" if sidecar.records == 0 else "adopted"
-            entry = sidecar.entry() if sidecar.records else None
-            return DateResult(date, status, entry, "no windows", time.perf_counter() - t0)
+            if sidecar.records == 0:
+                return DateResult(date, "empty", None, f"no windows (found empty before: its marker is in the store); "
+                                  f"{_AGAIN.format(date=date)}", time.perf_counter() - t0)
+            return DateResult(date, "adopted", sidecar.entry(), "", time.perf_counter() - t0)
         schema = cfg.schema
         # A forced rewrite gets new file names, and no file is ever written over (``exclusive``: a
         # name taken by another writer, or by what a killed run left, moves the shard to the next
@@ -120,7 +124,8 @@ def _produce(cfg: Config, date: dt.date, *, force: bool, raw_only: bool,
             name = write_marker(folder, date, schema, version=version, exclusive=True)
             store.put_shard(Sidecar(date.isoformat(), 0, 0, "", 0, schema.fingerprint, "", ""), name)
             return DateResult(date, "empty", None,
-                              f"{raw.shape[0]} rows, fewer than time_steps={schema.time_steps}: no windows",
+                              f"{raw.shape[0]} rows, fewer than time_steps={schema.time_steps}: no windows; "
+                              f"{_AGAIN.format(date=date)}",
                               time.perf_counter() - t0)
         sidecar = write_shard(folder, date, windows, None, schema, version=version, exclusive=True)
         _unless_orphaned(date)

@@ -24,7 +24,7 @@ from typing import ContextManager, Iterable, Optional
 
 from shardgen.clock import utc_now
 from shardgen.errors import ConfigError, ManifestError
-from shardgen.format.schema import Schema
+from shardgen.format.schema import Schema, schema_changes
 from shardgen.store.lease_file import Heartbeat
 from shardgen.store.lock import StoreLock
 from shardgen.store.manifest import Manifest
@@ -49,9 +49,10 @@ _SHARD_FILE = re.compile(r"^(?P<stem>\d{4}-\d{2}-\d{2}(?:\.v\d+)?)\.(?:rec|idx)$
 def check_schema(manifest: Manifest, schema: Schema, where: str) -> Manifest:
     """``manifest`` if it holds ``schema``; ConfigError otherwise."""
     if manifest.schema.fingerprint != schema.fingerprint:
+        changes = "; ".join(schema_changes(manifest.schema, schema))
         raise ConfigError(
-            f"{where}: the store holds schema {manifest.schema.fingerprint} but the config gives "
-            f"{schema.fingerprint}; use a new store.dir for a new schema")
+            f"{where}: the store holds another schema than the config gives ({changes}; fingerprint "
+            f"{manifest.schema.fingerprint} -> {schema.fingerprint}); use a new store.dir for a new schema")
     return manifest
 
 

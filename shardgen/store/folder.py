@@ -21,7 +21,7 @@ from typing import ContextManager, Iterable, Optional
 
 from shardgen.fsutil import atomic_write, file_version
 from shardgen.store.base import Store
-from shardgen.store.lease_file import FileHeartbeat, judge_lease
+from shardgen.store.lease_file import FileHeartbeat, judge_lease, lease_folder
 from shardgen.store.lock import StoreLock
 from shardgen.store.naming import (
     CLOCK_NAME,
@@ -119,7 +119,7 @@ class FolderStore(Store):
         (falls back to this host's clock, with a warning, if the store is read-only)."""
         clock = self.dir / LEASE_DIR / CLOCK_NAME
         try:
-            clock.parent.mkdir(exist_ok=True)
+            lease_folder(clock.parent)
             clock.touch()  # creates it, or utime(None): the file server sets its own "now"
             return clock.stat().st_mtime
         except OSError as exc:
@@ -155,7 +155,11 @@ class FolderStore(Store):
         return FileHeartbeat(self.path(name))
 
     def stage(self) -> Path:
+        """The store folder, made if needed, with its ``leases/`` folder writable by every reader
+        (``lease_file.LEASE_DIR_MODE``): a reader running as another user can write its lease."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # a read-only store: what writes into it says so
+            lease_folder(self.dir / LEASE_DIR)
         return self.dir
 
     def put_shard(self, sidecar: Sidecar, name: str) -> Sidecar:

@@ -21,19 +21,42 @@ from typing import Optional
 from shardgen.errors import ShardgenError
 from shardgen.fsutil import atomic_write, boot_id, pid_alive, pid_namespace
 
-__all__ = ["HOST", "PIDNS", "BOOT", "Heartbeat", "FileHeartbeat", "ObjectHeartbeat", "judge_lease", "why_dead"]
+__all__ = ["HOST", "PIDNS", "BOOT", "LEASE_DIR_MODE", "Heartbeat", "FileHeartbeat", "ObjectHeartbeat", "judge_lease",
+           "why_dead", "lease_folder"]
 
 log = logging.getLogger(__name__)
 HOST = socket.gethostname()
 PIDNS = pid_namespace()
 BOOT = boot_id()
+# ``leases/`` of a store folder: every user who reads the store may write its lease there, as in /tmp
+# (sticky: a reader removes only its own leases; the store's owner -- gc -- any). Readers that run
+# as another user (store files 644/755) are seen by gc only through it.
+LEASE_DIR_MODE = 0o1777
+
+
+def lease_folder(path: Path) -> Path:
+    """Make the lease folder ``path`` (mode ``LEASE_DIR_MODE``, whatever the umask) unless it is
+    there; one that only its owner may write (what versions before issue 62 made) is opened up by
+    its owner. One that others may write already (a site's own group mode, 2770) is left alone."""
+    try:
+        path.mkdir()
+        os.chmod(path, LEASE_DIR_MODE)
+    except FileExistsError:
+        st = path.stat()
+        if st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+            os.chmod(path, LEASE_DIR_MODE)
+    return path
 
 
 class Heartbeat:
     """What the heartbeat thread needs, without a reference to the Lease (which it must not keep
     alive): the generation said, and how the lease is written, refreshed and removed."""
 
-    what, unseen = "reader lease", "gc cannot see this reader"  # for messages: what it is, what its loss means
+    what = "reader lease"  # for messages: what it is, what its loss means
+    unseen = ("gc cannot see this reader: only store.grace_s protects what it reads (a retired shard, a superseded "
+              "snapshot are deleted that long after they leave the manifest, even while this reader still reads "
+              "them); to be seen, it needs write access to the store's leases/ folder (docs/reliability.md, "
+              "readers without write access)")
 
     def __init__(self, where: str):
         self.where = where
@@ -103,7 +126,7 @@ class FileHeartbeat(Heartbeat):
         self.path = Path(path)
 
     def put(self, data: bytes) -> None:
-        self.path.parent.mkdir(exist_ok=True)
+        lease_folder(self.path.parent)
         atomic_write(self.path, data, fsync=False)
 
     def present(self) -> bool:

@@ -46,7 +46,10 @@ class StoreLock:
             if exc.errno == errno.ELOOP:
                 raise LockError(f"{self.path}: {self.what} lock file is a symlink; refusing to use it "
                                 "(remove it and retry)") from None
-            raise LockError(f"{self.path}: cannot open the {self.what} lock file ({exc.strerror})") from None
+            # The store cannot be written (a read-only mount, no permission): the environment's
+            # failure, as a full disk is, not another holder's (the CLI's exit code follows the errno).
+            raise OSError(exc.errno, f"cannot open the {self.what} lock file ({exc.strerror}): the store "
+                          "must be writable to write into it", str(self.path)) from None
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             try:

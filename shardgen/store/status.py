@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 from shardgen.clock import seconds_since, utc_datetime
 from shardgen.store import Store, open_store
+from shardgen.store.build_state import build_fields, load_build_state
 from shardgen.store.manifest import Manifest, declared_format
 from shardgen.store.naming import MANIFEST_NAME
 from shardgen.store.verify import newest_snapshot_problem
@@ -24,7 +25,9 @@ __all__ = ["status", "summary", "watch_fields", "dumps", "print_text"]
 def status(store: Union[Store, str, os.PathLike], *, today: Optional[dt.date] = None) -> dict:
     """A summary of the manifest, as ``shardgen status --json`` prints it (with ``watch_fields``).
     ``snapshot_problem`` says what is wrong with the snapshot of the manifest's generation (the one
-    a reader pinned to it opens), or is None; ``shardgen verify`` checks every published file."""
+    a reader pinned to it opens), or is None; ``shardgen verify`` checks every published file.
+    ``build_failing`` and ``empty``: the dates builds run on their own failed or found empty
+    (:mod:`shardgen.store.build_state`), less those published since."""
     store = open_store(store)
     data = store.manifest_bytes()
     if data is None:
@@ -33,6 +36,7 @@ def status(store: Union[Store, str, os.PathLike], *, today: Optional[dt.date] = 
     manifest, fmt = Manifest.parse(data, where), declared_format(data)
     info = summary(manifest, where, fmt, store.snapshot_generations(), today=today)
     info["snapshot_problem"] = newest_snapshot_problem(store, manifest, fmt)
+    info.update(build_fields(load_build_state(store), {e.date for e in (*manifest.shards, *manifest.retired)}))
     return info
 
 
@@ -71,6 +75,7 @@ def watch_fields(state: Optional[dict]) -> dict:
     state = state or {}
     return {
         "watch_updated": state.get("updated"),  # the watcher's last cycle (None: no watcher state)
+        "watch_error": state.get("error"),  # why its last cycle failed as a whole (a refused schema), or None
         "failing": state.get("failing", []),  # date, kind, attempts, error, next_retry
     }
 
@@ -100,8 +105,17 @@ def print_text(info: dict) -> None:
         state = (f"alive ({who}heartbeat {w['heartbeat_age_s']:.0f}s ago)" if w["alive"]
                  else f"NOT RUNNING ({who}{w['why']})")
         last = f"last cycle {info['watch_updated']}" if info["watch_updated"] else "no cycle finished yet"
-        print(f"watcher: {state}; {last}, {len(info['failing'])} failing dates")
+        failing = sum(f["kind"] != "build" for f in info["failing"])
+        print(f"watcher: {state}; {last}, {failing} failing dates")
+    if info.get("watch_error"):
+        print(f"watcher: last cycle FAILED, no date was tried: {info['watch_error']}")
+    if info.get("build_updated"):
+        failing = sum(f["kind"] == "build" for f in info["failing"])
+        print(f"build: last recorded {info['build_updated']}, {failing} failing dates, {len(info['empty'])} empty")
     for f in info["failing"]:
-        retry = f"next retry {f['next_retry']}" if f["next_retry"] else "retried when the file changes"
+        retry = (f"next retry {f['next_retry']}" if f["next_retry"] else "tried again by the next build"
+                 if f["kind"] == "build" else "retried when the file changes")
         tries = f"{f['attempts']} attempt" + ("s" if f["attempts"] != 1 else "")
         print(f"failing {f['date']} ({f['kind']}, {tries}, {retry}): {f['error']}")
+    for e in info.get("empty", []):
+        print(f"empty {e['date']}: {e['error']}")

@@ -3,10 +3,12 @@
 Written atomically by ``shardgen watch`` after every cycle, read by ``shardgen status``::
 
     {"format": "shardgen-watch/1", "updated": "2026-01-01T00:00:00Z", "pid": 123,
-     "failing": [{"date": "2024-01-02", "kind": "due", "attempts": 2,
+     "error": null, "failing": [{"date": "2024-01-02", "kind": "due", "attempts": 2,
                   "error": "2024-01-02: raw/2024-01-02.npy: not a readable .npy array (...)",
                   "next_retry": "2026-01-01T00:00:02Z"}]}
 
+``error`` (null while the last cycle went through) says why the last cycle failed as a whole (a
+schema change refused, the store unreachable): no date was even tried.
 ``kind`` is ``due`` (a date the watcher generates: retried with backoff, ``next_retry`` set) or
 ``dropped`` (a raw file dropped by others for a date it does not generate: retried when the
 file changes, ``next_retry`` null).
@@ -38,16 +40,17 @@ class Failing:
     next_retry: Optional[str]  # UTC, or None: when the dropped file changes
 
 
-def state_bytes(*, updated: str, pid: int, failing: list[Failing]) -> bytes:
+def state_bytes(*, updated: str, pid: int, failing: list[Failing], error: Optional[str] = None) -> bytes:
     """The state file's bytes."""
-    doc = {"format": FORMAT, "updated": updated, "pid": pid,
+    doc = {"format": FORMAT, "updated": updated, "pid": pid, "error": error,
            "failing": [asdict(f) for f in sorted(failing, key=lambda f: f.date)]}
     return json.dumps(doc, sort_keys=True, indent=1).encode()
 
 
-def save_state(store: Union[Store, str, os.PathLike], *, updated: str, pid: int, failing: list[Failing]) -> bytes:
+def save_state(store: Union[Store, str, os.PathLike], *, updated: str, pid: int, failing: list[Failing],
+               error: Optional[str] = None) -> bytes:
     """Write the state file into the store; its bytes."""
-    data = state_bytes(updated=updated, pid=pid, failing=failing)
+    data = state_bytes(updated=updated, pid=pid, failing=failing, error=error)
     open_store(store).put_state(data)
     return data
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +87,7 @@ class Watcher:
         self._bad_files: set[Optional[tuple]] = set()  # reported once per file version (file_version)
         self._warned: set[Optional[tuple]] = set()  # raw files never published, warned about once
         self._left: set[str] = set()  # dates seen leaving the window: their raw files go with their shards
+        self._cycle_error: Optional[str] = None  # why the last cycle failed as a whole (for status)
         self.store = cfg.store.open()
         self._lock = self.store.watch_lock()
         self._writer = self.store.writer_lock("watch", ttl_s=cfg.store.lease_ttl_s)
@@ -126,10 +129,33 @@ class Watcher:
 
             # Each worker imports what producing a date needs (numpy, the writer: ~0.1 s) now too.
             # Only a head start: if it fails, the first date starts its workers itself.
-            try:
-                Parallel(n_jobs=jobs, backend="loky")(delayed(warm)() for _ in range(jobs))
-            except Exception as exc:  # noqa: BLE001
-                log.warning("could not start the %d worker processes ahead (%s); the first due date will", jobs, exc)
+            failed: list[Exception] = []
+
+            def start() -> None:
+                # Started from a thread that blocks SIGINT, the workers (and loky's manager thread)
+                # inherit that mask: a Ctrl-C in the terminal (SIGINT to the whole process group)
+                # reaches this process alone, which stops their generators (``stop``), instead of
+                # breaking each worker off mid-import with a traceback. (The resource trackers are
+                # started first: starting one unblocks SIGINT in the thread that starts it. The
+                # generators run in sessions of their own, stopped with SIGKILL, never SIGINT.)
+                from multiprocessing import resource_tracker
+
+                from joblib.externals.loky.backend import resource_tracker as loky_tracker
+
+                resource_tracker.ensure_running()
+                loky_tracker.ensure_running()
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+                try:
+                    Parallel(n_jobs=jobs, backend="loky")(delayed(warm)() for _ in range(jobs))
+                except Exception as exc:  # noqa: BLE001
+                    failed.append(exc)
+
+            thread = threading.Thread(target=start, name="shardgen-warm-workers", daemon=True)
+            thread.start()
+            thread.join()  # a signal meanwhile runs its handler here (a join is interruptible)
+            if failed and not self._stop:  # stopped: a signal to the whole group may have ended them
+                log.warning("could not start the %d worker processes ahead (%s); the first due date will", jobs,
+                            failed[0])
 
     def __exit__(self, *exc: object) -> None:
         self._alive.stop()
@@ -149,9 +175,7 @@ class Watcher:
             except (ShardgenError, OSError) as exc:  # disk full, an unreadable snapshot ...: never give up
                 failures += 1
                 delay = retry_delay(failures, base=self.interval, cap=MAX_BACKOFF_S)
-                where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
-                text = f"{where}{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
-                log.error("cycle failed (%s); trying again in %.0fs", text, delay)
+                log.error("cycle failed (%s); trying again in %.0fs", self._cycle_error or exc, delay)
                 if self._stop or sleep(delay):
                     break
                 continue
@@ -163,6 +187,7 @@ class Watcher:
     def cycle(self) -> CycleReport:
         cfg, store, report = self.cfg, self.store, CycleReport()
         self._writer.check()  # a writer that lost the store's lock generates and uploads nothing more
+        self._cycle_error = None
         try:
             manifest = store.open_manifest(cfg.schema, cfg.store.window)
             now = time.monotonic()
@@ -189,6 +214,10 @@ class Watcher:
             for date in [d for d in self._failures if d.isoformat() in done]:
                 del self._failures[date]  # published meanwhile (e.g. adopted)
             return report
+        except (ShardgenError, OSError) as exc:  # a refused schema, the store gone: status says so
+            where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
+            self._cycle_error = f"{where}{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+            raise
         finally:
             self._save_state()
 
@@ -239,7 +268,7 @@ class Watcher:
         if self._writer.lost is not None:
             return  # the store has another writer now: its state is that writer's
         try:
-            save_state(self.store, updated=utc_stamp(wall), pid=os.getpid(), failing=failing)
+            save_state(self.store, updated=utc_stamp(wall), pid=os.getpid(), failing=failing, error=self._cycle_error)
         except (OSError, ShardgenError) as exc:
             log.warning("%s: cannot write the watcher state (%s)", self.cfg.store.where, exc)
 

@@ -12,6 +12,7 @@ import time
 import pytest
 from conftest import ROOT, consume_in_thread, make_store, write_config
 from test_damage import flip, make
+from test_signal_delivery import BOUND_S, stopped_within
 from test_watch import wait_for
 
 from loader import LoaderError, ShardIter
@@ -181,15 +182,13 @@ def test_ctrl_c_on_build_stops_its_generators_at_once(tmp_path, mode, sig, jobs)
     jobs=2 its workers and their generators went on running)."""
     cfg = write_config(tmp_path / "p", end="2024-01-05", jobs=jobs, timeout=60, modes={"*": mode})
     b = subprocess.Popen([sys.executable, "-m", "shardgen.cli", "build", "-c", str(cfg)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"})
     try:
         wait_for(lambda: (tmp_path / "p" / "modes.json.runs").exists(), timeout=60, what="a generator running")
         time.sleep(0.5)
-        t0 = time.monotonic()
         b.send_signal(sig)
-        out, err = b.communicate(timeout=30)
-        took = time.monotonic() - t0
+        took, err = stopped_within(b, BOUND_S)  # a lost signal fails here, naming where each thread waits
     finally:
         if b.poll() is None:
             os.killpg(b.pid, signal.SIGKILL)
@@ -298,13 +297,14 @@ def test_ctrl_c_in_a_reading_process_leaves_no_plan_folder(tmp_path):
 
     make_store(tmp_path / "s", {"2024-01-02": 400})
     p = subprocess.Popen([sys.executable, "-c", READ_FOREVER, str(tmp_path / "s"), str(tmp_path / "c")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     try:
         assert p.stdout.readline().strip() == "reading"
         mine = tmp_path / "c" / "plans" / f"{HOST_TOKEN}-{p.pid}"
         assert mine.is_dir()
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
+        _, err = stopped_within(p, BOUND_S)  # a lost signal fails here, naming where each thread waits
     finally:
         if p.poll() is None:
             p.kill()
