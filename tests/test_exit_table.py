@@ -30,7 +30,7 @@ TABLE = [
     ("a shard error saying the disk is full", ShardError("2024-01-02: the disk is full writing x.rec"), 3),
     ("a permission", PermissionError(errno.EACCES, "Permission denied", "shards/manifest.json"), 1),
     ("Ctrl-C", KeyboardInterrupt(), 130),
-    ("SIGTERM", cli._Terminated(), 143),
+    ("SIGTERM", cli.Terminated(), 143),
 ]
 
 
