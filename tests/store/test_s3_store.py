@@ -445,7 +445,12 @@ def test_a_watcher_that_lost_the_writer_lock_stops_and_uploads_nothing(s3, tmp_p
     cfg = load_config(s3_config(tmp_path / "a", s3.url("st")))
     remote = ObjectStore(s3.url("st"))
     with Watcher(cfg, interval=0.1, today=lambda: __import__("datetime").date(2024, 1, 5)) as watcher:
-        remote.put(".writer.lock", _json.dumps({"token": "someone-else", "host": "other", "pid": 1}).encode())
+        foreign = _json.dumps({"token": "someone-else", "host": "other", "pid": 1}).encode()
+        for _ in range(50):  # the watcher's first heartbeat, at once after taking the lock, may land over it
+            remote.put(".writer.lock", foreign, verify=False)
+            time.sleep(0.2)
+            if remote.get(".writer.lock") == foreign:
+                break
         with pytest.raises(LockError, match="another writer"):
             watcher.run(sleep=lambda s: False)
     assert not [n for n in remote.list() if n.endswith(".rec")]  # nothing generated or uploaded after that
