@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 CXX    ?= g++
+TEST_JOBS ?= 2
 # The extras `make install` adds: `cpu` is the CPU MXNet wheel. On a CUDA machine put its MXNet wheel into .venv
 # first and leave `cpu` out (`make install EXTRAS=dev`): pip never replaces an MXNet already there then.
 EXTRAS ?= cpu,dev
@@ -28,7 +29,9 @@ shards: install
 	$(VENV)/bin/shardgen build -c shardgen.toml
 
 test: install
-	$(PY) -m pytest -q -ra
+	@# Two test processes (pytest-xdist): much of the suite waits on subprocesses, signals and TTLs, and every
+	@# bound in it holds beside two CPU hogs. TEST_JOBS=0 runs it in one process.
+	$(PY) -m pytest -q -ra -n $(TEST_JOBS)
 
 train: install
 	$(PY) -m loader.tools.train --manifest shards/manifest.json --epochs 2 --val-from 2024-01-29
