@@ -145,12 +145,19 @@ def rewound(state: dict, batches: int) -> dict:
     return {**body, "sha256": _digest(body)}
 
 
-def at_end(state: dict) -> dict:
-    """``state`` (of ``state_of``) marked as saved after its epoch's end was signalled (``next()`` raised
-    StopIteration: ``Module.fit``'s ``epoch_end_callback``, or after a loop's ``for``): loaded, the next
-    ``next()`` starts the next epoch. A state saved after the last batch but before that keeps the meaning
-    of a loop that may still ask: the rest of its epoch, nothing."""
+def at_end(state: dict, *, ended_now: bool = True) -> dict:
+    """``state`` (of ``state_of``) saved after its epoch's end was signalled (``next()`` raised
+    StopIteration: ``Module.fit``'s ``epoch_end_callback``, or after a loop's ``for``), as the state of
+    the next epoch's start: ``state["epoch"]`` is always the epoch a state resumes, so
+    ``fit(begin_epoch=state["epoch"])`` (or a loop from that epoch) goes on with the next epoch's first
+    batch, whatever shape loads it. Marked ``ended``: a ``reset()`` right after loading it starts that
+    epoch rather than the one after. ``ended_now=False``: ``state`` is already that start (nothing was
+    read since such a state was loaded): only marked. A state saved after the last batch but before
+    StopIteration keeps the meaning of a loop that may still ask: the rest of its epoch, nothing."""
     body = {k: v for k, v in state.items() if k != "sha256"}
+    if ended_now:
+        parts, size, _ = body["phases"][-1]
+        body["epoch"], body["phases"] = body["epoch"] + 1, [[parts, size, 0]]
     body["ended"] = True
     return {**body, "sha256": _digest(body)}
 
@@ -161,6 +168,10 @@ def ends_epoch(state: dict) -> bool:
     if ended is not None and ended is not True:
         raise LoaderError(f"state_dict 'ended' must be true or absent, got {ended!r}: the state was altered or "
                           "damaged after state_dict() saved it")
+    phases = state.get("phases")
+    if ended and not (isinstance(phases, list) and len(phases) == 1 and phases[0][2] == 0):
+        raise LoaderError(f"state_dict 'ended' marks an epoch's start, but its 'phases' {phases!r} have read batches "
+                          "of it: the state was altered or damaged after state_dict() saved it")
     return ended is True
 
 

@@ -5,8 +5,8 @@ MXNet 1.9.1's ``BaseModule.fit`` asks the iterator for batch k+1 *before* it run
 trained, and a resume from it never trains that batch. Only after the epoch's last batch (its
 ``next()`` raised StopIteration) does fit hold no batch ahead. ``fit_checkpoint`` gives a callback
 that saves the state of the batches fit has trained: ``state_dict(untrained=1)`` inside the epoch,
-``state_dict()`` after its last batch. ``epoch_end_callback`` runs after the last batch too: a plain
-``state_dict()`` there is right, and resumes at the next epoch's first batch.
+``state_dict()`` after its last batch (the next epoch's start). ``epoch_end_callback`` runs after the
+last batch too: a plain ``state_dict()`` there is right. Either way ``fit(begin_epoch=state["epoch"])``.
 """
 
 from __future__ import annotations

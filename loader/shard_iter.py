@@ -139,10 +139,11 @@ class ShardIter(mx.io.DataIter):
     def reset(self) -> None:
         """Start the next epoch on the newest manifest generation."""
         self._check_open()
-        self._keep_stats()
-        self._first_agreement = None  # for_kvstore: this reset() is the agreement
-        self.reader.reset()
-        self._clock = EpochClock()
+        if not self._loaded_end:  # a loaded epoch-end state is its next epoch's start already: nothing to end
+            self._keep_stats()
+            self._first_agreement = None  # for_kvstore: this reset() is the agreement
+            self.reader.reset()
+            self._clock = EpochClock()
         self.epoch_ended = self._loaded_end = False
 
     def next(self) -> mx.io.DataBatch:
@@ -151,10 +152,9 @@ class ShardIter(mx.io.DataIter):
             pending.settle(self)
         reader = self.reader
         if reader.cursor >= reader.batches:
-            if not self._loaded_end:
-                self.epoch_ended = True  # fit_checkpoint: Module.fit holds no batch ahead now
-                raise StopIteration
-            self.reset()  # a state saved after its epoch's end (epoch_end_callback): the next epoch
+            self.epoch_ended = True  # fit_checkpoint: Module.fit holds no batch ahead now
+            raise StopIteration
+        self._loaded_end = False  # the epoch a loaded epoch-end state starts is being read: reset() ends it
         t0 = time.perf_counter()
         self._clock.begin(t0)
         if self._closed and _prefetching():
@@ -248,13 +248,13 @@ class ShardIter(mx.io.DataIter):
     # -- resumption -----------------------------------------------------------------------------
 
     def state_dict(self, *, untrained: int = 0) -> dict:
-        """Where this iterator is: enough to continue the same epoch in a new process, after every batch
-        ``next()`` handed out (saved after ``next()`` said StopIteration, it resumes at the next epoch's first
-        batch). ``untrained``: the last batches handed out that the caller has not trained yet, which the
-        state leaves to read (``Module.fit`` holds one ahead: use :meth:`fit_checkpoint`)."""
+        """Where this iterator is, after every batch ``next()`` handed out; ``state["epoch"]`` is the epoch it
+        resumes (after StopIteration: the next one, from its first batch). ``untrained``: the last batches handed
+        out that the caller has not trained, left to read (``Module.fit`` holds one: :meth:`fit_checkpoint`)."""
         self._check_open()
         state = rewound(self.reader.state(str(self.manifest_path)), untrained)
-        return at_end(state) if (self.epoch_ended or self._loaded_end) and not untrained else state
+        ended = not untrained and (self.epoch_ended or self._loaded_end)
+        return at_end(state, ended_now=self.epoch_ended) if ended else state
 
     def fit_checkpoint(self, save: Callable[[dict], None], *, every: int = 1) -> Callable[[Any], None]:
         """``Module.fit``'s ``batch_end_callback``: ``save(state)`` of what fit trained (:mod:`loader.fit_resume`)."""
@@ -268,7 +268,7 @@ class ShardIter(mx.io.DataIter):
         self._check_open()
         if reader.load(state, before_end=self._keep_stats):
             self._clock = EpochClock()
-        self.epoch_ended, self._loaded_end = False, ended and reader.cursor >= reader.batches
+        self.epoch_ended, self._loaded_end = False, ended
         if self._first_agreement is not None:  # the first batch still agrees, on the state's generation
             self._first_agreement.loaded = True
 

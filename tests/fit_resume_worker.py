@@ -4,8 +4,8 @@
   the first after it) ends the run (an exception out of fit, as a Ctrl-C would).
 * ``--hang-at K``: the same, but that save then waits forever (the test kills the process with -9).
 * ``--epoch-end``: fit one epoch; ``epoch_end_callback`` saves a plain ``it.state_dict()``.
-* ``--resume``: a new iterator loads the saved state and ``fit(begin_epoch=state["epoch"] + OFFSET)``
-  for ``--epochs`` epochs.
+* ``--resume``: a new iterator loads the saved state and ``fit(begin_epoch=state["epoch"],
+  num_epoch=EPOCHS)``, as the README says (``num_epoch`` is the job's total, as a user sets it).
 
 Every forward's real window ids (label ``a``) go to ``<out>/<tag>.jsonl`` as ``[epoch, ids]``, one
 line each, flushed; the saved file records how many lines were written when it was saved.
@@ -51,7 +51,6 @@ def main() -> None:
     p.add_argument("--hang-at", type=int, default=0)
     p.add_argument("--epoch-end", action="store_true")
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--offset", type=int, default=0)
     p.add_argument("--epochs", type=int, default=1)
     args = p.parse_args()
     it = ShardIter(args.store, args.batch, label_names=["a"], seed=5, shuffle_buffer=8, cache_dir=args.out / "cache")
@@ -79,8 +78,7 @@ def main() -> None:
         if args.resume:
             state = json.loads(saved.read_text())["state"]
             it.load_state_dict(state)
-            begin = state["epoch"] + args.offset
-            mod.fit(it, begin_epoch=begin, num_epoch=begin + args.epochs, **fit)
+            mod.fit(it, begin_epoch=state["epoch"], num_epoch=args.epochs, **fit)
         elif args.epoch_end:
             mod.fit(it, num_epoch=1, epoch_end_callback=lambda *_: save(it.state_dict()), **fit)
         else:

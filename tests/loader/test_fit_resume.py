@@ -65,6 +65,7 @@ def _check_resumed(out, uninterrupted) -> None:
     resumed = [ids for e, ids in after if e == 0]
     assert [ids for _, ids in before] + resumed == epoch0  # every batch once, in the uninterrupted order
     assert [ids for e, ids in after if e == 1] == epoch1
+    assert {e for e, _ in after} <= {0, 1}, "fit(num_epoch=2) read a third epoch"
     trained = sorted(i for ids in epoch0 for i in ids)
     assert trained == list(range(sum(COUNTS.values())))
 
@@ -108,14 +109,13 @@ def test_module_fit_killed_after_a_checkpoint_resumes_training_every_window_once
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("offset", [1, 0])
-def test_module_fit_resumed_from_an_epoch_end_state_trains_the_next_epoch_whole(store, uninterrupted, tmp_path,
-                                                                                offset):
-    """``state_dict()`` saved in ``epoch_end_callback``, then ``fit(begin_epoch=state["epoch"] + 1)``
-    (or ``state["epoch"]``): the next epoch from its first batch (was: a bare StopIteration)."""
+def test_module_fit_resumed_from_an_epoch_end_state_trains_the_next_epoch_whole(store, uninterrupted, tmp_path):
+    """``state_dict()`` saved in ``epoch_end_callback`` is the next epoch's start (``state["epoch"]`` 1), and
+    ``fit(begin_epoch=state["epoch"], num_epoch=2)`` trains that epoch whole, once (was: a bare StopIteration;
+    then, in review, a third epoch)."""
     _run(store, tmp_path, "first", "--epoch-end")
-    assert json.loads((tmp_path / "saved.json").read_text())["state"]["epoch"] == 0
-    _run(store, tmp_path, "then", "--resume", "--offset", offset, "--epochs", 1)
+    assert json.loads((tmp_path / "saved.json").read_text())["state"]["epoch"] == 1
+    _run(store, tmp_path, "then", "--resume", "--epochs", 2)
     assert _forwards(tmp_path, "then") == [[1, ids] for ids in uninterrupted[1]]
 
 
@@ -136,6 +136,9 @@ def test_a_loaded_epoch_end_state_starts_the_next_epoch_once_in_a_loop_or_after_
             assert [batch_ids(it.next()) for _ in uninterrupted[1]] == uninterrupted[1] and it.epoch == 1
             with pytest.raises(StopIteration):  # then that epoch ends, as any other
                 it.next()
+            assert it.state_dict()["epoch"] == 2
+            it.reset()  # and the next reset() starts the epoch after it
+            assert it.epoch == 2 and len(list(it)) == len(uninterrupted[1])
 
 
 def test_untrained_batches_leave_the_state_before_them_and_are_bounded(store, uninterrupted, tmp_path):
@@ -158,6 +161,10 @@ def test_untrained_batches_leave_the_state_before_them_and_are_bounded(store, un
         edited["ended"] = 1
         with pytest.raises(LoaderError, match="'ended' must be true or absent, got 1"):
             it.load_state_dict({**edited, "sha256": _digest(edited)})
+        edited = {k: v for k, v in last.items() if k != "sha256"}
+        edited["ended"] = True  # an end mark on a state that has read batches of its epoch
+        with pytest.raises(LoaderError, match="'ended' marks an epoch's start, but its 'phases'"):
+            it.load_state_dict({**edited, "sha256": _digest(edited)})
     with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
         it.load_state_dict(last)
         assert [batch_ids(b) for b in it] == uninterrupted[0][-1:]
@@ -178,14 +185,15 @@ def _module(it):
 
 def test_fit_checkpoint_states_count_the_batches_fit_trained_in_every_epoch(store, uninterrupted, tmp_path):
     """In one real ``Module.fit`` of two epochs, ``every=3``: a state after fit's 3rd, 6th, ... batch
-    and its last, each counting the batches trained (the last marked as the epoch's end)."""
+    and its last, each counting the batches trained (the last: the next epoch's start, marked as an end)."""
     n = len(uninterrupted[0])
     saved = []
     with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
         mod = _module(it)
         on_batch = it.fit_checkpoint(lambda state: saved.append(state), every=3)
         mod.fit(it, num_epoch=2, optimizer="sgd", optimizer_params={"learning_rate": 1e-6}, batch_end_callback=on_batch)
-    want = [(e, k, k == n) for e in (0, 1) for k in range(1, n + 1) if k % 3 == 0 or k == n]
+    want = [(e + 1, 0, True) if k == n else (e, k, False)
+            for e in (0, 1) for k in range(1, n + 1) if k % 3 == 0 or k == n]
     assert [(s["epoch"], s["phases"][-1][2], s.get("ended", False)) for s in saved] == want
 
 
