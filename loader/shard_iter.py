@@ -253,7 +253,7 @@ class ShardIter(mx.io.DataIter):
         out that the caller has not trained, left to read (``Module.fit`` holds one: :meth:`fit_checkpoint`)."""
         self._check_open()
         state = rewound(self.reader.state(str(self.manifest_path)), untrained)
-        ended = not untrained and self.epoch_ended
+        ended = not untrained and (self.epoch_ended or self._loaded_end)
         return at_end(state, ended_now=self.epoch_ended) if ended else state
 
     def fit_checkpoint(self, save: Callable[[dict], None], *, every: int = 1) -> Callable[[Any], None]:
