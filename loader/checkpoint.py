@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+import operator
+from typing import Any, Optional
 
-from loader.errors import LoaderError
+import numpy as np
+
+from loader.errors import LoaderError, StoreUnreachableError, as_loader_errors
 from loader.pipeline.order import MAX_CANONICAL_PARTS, Phase, remainder
-from loader.source.selection import normalize_dates
-from shardgen.store.manifest import ShardEntry
+from loader.source.generations import generation_of
+from loader.source.selection import normalize_dates, select_shards
+from shardgen.store.manifest import Manifest, ShardEntry
 
 __all__ = ["STATE_VERSION", "state_of", "check_state", "rewound", "at_end", "ends_epoch", "check_origin"]
 
@@ -134,15 +138,26 @@ def _check_fields(state: dict) -> None:
 def rewound(state: dict, batches: int) -> dict:
     """``state`` (of ``state_of``) as it was ``batches`` batches earlier in its last phase: the
     batches handed out that the caller has not trained (``ShardIter.state_dict(untrained=...)``)."""
+    *done, (parts, size, read) = state["phases"]
+    batches = count_of(batches)
     if batches == 0:
         return state
-    *done, (parts, size, read) = state["phases"]
-    if not (isinstance(batches, int) and not isinstance(batches, bool) and 0 < batches <= read):
+    if not (batches is not None and 0 < batches <= read):
         raise LoaderError(f"untrained={batches!r}: expected a number of batches from 0 to the {read} this "
                           f"iterator handed out since its epoch (or its resumed state) began")
     body = {k: v for k, v in state.items() if k != "sha256"}
     body["phases"] = [*done, [parts, size, read - batches]]
     return {**body, "sha256": _digest(body)}
+
+
+def count_of(value: object) -> Optional[int]:
+    """``value`` as a number of batches: a Python or numpy integer, never a bool (None: not one)."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def at_end(state: dict, *, ended_now: bool = True) -> dict:
@@ -183,32 +198,102 @@ def _span(shards: list) -> str:
 
 def check_origin(state: dict, reader: Any, known: tuple = (), listed: frozenset = frozenset()) -> None:
     """LoaderError when ``state`` was saved on another store, or on a generation whose files this
-    store no longer holds: a shard file of the state that this store lists (``known``: entries this
-    process checked or the store lists; default the reader's plan and generation) with other
-    contents (a file name is never reused with other bytes in a store), or, with ``listed`` (every
-    file name the newest manifest lists, live and retired), one this store does not list at all.
-    The message names what the state records and what this iterator reads."""
+    store no longer holds. When this store keeps generation N's snapshot (N: the state's), the state's
+    shards must be exactly the ones N selects for the state's dates, by file name and sha256. A shard
+    file of the state that this store lists (``known``: entries this process checked or the store
+    lists; default the reader's plan and generation) with other contents is refused; so, with
+    ``listed`` (every file name the newest manifest lists, live and retired), is one this store does
+    not list at all, and one listed only as retired (no sha256) that no kept snapshot lists with the
+    state's sha256 (its bytes cannot be checked without reading them). The message names what the
+    state records and what this iterator reads."""
     try:
         mine = [ShardEntry.from_json(s) for s in state["shards"]]
         generation = state.get("generation")
-    except (KeyError, TypeError, ValueError):
+        dates = normalize_dates(state.get("dates"))
+    except (KeyError, TypeError, ValueError, LoaderError):
         return  # not a state's shard list: _check_fields names it
+    if not mine:
+        return  # _check_fields names it
     plan = reader.plan
     if plan is None or state.get("fingerprint") != reader.schema.fingerprint:  # closed; another schema: said so
         return
     by_rec = {s.rec: s for s in (known or (*plan.shards, *reader.manifest.shards))}
     here = f"this iterator reads generation {plan.generation} of {reader.where} ({_span(list(plan.shards))})"
     saved = f"the state records generation {generation} ({_span(mine)})"
+    snapshot = _snapshot(reader, generation)
+    if snapshot is not None:  # this store's generation N: the state's shards must be its own
+        theirs = {s.rec: s for s in select_shards(snapshot, dates)}
+        differ = [s for s in mine if s.rec not in theirs or theirs[s.rec].sha256 != s.sha256]
+        missing = sorted(set(theirs) - {s.rec for s in mine})
+        if differ or missing:
+            s = differ[0] if differ else theirs[missing[0]]
+            what = (f"its shard {s.date} ({s.rec}) has sha256 {s.sha256[:12]}, this store's generation "
+                    f"{generation} lists that name with {theirs[s.rec].sha256[:12]}" if differ and s.rec in theirs
+                    else f"its shard {s.date} ({s.rec}) is not in this store's generation {generation}" if differ
+                    else f"this store's generation {generation} also selects {s.date} ({s.rec}), the state does not")
+            more = f", {len(missing)} of the generation's are not in the state" if missing else ""
+            raise LoaderError(f"state_dict was saved on another store: {what} ({len(differ)} of its {len(mine)} "
+                              f"shards differ{more}); {saved}, {here}. Load a state saved on this store")
     other = [s for s in mine if s.rec in by_rec and by_rec[s.rec].sha256 != s.sha256]
+    unchecked = [s for s in mine if snapshot is None and listed and s.rec not in by_rec and s.rec in listed]
+    if unchecked:  # listed as retired only: no sha256 here; a kept snapshot may list the file with one
+        kept = _kept_entries(reader, {s.rec for s in unchecked})
+        other += [s for s in unchecked if s.rec in kept and kept[s.rec].sha256 != s.sha256]
+        by_rec = {**kept, **by_rec}
+        unverified = [s for s in unchecked if s.rec not in kept]
+        if unverified and not other:
+            s = unverified[0]
+            raise LoaderError(f"state_dict's shard {s.date} ({s.rec}) cannot be checked: this store lists that "
+                              f"file only as retired and keeps no snapshot that records its sha256 "
+                              f"({len(unverified)} of its {len(mine)} shards); the state was saved on another "
+                              f"store, or on a generation of this one whose snapshot gc has deleted, and reading "
+                              f"bytes not known to be the state's is refused; {saved}, {here}")
     if other:
         s = other[0]
-        raise LoaderError(f"state_dict was saved on another store: its shard {s.date} ({s.rec}) has sha256 "
+        newest = max([reader.manifest.generation, plan.generation, *_generations(reader)])
+        rebuilt = f"whose file {s.rec} gc deleted and a later build wrote again with other bytes"
+        how = (f"saved on this store's generation {generation}, {rebuilt}" if snapshot is not None else
+               "saved on another store" if not isinstance(generation, int) or generation > newest else
+               f"saved on another store, or on this store's generation {generation} (its snapshot is gone), {rebuilt}")
+        todo = "a state saved on this store" if how == "saved on another store" else "a state of a kept generation"
+        raise LoaderError(f"state_dict was {how}: its shard {s.date} ({s.rec}) has sha256 "
                           f"{s.sha256[:12]}, this store's file of that name {by_rec[s.rec].sha256[:12]} "
-                          f"({len(other)} of its {len(mine)} shards differ); {saved}, {here}. Load a state saved "
-                          "on this store")
+                          f"({len(other)} of its {len(mine)} shards differ); {saved}, {here}. Load {todo}")
     gone = [s for s in mine if listed and s.rec not in by_rec and s.rec not in listed]
     if gone:
         s = gone[0]
         raise LoaderError(f"state_dict's shard {s.date} ({s.rec}) is not in this store ({len(gone)} of its "
                           f"{len(mine)} shards are not): the state was saved on another store, or on a generation "
                           f"whose files gc has deleted; {saved}, {here}")
+
+
+def _snapshot(reader: Any, generation: object) -> Optional[Manifest]:
+    """This store's generation ``generation`` (None: gone, or never published)."""
+    if not isinstance(generation, int) or isinstance(generation, bool):
+        return None
+    if generation == reader.manifest.generation:  # the newest, read already: nothing is read again
+        return reader.manifest
+    try:
+        return generation_of(reader.store, generation)
+    except StoreUnreachableError:
+        raise
+    except LoaderError:
+        return None
+
+
+def _generations(reader: Any) -> list:
+    with as_loader_errors():
+        return list(reader.store.snapshot_generations())
+
+
+def _kept_entries(reader: Any, recs: set) -> dict:
+    """rec -> the entry of the newest kept snapshot that lists it (with its sha256), for ``recs``."""
+    found: dict = {}
+    for n in sorted(_generations(reader), reverse=True):
+        snapshot = _snapshot(reader, n)
+        for s in snapshot.shards if snapshot is not None else ():
+            if s.rec in recs:
+                found.setdefault(s.rec, s)
+        if len(found) == len(recs):
+            break
+    return found

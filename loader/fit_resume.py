@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from loader.checkpoint import count_of
 from loader.errors import LoaderError
 
 __all__ = ["fit_checkpoint"]
@@ -23,12 +24,13 @@ def fit_checkpoint(it: Any, save: Callable[[dict], None], every: int = 1) -> Cal
     ``every``-th batch fit trains in an epoch (its ``nbatch + 1``) and after the epoch's last batch,
     with the state of what fit trained: loaded into a new iterator, then ``fit(begin_epoch=
     state["epoch"])``, every batch of the epoch is trained once over both runs."""
-    if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+    count = count_of(every)
+    if not (count is not None and count >= 1):
         raise LoaderError(f"fit_checkpoint: every={every!r}, expected a number of batches >= 1")
 
     def on_batch(param: Any) -> None:
         ended = it.epoch_ended
-        if ended or (param.nbatch + 1) % every == 0:
+        if ended or (param.nbatch + 1) % count == 0:
             save(it.state_dict(untrained=0 if ended else 1))
 
     return on_batch

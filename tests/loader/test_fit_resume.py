@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import ROOT, batch_ids, make_store
 
@@ -148,11 +149,13 @@ def test_untrained_batches_leave_the_state_before_them_and_are_bounded(store, un
         for _ in range(3):
             it.next()
         states = [it.state_dict(untrained=k) for k in (0, 1, 3)]
-        for bad in (4, -1, 1.0, True):
+        assert [it.state_dict(untrained=np.int64(k)) for k in (0, 1, 3)] == states  # numpy integers are counts
+        for bad in (4, -1, 1.0, True, np.int64(4), np.float64(1.0), np.bool_(True), "1"):
             with pytest.raises(LoaderError, match=r"untrained=.*expected a number of batches from 0 to the 3"):
                 it.state_dict(untrained=bad)
-        with pytest.raises(LoaderError, match="every=0, expected a number of batches >= 1"):
-            it.fit_checkpoint(print, every=0)
+        for bad in (0, np.int64(0), True, np.bool_(True), 3.0, "3"):
+            with pytest.raises(LoaderError, match=r"every=.*, expected a number of batches >= 1"):
+                it.fit_checkpoint(print, every=bad)
         for _ in it:
             pass
         last = it.state_dict(untrained=1)  # after StopIteration, one batch not trained: not the epoch's end
@@ -183,14 +186,16 @@ def _module(it):
     return mx.mod.Module(net, data_names=["seq_var"], label_names=["a"])
 
 
-def test_fit_checkpoint_states_count_the_batches_fit_trained_in_every_epoch(store, uninterrupted, tmp_path):
-    """In one real ``Module.fit`` of two epochs, ``every=3``: a state after fit's 3rd, 6th, ... batch
-    and its last, each counting the batches trained (the last: the next epoch's start, marked as an end)."""
+@pytest.mark.parametrize("every", [3, np.int64(3)], ids=["int", "numpy-int64"])
+def test_fit_checkpoint_states_count_the_batches_fit_trained_in_every_epoch(store, uninterrupted, tmp_path, every):
+    """In one real ``Module.fit`` of two epochs, ``every=3`` (a numpy integer too, as a script that reads
+    it from an array passes it): a state after fit's 3rd, 6th, ... batch and its last, each counting the
+    batches trained (the last: the next epoch's start, marked as an end)."""
     n = len(uninterrupted[0])
     saved = []
     with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
         mod = _module(it)
-        on_batch = it.fit_checkpoint(lambda state: saved.append(state), every=3)
+        on_batch = it.fit_checkpoint(lambda state: saved.append(state), every=every)
         mod.fit(it, num_epoch=2, optimizer="sgd", optimizer_params={"learning_rate": 1e-6}, batch_end_callback=on_batch)
     want = [(e + 1, 0, True) if k == n else (e, k, False)
             for e in (0, 1) for k in range(1, n + 1) if k % 3 == 0 or k == n]
