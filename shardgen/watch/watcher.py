@@ -22,6 +22,7 @@ it runs (:mod:`shardgen.watch.alive`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
@@ -268,7 +269,12 @@ class Watcher:
         if self._writer.lost is not None:
             return  # the store has another writer now: its state is that writer's
         try:
-            save_state(self.store, updated=utc_stamp(wall), pid=os.getpid(), failing=failing, error=self._cycle_error)
+            gen = None
+            if self._cycle_error:  # which manifest it was refused against: a later one supersedes the error
+                with contextlib.suppress(OSError, ShardgenError):
+                    gen = getattr(self.store.load_manifest(), "generation", None)
+            save_state(self.store, updated=utc_stamp(wall), pid=os.getpid(), failing=failing, error=self._cycle_error,
+                       generation=gen)
         except (OSError, ShardgenError) as exc:
             log.warning("%s: cannot write the watcher state (%s)", self.cfg.store.where, exc)
 
