@@ -26,6 +26,7 @@ from shardgen.format.check import has_checksums
 from shardgen.produce.build import build
 from shardgen.stopping import Terminated, with_stop_handlers
 from shardgen.store.gc import collect
+from shardgen.store.publish import published_here
 from shardgen.store.status import dumps, print_text, settle, status, watch_fields
 from shardgen.store.verify import verify_store
 from shardgen.watch.alive import watcher_status
@@ -281,12 +282,11 @@ def _main(argv: list, early: Sequence[int]) -> int:
         return 2 if isinstance(exc, (ConfigError, LockError)) else EXIT_ENVIRONMENT if is_environment(exc) else 1
     except KeyboardInterrupt as exc:
         terminated = isinstance(exc, Terminated)
+        done = "finished shards were published" if published_here() else "nothing was published"
         if command == "watch":  # a watcher stopped by a signal, however sent (to it, to its group): 0
-            print(f"shardgen: watch stopped ({'SIGTERM' if terminated else 'SIGINT'}); finished shards were published",
-                  file=sys.stderr)
+            print(f"shardgen: watch stopped ({'SIGTERM' if terminated else 'SIGINT'}); {done}", file=sys.stderr)
             return 0
-        print(f"shardgen: {'terminated (SIGTERM)' if terminated else 'interrupted'}; finished shards were published",
-              file=sys.stderr)
+        print(f"shardgen: {'terminated (SIGTERM)' if terminated else 'interrupted'}; {done}", file=sys.stderr)
         return 143 if terminated else 130
     except OSError as exc:  # disk full, permissions, a file where a folder should be: one line, no traceback
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
