@@ -66,6 +66,7 @@ def test_a_refused_watch_cycle_stops_counting_once_a_later_generation_is_publish
     assert s.returncode == 1 and "watcher: last cycle FAILED, no date was tried:" in s.stdout, s.stdout
     watch_state = json.loads((tmp_path / "p" / "shards" / ".watch-state.json").read_text())
     assert watch_state["updated"] in s.stdout  # when it failed
+    assert watch_state["generation"] == 1  # the manifest it was refused against
     cfg.write_text(good.replace('end = "2024-01-02"', 'end = "2024-01-03"'))  # reverted, one more date
     assert shardgen_cli("build", "-c", cfg).returncode == 0
     s = shardgen_cli("status", "-c", cfg)

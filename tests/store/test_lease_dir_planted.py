@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import shardgen_cli, write_config
+from conftest import ROOT, shardgen_cli, write_config
 
 from shardgen.store.lease import LEASE_DIR, Lease
 
 pytestmark = pytest.mark.slow
+BOUND_S = 30.0  # gc or watch --once on a one-date store takes a few seconds, beside two CPU hogs too
 
 
 @pytest.fixture()
@@ -46,7 +49,15 @@ def test_a_fifo_in_leases_is_skipped_not_read(built, command):
     cfg, store = built
     (store / LEASE_DIR).mkdir(exist_ok=True)
     os.mkfifo(store / LEASE_DIR / "zz-planted.json")
-    r = shardgen_cli(*command, "-c", cfg, timeout=60)  # before: blocked in read() for ever
+    proc = subprocess.Popen([sys.executable, "-m", "shardgen.cli", *command, "-c", str(cfg)], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        out, err = proc.communicate(timeout=BOUND_S)
+    except subprocess.SubprocessError:  # before: blocked in read() for ever, holding the writer lock
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"{' '.join(command)} still blocked after {BOUND_S:g} s") from None
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert r.returncode == 0, r.stderr
     assert "zz-planted.json: not a regular file" in r.stderr
     assert "Traceback" not in r.stderr
