@@ -26,7 +26,8 @@ from shardgen.format.check import has_checksums
 from shardgen.produce.build import build
 from shardgen.stopping import Terminated, with_stop_handlers
 from shardgen.store.gc import collect
-from shardgen.store.status import dumps, print_text, status, watch_fields
+from shardgen.store.publish import published_here
+from shardgen.store.status import dumps, print_text, settle, status, watch_fields
 from shardgen.store.verify import verify_store
 from shardgen.watch.alive import watcher_status
 from shardgen.watch.raw import prune_raw
@@ -214,10 +215,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     raw = [d for d in cfg.raw_files() if d <= today]  # a file for a later date is no input yet (watch warns)
     info["newest_raw"] = max(raw).isoformat() if raw else None
     info["raw_lag_days"] = (today - max(raw)).days if raw else None
-    info["failing"] = info["failing"] + info.pop("build_failing")  # the watcher's and the builds' (kind "build")
-    # a cron monitor: 1 while dates fail (a watcher's or a build's), the watcher's last cycle failed as a
-    # whole (a refused schema), or the newest snapshot is damaged
-    code = 1 if info["failing"] or info["watch_error"] or info["snapshot_problem"] else 0
+    # a cron monitor: 1 while dates of the configured range fail (a watcher's or a build's), the watcher's
+    # last cycle failed as a whole (a refused schema) and nothing was published since, or a snapshot is damaged
+    code = settle(info, cfg.dates.start, cfg.dates.end or today)
     if info["snapshot_problem"]:
         print(f"shardgen: error: {info['snapshot_problem']}", file=sys.stderr)
     if args.json:
@@ -282,12 +282,11 @@ def _main(argv: list, early: Sequence[int]) -> int:
         return 2 if isinstance(exc, (ConfigError, LockError)) else EXIT_ENVIRONMENT if is_environment(exc) else 1
     except KeyboardInterrupt as exc:
         terminated = isinstance(exc, Terminated)
+        done = "finished shards were published" if published_here() else "nothing was published"
         if command == "watch":  # a watcher stopped by a signal, however sent (to it, to its group): 0
-            print(f"shardgen: watch stopped ({'SIGTERM' if terminated else 'SIGINT'}); finished shards were published",
-                  file=sys.stderr)
+            print(f"shardgen: watch stopped ({'SIGTERM' if terminated else 'SIGINT'}); {done}", file=sys.stderr)
             return 0
-        print(f"shardgen: {'terminated (SIGTERM)' if terminated else 'interrupted'}; finished shards were published",
-              file=sys.stderr)
+        print(f"shardgen: {'terminated (SIGTERM)' if terminated else 'interrupted'}; {done}", file=sys.stderr)
         return 143 if terminated else 130
     except OSError as exc:  # disk full, permissions, a file where a folder should be: one line, no traceback
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""

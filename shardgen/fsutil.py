@@ -84,7 +84,7 @@ def _temp_file(path: Path, *, fsync: bool, publish: Optional[Callable[[Path], No
     ``publish(tmp)``; removed if anything fails (an OSError that names no file names ``path``)."""
     tmp = temp_name(path)
     try:
-        with open(tmp, "wb") as fh:
+        with open(tmp, "xb") as fh:  # a new name: never through a symlink someone planted
             yield fh, tmp
             fh.flush()
             if fsync:

@@ -23,7 +23,7 @@ from shardgen.clock import utc_stamp
 from shardgen.config import Config
 from shardgen.fsutil import HOST_TOKEN, clean_dead_joblib_files, clean_temp_files
 from shardgen.produce.generator import STOP, abandon_with
-from shardgen.produce.pipeline import DateResult, prepare, produce
+from shardgen.produce.pipeline import DateResult, prepare, produce, start_workers
 from shardgen.store import Store
 from shardgen.store.build_state import record_build
 from shardgen.store.manifest import Manifest, ShardEntry
@@ -77,6 +77,9 @@ def run_dates(cfg: Config, dates: list[dt.date], *, jobs: int, force: bool = Fal
 
     if cfg.run.backend == "loky":
         clean_dead_joblib_files()  # what a build killed with -9 left in /dev/shm
+        # the workers block SIGINT, as the watcher's do: a Ctrl-C to the group stops this process
+        # alone, not a worker mid-import with a traceback (if this fails, Parallel starts them)
+        start_workers(min(jobs, len(dates)))
 
     me = (HOST_TOKEN, os.getpid())  # a worker whose build is killed with -9 writes nothing (produce)
     tasks = (delayed(produce)(cfg, d, force=force, raw_only=d in raw_dates, coordinator=me) for d in dates)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -148,3 +150,33 @@ def _produce(cfg: Config, date: dt.date, *, force: bool, raw_only: bool,
 def warm() -> None:
     """Nothing; a worker process that runs it has imported this module (``watch`` warms its
     workers so before any date is due)."""
+
+
+def start_workers(jobs: int) -> Optional[Exception]:
+    """Start ``jobs`` loky worker processes (each importing this module) from a thread that blocks
+    SIGINT; what failed, or None. The workers (and loky's manager thread) inherit that mask: a Ctrl-C
+    in the terminal (SIGINT to the whole process group) reaches this process alone, which stops their
+    generators, instead of breaking each worker off mid-import with a traceback. (The resource
+    trackers are started first: starting one unblocks SIGINT in the thread that starts it. The
+    generators run in sessions of their own, stopped with SIGKILL, never SIGINT.) A later
+    ``Parallel(n_jobs=jobs, backend="loky")`` reuses them."""
+    failed: list[Exception] = []
+
+    def start() -> None:
+        from multiprocessing import resource_tracker
+
+        from joblib import Parallel, delayed
+        from joblib.externals.loky.backend import resource_tracker as loky_tracker
+
+        resource_tracker.ensure_running()
+        loky_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            Parallel(n_jobs=jobs, backend="loky")(delayed(warm)() for _ in range(jobs))
+        except Exception as exc:  # noqa: BLE001
+            failed.append(exc)
+
+    thread = threading.Thread(target=start, name="shardgen-start-workers", daemon=True)
+    thread.start()
+    thread.join()  # a signal meanwhile runs its handler here (a join is interruptible)
+    return failed[0] if failed else None

@@ -43,7 +43,31 @@ def load_build_state(store: Store) -> Optional[dict]:
     if doc is not None and (not isinstance(doc, dict) or doc.get("format") != FORMAT):
         log.warning("%s: unknown build state format", where)
         return None
+    problem = _problem(doc) if doc is not None else None
+    if problem:
+        log.warning("%s: unreadable build state (%s)", where, problem)
+        return None
     return doc
+
+
+def _problem(doc: dict) -> Optional[str]:
+    """What is wrong with the fields of a build state of the right format, or None."""
+    for key, fields in (("failing", ("date", "error", "updated")), ("empty", ("date", "error", "updated"))):
+        entries = doc.get(key, [])
+        if not isinstance(entries, list):
+            return f"{key!r} is {type(entries).__name__}, expected a list"
+        for entry in entries:
+            if not isinstance(entry, dict) or not isinstance(entry.get("date"), str):
+                return f"{key!r} holds {json.dumps(entry)[:60]}, expected an object with a \"date\""
+            bad = [f for f in fields if f in entry and not isinstance(entry[f], str)]
+            attempts = entry.get("attempts", 1)
+            if key == "failing" and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1):
+                bad.append("attempts")
+            if bad:
+                return f"{key!r} entry {entry['date']}: bad {', '.join(bad)}"
+    if not isinstance(doc.get("updated", ""), (str, type(None))):
+        return "'updated' is not a time"
+    return None
 
 
 def record_build(store: Store, *, updated: str, published: Iterable, failed: Iterable[tuple],

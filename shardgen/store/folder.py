@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 from typing import ContextManager, Iterable, Optional
@@ -37,6 +39,52 @@ from shardgen.store.writer_lock import FolderWriterLock
 __all__ = ["FolderStore"]
 
 log = logging.getLogger(__name__)
+
+
+class _NotAFile(OSError):
+    """A name in the world-writable ``leases/`` that is no regular file (a FIFO, a device, a symlink)."""
+
+
+def _read_lease(path: Path) -> tuple[float, bytes]:
+    """``(mtime, bytes)`` of the lease file ``path``, never blocking and never following a symlink:
+    ``leases/`` is writable by every user (a FIFO there would hang gc holding the writer lock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _NotAFile("a symlink") from None
+        raise
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _NotAFile(f"mode {stat.filemode(st.st_mode)}")
+        return st.st_mtime, fh.read()
+
+
+def _touch(clock: Path) -> float:
+    """Touch the store clock ``clock`` and return its mtime, never following a symlink (anyone may
+    plant one in ``leases/``): what is there and no regular file is removed (the folder's owner
+    may) and a new file made with ``O_EXCL``."""
+    for _ in range(3):
+        try:
+            st = os.lstat(clock)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            log.warning("%s: not a regular file (%s); replacing it", clock, stat.filemode(st.st_mode))
+            clock.unlink(missing_ok=True)
+            st = None
+        try:
+            if st is None:
+                os.close(os.open(clock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+            else:
+                os.utime(clock, follow_symlinks=False)  # None: the file server sets its own "now"
+            st = os.lstat(clock)
+        except (FileExistsError, FileNotFoundError):
+            continue  # another gc (or someone else) got there between the look and the write
+        if stat.S_ISREG(st.st_mode):
+            return st.st_mtime
+    raise OSError(errno.EEXIST, "cannot make a regular clock file", str(clock))
 
 
 class FolderStore(Store):
@@ -120,8 +168,7 @@ class FolderStore(Store):
         clock = self.dir / LEASE_DIR / CLOCK_NAME
         try:
             lease_folder(clock.parent)
-            clock.touch()  # creates it, or utime(None): the file server sets its own "now"
-            return clock.stat().st_mtime
+            return _touch(clock)
         except OSError as exc:
             log.warning("%s: cannot touch the store clock (%s); judging lease ages by this host's clock", clock, exc)
             return time.time()
@@ -135,9 +182,12 @@ class FolderStore(Store):
         for path in folder.glob("*.json"):
             age, text = None, None
             try:
-                age = now - path.stat().st_mtime
-                text = path.read_bytes()
+                mtime, text = _read_lease(path)
+                age = now - mtime
             except FileNotFoundError:
+                continue
+            except _NotAFile as exc:
+                log.warning("%s: not a regular file (%s); ignoring it", path, exc)
                 continue
             except OSError:
                 pass

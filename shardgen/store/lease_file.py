@@ -20,6 +20,7 @@ from typing import Optional
 
 from shardgen.errors import ShardgenError
 from shardgen.fsutil import atomic_write, boot_id, pid_alive, pid_namespace
+from shardgen.store.naming import LEASE_DIR
 
 __all__ = ["HOST", "PIDNS", "BOOT", "LEASE_DIR_MODE", "Heartbeat", "FileHeartbeat", "ObjectHeartbeat", "judge_lease",
            "why_dead", "lease_folder"]
@@ -126,7 +127,8 @@ class FileHeartbeat(Heartbeat):
         self.path = Path(path)
 
     def put(self, data: bytes) -> None:
-        lease_folder(self.path.parent)
+        if self.path.parent.name == LEASE_DIR:  # only leases/ is opened to every user: never the store folder
+            lease_folder(self.path.parent)     # (the watcher's heartbeat lies beside the manifest)
         atomic_write(self.path, data, fsync=False)
 
     def present(self) -> bool:
@@ -137,7 +139,9 @@ class FileHeartbeat(Heartbeat):
             if self.stop.is_set() or self.generation is None:  # released meanwhile
                 return
             try:
-                os.utime(self.path)  # None: the file server's "now", like gc's clock file
+                # None: the file server's "now", like gc's clock file; a symlink planted in the
+                # world-writable leases/ is not followed
+                os.utime(self.path, follow_symlinks=False)
             except FileNotFoundError:
                 log.warning("%s: %s was deleted; writing it again", self.path, self.what)
                 self.write()

@@ -20,9 +20,16 @@ from shardgen.store.base import check_schema
 from shardgen.store.manifest import Manifest, RetiredEntry, ShardEntry
 from shardgen.store.writer_lock import WriterLockLike
 
-__all__ = ["publish", "apply_entries", "log_retired", "check_schema"]
+__all__ = ["publish", "apply_entries", "log_retired", "check_schema", "published_here"]
 
 log = logging.getLogger(__name__)
+_PUBLISHED = [0]  # manifests this process published: what a stopped command can say it did
+
+
+def published_here() -> int:
+    """How many manifests this process has published (a command stopped by a signal says whether
+    finished shards were published, or nothing was)."""
+    return _PUBLISHED[0]
 
 
 def publish(store: Union[Store, str, os.PathLike], schema: Schema, window: int, entries: Iterable[ShardEntry], *,
@@ -39,6 +46,7 @@ def publish(store: Union[Store, str, os.PathLike], schema: Schema, window: int, 
         if new is None:
             return None
         saved = store.save(new, lock)
+        _PUBLISHED[0] += 1
     log_retired(saved)
     return saved
 

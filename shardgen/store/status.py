@@ -12,14 +12,14 @@ import json
 import os
 from typing import Optional, Union
 
-from shardgen.clock import seconds_since, utc_datetime
+from shardgen.clock import parse_utc, seconds_since, utc_datetime
 from shardgen.store import Store, open_store
 from shardgen.store.build_state import build_fields, load_build_state
 from shardgen.store.manifest import Manifest, declared_format
 from shardgen.store.naming import MANIFEST_NAME
 from shardgen.store.verify import newest_snapshot_problem
 
-__all__ = ["status", "summary", "watch_fields", "dumps", "print_text"]
+__all__ = ["status", "summary", "watch_fields", "settle", "dumps", "print_text"]
 
 
 def status(store: Union[Store, str, os.PathLike], *, today: Optional[dt.date] = None) -> dict:
@@ -76,8 +76,36 @@ def watch_fields(state: Optional[dict]) -> dict:
     return {
         "watch_updated": state.get("updated"),  # the watcher's last cycle (None: no watcher state)
         "watch_error": state.get("error"),  # why its last cycle failed as a whole (a refused schema), or None
+        "watch_error_generation": state.get("generation"),  # the manifest's generation then (None: unknown)
         "failing": state.get("failing", []),  # date, kind, attempts, error, next_retry
     }
+
+
+def _after(later: Optional[str], earlier: Optional[str]) -> bool:
+    """Whether the stamp ``later`` is after ``earlier`` (False if either is missing or unreadable)."""
+    try:
+        return bool(later and earlier) and parse_utc(later) > parse_utc(earlier)
+    except ValueError:
+        return False
+
+
+def settle(info: dict, first: dt.date, last: dt.date) -> int:
+    """Join the watcher's failing dates and the builds' (``build_failing``) in ``info["failing"]``, less
+    the build's dates outside the configured ``first`` .. ``last`` (no build tries them again: they go
+    to ``build_outside``, not counted); mark a watcher's error a later publish superseded
+    (``watch_error_superseded``: a later generation was published than the refused cycle saw). The exit code of
+    ``shardgen status``: 1 while dates fail, the watcher's last cycle failed as a whole (a refused
+    schema) and nothing was published since, or the newest snapshot is damaged."""
+    builds = info.pop("build_failing")
+    inside = [f for f in builds if first.isoformat() <= f["date"] <= last.isoformat()]
+    info["build_outside"] = [f for f in builds if f not in inside]
+    info["failing"] = info["failing"] + inside
+    then = info.get("watch_error_generation")
+    later = (info["generation"] > then if isinstance(then, int) and not isinstance(then, bool)
+             else _after(info["updated"], info["watch_updated"]))  # a watcher before the generation was noted
+    info["watch_error_superseded"] = bool(info["watch_error"]) and later
+    current_error = info["watch_error"] and not info["watch_error_superseded"]
+    return 1 if info["failing"] or current_error or info["snapshot_problem"] else 0
 
 
 def dumps(obj: dict) -> str:
@@ -107,8 +135,11 @@ def print_text(info: dict) -> None:
         last = f"last cycle {info['watch_updated']}" if info["watch_updated"] else "no cycle finished yet"
         failing = sum(f["kind"] != "build" for f in info["failing"])
         print(f"watcher: {state}; {last}, {failing} failing dates")
-    if info.get("watch_error"):
-        print(f"watcher: last cycle FAILED, no date was tried: {info['watch_error']}")
+    if info.get("watch_error") and info.get("watch_error_superseded"):
+        print(f"watcher: its last cycle ({info['watch_updated']}) failed, no date was tried, but the manifest was "
+              f"published since ({info['updated']}): {info['watch_error']}")
+    elif info.get("watch_error"):
+        print(f"watcher: last cycle FAILED, no date was tried: {info['watch_error']} ({info['watch_updated']})")
     if info.get("build_updated"):
         failing = sum(f["kind"] == "build" for f in info["failing"])
         print(f"build: last recorded {info['build_updated']}, {failing} failing dates, {len(info['empty'])} empty")
@@ -117,5 +148,7 @@ def print_text(info: dict) -> None:
                  if f["kind"] == "build" else "retried when the file changes")
         tries = f"{f['attempts']} attempt" + ("s" if f["attempts"] != 1 else "")
         print(f"failing {f['date']} ({f['kind']}, {tries}, {retry}): {f['error']}")
+    for f in info.get("build_outside", []):
+        print(f"failed {f['date']} (build, outside the configured dates now: no build tries it again): {f['error']}")
     for e in info.get("empty", []):
         print(f"empty {e['date']}: {e['error']}")

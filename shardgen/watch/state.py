@@ -8,7 +8,9 @@ Written atomically by ``shardgen watch`` after every cycle, read by ``shardgen s
                   "next_retry": "2026-01-01T00:00:02Z"}]}
 
 ``error`` (null while the last cycle went through) says why the last cycle failed as a whole (a
-schema change refused, the store unreachable): no date was even tried.
+schema change refused, the store unreachable): no date was even tried. With an error, ``generation``
+is the manifest's generation then (null if unknown): a later generation was published by a writer
+that passed (a build after the config was reverted), and status no longer counts the error.
 ``kind`` is ``due`` (a date the watcher generates: retried with backoff, ``next_retry`` set) or
 ``dropped`` (a raw file dropped by others for a date it does not generate: retried when the
 file changes, ``next_retry`` null).
@@ -40,17 +42,18 @@ class Failing:
     next_retry: Optional[str]  # UTC, or None: when the dropped file changes
 
 
-def state_bytes(*, updated: str, pid: int, failing: list[Failing], error: Optional[str] = None) -> bytes:
+def state_bytes(*, updated: str, pid: int, failing: list[Failing], error: Optional[str] = None,
+                generation: Optional[int] = None) -> bytes:
     """The state file's bytes."""
-    doc = {"format": FORMAT, "updated": updated, "pid": pid, "error": error,
+    doc = {"format": FORMAT, "updated": updated, "pid": pid, "error": error, "generation": generation,
            "failing": [asdict(f) for f in sorted(failing, key=lambda f: f.date)]}
     return json.dumps(doc, sort_keys=True, indent=1).encode()
 
 
 def save_state(store: Union[Store, str, os.PathLike], *, updated: str, pid: int, failing: list[Failing],
-               error: Optional[str] = None) -> bytes:
+               error: Optional[str] = None, generation: Optional[int] = None) -> bytes:
     """Write the state file into the store; its bytes."""
-    data = state_bytes(updated=updated, pid=pid, failing=failing, error=error)
+    data = state_bytes(updated=updated, pid=pid, failing=failing, error=error, generation=generation)
     open_store(store).put_state(data)
     return data
 

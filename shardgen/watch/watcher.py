@@ -22,11 +22,10 @@ it runs (:mod:`shardgen.watch.alive`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,39 +122,15 @@ class Watcher:
         """Start the worker processes now, so the first date that falls due does not wait for them."""
         jobs = self.jobs or self.cfg.run.jobs
         if jobs > 1 and self.cfg.run.backend == "loky":
-            from joblib import Parallel, delayed
+            from shardgen.produce.pipeline import start_workers
 
-            from shardgen.produce.pipeline import warm
-
-            # Each worker imports what producing a date needs (numpy, the writer: ~0.1 s) now too.
-            # Only a head start: if it fails, the first date starts its workers itself.
-            failed: list[Exception] = []
-
-            def start() -> None:
-                # Started from a thread that blocks SIGINT, the workers (and loky's manager thread)
-                # inherit that mask: a Ctrl-C in the terminal (SIGINT to the whole process group)
-                # reaches this process alone, which stops their generators (``stop``), instead of
-                # breaking each worker off mid-import with a traceback. (The resource trackers are
-                # started first: starting one unblocks SIGINT in the thread that starts it. The
-                # generators run in sessions of their own, stopped with SIGKILL, never SIGINT.)
-                from multiprocessing import resource_tracker
-
-                from joblib.externals.loky.backend import resource_tracker as loky_tracker
-
-                resource_tracker.ensure_running()
-                loky_tracker.ensure_running()
-                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-                try:
-                    Parallel(n_jobs=jobs, backend="loky")(delayed(warm)() for _ in range(jobs))
-                except Exception as exc:  # noqa: BLE001
-                    failed.append(exc)
-
-            thread = threading.Thread(target=start, name="shardgen-warm-workers", daemon=True)
-            thread.start()
-            thread.join()  # a signal meanwhile runs its handler here (a join is interruptible)
+            # Each worker imports what producing a date needs (numpy, the writer: ~0.1 s) now too,
+            # with SIGINT blocked (see start_workers). Only a head start: if it fails, the first
+            # date starts its workers itself.
+            failed = start_workers(jobs)
             if failed and not self._stop:  # stopped: a signal to the whole group may have ended them
                 log.warning("could not start the %d worker processes ahead (%s); the first due date will", jobs,
-                            failed[0])
+                            failed)
 
     def __exit__(self, *exc: object) -> None:
         self._alive.stop()
@@ -268,7 +243,12 @@ class Watcher:
         if self._writer.lost is not None:
             return  # the store has another writer now: its state is that writer's
         try:
-            save_state(self.store, updated=utc_stamp(wall), pid=os.getpid(), failing=failing, error=self._cycle_error)
+            gen = None
+            if self._cycle_error:  # which manifest it was refused against: a later one supersedes the error
+                with contextlib.suppress(OSError, ShardgenError):
+                    gen = getattr(self.store.load_manifest(), "generation", None)
+            save_state(self.store, updated=utc_stamp(wall), pid=os.getpid(), failing=failing, error=self._cycle_error,
+                       generation=gen)
         except (OSError, ShardgenError) as exc:
             log.warning("%s: cannot write the watcher state (%s)", self.cfg.store.where, exc)
 
