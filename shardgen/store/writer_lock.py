@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 WRITER_LOCK = ".writer.lock"
 SETTLE_S = 1.0  # a new lock is read back after this: the later of two racing writers wins
 READS = 5  # reads of the lock a writer makes before it gives up on a store too slow to judge by
+# A writer that finds the lock free at time t and whose own write lands before t + SETTLE_S is seen by any
+# other writer's read-back (that one wrote after t and reads back SETTLE_S after its write): a write returning
+# later than LATE_S after the read began may have landed over a lock already read back. The margin covers the
+# other writer's pause ending early; half the pause refused builds on a loaded machine with no other writer.
+LATE_S = 0.8 * SETTLE_S
 
 
 class WriterLockLike(Protocol):
@@ -145,9 +150,9 @@ class WriterLock:
     def acquire(self) -> WriterLock:
         began = self._judge()
         self.objects.put(WRITER_LOCK, json.dumps(self.info).encode())
-        if time.monotonic() - began > SETTLE_S / 2:  # it may have landed over a writer that read its own back
-            raise LockError(f"{self.objects.where(WRITER_LOCK)}: {self.what} refused: writing the lock took over "
-                            f"{SETTLE_S / 2:g}s, too late to know that no other writer took it meanwhile")
+        if time.monotonic() - began > LATE_S:  # it may have landed over a writer that read its own back
+            raise LockError(f"{self.objects.where(WRITER_LOCK)}: {self.what} refused: reading and writing the lock "
+                            f"took over {LATE_S:g}s, too late to know that no other writer took it meanwhile")
         time.sleep(SETTLE_S)
         holder, _ = self._holder()
         if holder is None or holder.get("token") != self.token:

@@ -164,6 +164,25 @@ def test_an_acquire_whose_write_landed_late_is_refused(objects):
         a.release(), b.release()
 
 
+def test_a_lone_writer_whose_write_of_the_lock_is_slow_but_within_the_pause_takes_it(objects):
+    """A write that returns half a pause after the read began still lands before any other writer's
+    read-back (``LATE_S``): a writer alone on a loaded machine takes the lock (the whole suite beside two CPU
+    hogs saw a build refused when the bound was half the pause)."""
+    a = WriterLock(objects, what="build")
+    resume = objects.stall("put", "writer-a")
+    timer = threading.Timer(0.5 * SETTLE_S, resume.set)
+    timer.start()
+    ta, ra = in_thread(a.acquire, "writer-a")
+    ta.join(BOUND_S)
+    try:
+        assert ra.get("value") is a, ra
+        assert token_on_the_store(objects) == a.token
+        a.check()
+    finally:
+        timer.cancel()
+        a.release()
+
+
 def test_a_holder_whose_heartbeat_stalled_past_the_ttl_does_not_write_its_lock_over_its_successors(objects):
     """A's heartbeat read its lock (its own) and the answer arrived only after A's lock went stale
     and B took it over: A must not write its lock back over B's. A knows it lost the lock; B holds it."""
