@@ -94,6 +94,22 @@ def in_thread(fn, name: str) -> tuple[threading.Thread, dict]:
     return t, out
 
 
+def acquire_stalled_while_another_takes_it(objects, verb: str) -> tuple[WriterLock, WriterLock, dict]:
+    """A ("build") acquires in a thread whose ``verb`` ("get" or "put") of the lock is held until B
+    ("watch") has taken the lock in the main thread; then A goes on to its end. (A, B, what A's acquire gave)."""
+    a, b = WriterLock(objects, what="build"), WriterLock(objects, what="watch")
+    resume = objects.stall(verb, "writer-a")
+    ta, ra = in_thread(a.acquire, "writer-a")
+    assert objects.stalled.wait(BOUND_S)
+    try:
+        b.acquire()
+    finally:
+        resume.set()
+    ta.join(BOUND_S)
+    assert not ta.is_alive()
+    return a, b, ra
+
+
 def take_when_stale(lock: WriterLock) -> WriterLock:
     """``lock`` acquired once the holder's lock is older than ``lock``'s TTL by the store's clock."""
     deadline = time.monotonic() + BOUND_S
@@ -129,15 +145,8 @@ def test_two_writers_racing_for_a_free_lock_one_takes_it(objects):
 def test_an_acquire_whose_read_of_the_lock_stalled_does_not_take_it_from_the_writer_that_took_it_meanwhile(objects):
     """A reads the lock (free), and the answer reaches it only after B has taken the lock and read
     its own back: A's judgement is old, A must read again and be refused, and B keeps the lock."""
-    a, b = WriterLock(objects, what="build"), WriterLock(objects, what="watch")
-    resume = objects.stall("get", "writer-a")
-    ta, ra = in_thread(a.acquire, "writer-a")
-    assert objects.stalled.wait(BOUND_S)
-    b.acquire()
+    a, b, ra = acquire_stalled_while_another_takes_it(objects, "get")
     try:
-        resume.set()
-        ta.join(BOUND_S)
-        assert not ta.is_alive()
         assert isinstance(ra.get("error"), LockError), ra
         assert token_on_the_store(objects) == b.token
         b.check()
@@ -149,15 +158,8 @@ def test_an_acquire_whose_write_landed_late_is_refused(objects):
     """A judged the lock free and wrote it, but its write landed only after B had taken the lock
     and read its own back (a write held in flight). A's read-back finds its own token: A must not
     take that as the lock, since B read its own before; at most one of them holds it."""
-    a, b = WriterLock(objects, what="build"), WriterLock(objects, what="watch")
-    resume = objects.stall("put", "writer-a")
-    ta, ra = in_thread(a.acquire, "writer-a")
-    assert objects.stalled.wait(BOUND_S)
-    b.acquire()
+    a, b, ra = acquire_stalled_while_another_takes_it(objects, "put")
     try:
-        resume.set()
-        ta.join(BOUND_S)
-        assert not ta.is_alive()
         assert isinstance(ra.get("error"), LockError), ra
         assert "too late" in str(ra["error"])
     finally:
