@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import shutil
 import threading
 from typing import Callable, Optional
 
@@ -14,7 +16,7 @@ from mxnet.base import _LIB, check_call
 
 from loader.source.plan import ReaderSource
 
-__all__ = ["open_record_iter", "one_openmp_thread", "next_label", "label_view", "free"]
+__all__ = ["open_record_iter", "release_tape", "one_openmp_thread", "next_label", "label_view", "free"]
 
 
 class _Native(mx.io.MXDataIter):
@@ -27,9 +29,20 @@ class _Native(mx.io.MXDataIter):
         handle, self.handle = getattr(self, "handle", None), None
         if handle is not None:
             check_call(_LIB.MXDataIterFree(handle))
+        tape, self.tape = getattr(self, "tape", None), None
+        if tape is not None:  # after the native: its threads no longer read it
+            release_tape(tape)
 
     def __del__(self) -> None:
         self.free()
+
+
+def release_tape(source: ReaderSource) -> None:
+    """Close a read's tape (:func:`loader.source.plan.reader_source`) and remove its link."""
+    if source.tape >= 0:
+        os.close(source.tape)
+    if source.tape_dir is not None:
+        shutil.rmtree(source.tape_dir, ignore_errors=True)
 
 
 def free(native) -> None:
@@ -84,9 +97,14 @@ def open_record_iter(source: ReaderSource, *, record_floats: int, batch_size: in
             preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer,
             verbose=False)  # no INFO line per open (it was caught by redirecting the process's stderr)
         native.__class__ = _Native
+        native.tape = source
         return native
 
-    return _in_a_thread_of_its_own(construct) if preprocess_threads > 1 else construct()
+    try:
+        return _in_a_thread_of_its_own(construct) if preprocess_threads > 1 else construct()
+    except BaseException:
+        release_tape(source)
+        raise
 
 
 def next_label(native: mx.io.DataIter) -> Optional[mx.nd.NDArray]:

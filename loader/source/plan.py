@@ -2,11 +2,12 @@
 reads it, and for each native read (:class:`Read`: record ranges of shards, in the order the
 epoch's order reads them) an MXNet index that makes dmlc read exactly those records.
 
-dmlc's ``IndexedRecordIOSplitter`` takes exactly one ``.idx`` whose offsets are global across the
-``;``-joined ``.rec`` files, in the order they are joined. A read joins its shards in its own order;
-it may start inside its first file and end inside its last (the index ``reader_index`` writes
-says how dmlc is made to stop there), and joins whole files in between (a record's size is the
-distance to the next offset, which must not cover another file's head or tail).
+dmlc's ``IndexedRecordIOSplitter`` reads a contiguous byte range of the ``;``-joined ``.rec`` files
+(sizing each record by the next offset of its one ``.idx``), so a read straight from the shards
+could only join whole files between a partial first and last one. Each read is instead a *tape*:
+its records copied by the kernel (``sendfile``) from the checked files into a private memory file,
+in the read's order, with an index of their offsets there (:func:`reader_source`). Any pieces of
+any shards then make one native read.
 
 Files are opened, checked and linked into the plan's folder once (``PlanFiles.ensure``): all of
 them when the plan is made for a store read in place, shard by shard as reads need them for one
@@ -98,41 +99,72 @@ class Read:
 
 @dataclass(frozen=True)
 class ReaderSource:
-    """What one native iterator is opened on: ``path_imgrec``, ``path_imgidx`` and dmlc's part."""
+    """What one native iterator is opened on: ``path_imgrec``, ``path_imgidx`` and dmlc's part, and
+    the tape it reads (``tape``: its descriptor, closed with the native iterator; ``tape_dir``: the
+    folder of its link, removed then)."""
 
     rec_paths: str
     index: Path
     num_parts: int
     part_index: int
+    tape: int = -1
+    tape_dir: Optional[Path] = None
 
 
 _SEQ = itertools.count()
 
 
+def _copy(dst: int, src: int, offset: int, count: int) -> None:
+    """``count`` bytes of ``src`` from ``offset`` appended to ``dst`` (in the kernel: ``sendfile``)."""
+    while count > 0:
+        n = os.sendfile(dst, src, offset, count)
+        if n <= 0:
+            raise LoaderError(f"a shard ended {count} bytes early while its records were copied for MXNet's reader "
+                              "(the file shrank under the loader?)")
+        offset, count = offset + n, count - n
+
+
 def reader_source(plan: EpochPlan, read: Read) -> ReaderSource:
-    """The files and index that make MXNet read exactly ``read`` (see the module docstring); the
-    index is in a folder of its own, which the caller removes once the native iterator has read it."""
+    """The tape and index that make MXNet read exactly ``read`` (see the module docstring): the
+    read's records, piece after piece, copied by the kernel from the checked files into one memory
+    file (its own: nothing else can change it between the copy and MXNet's read), and an index of
+    their offsets in it. Any pieces join, so a block that takes a piece of every date is one read,
+    not one per date. The index is in a folder of its own, which the caller removes once the
+    native iterator has read it."""
     files = plan.files
-    offsets, base, end = [], 0, None
-    with files.lock:
-        for i, (k, lo, hi) in enumerate(read.pieces):
-            frames = files.frames[k]
-            offsets.append(frames.offsets[lo:hi] + base)
-            if i == len(read.pieces) - 1 and hi < len(frames.offsets):
-                end = int(frames.offsets[hi]) + base  # ends inside its file
-            base += plan.shards[k].bytes
-    text, parts = reader_index(np.concatenate(offsets), end)
-    # In a folder of its own: dmlc lists the folder of every path it is given and stats each entry,
-    # so a folder where other files come and go (links let go of, indexes removed) fails it.
-    index = plan.folder / f"i{next(_SEQ)}" / "r.idx"
+    offsets, pos = [], 0
+    tape = os.memfd_create("shardgen-tape", os.MFD_CLOEXEC)
     try:
-        index.parent.mkdir()
-        index.write_bytes(text)
-    except OSError as exc:
-        raise LoaderError(f"{index}: cannot write a reader's index ({exc.strerror}); pass cache_dir= a "
-                          "writable folder with room (or set XDG_CACHE_HOME)") from None
-    rec_paths = ";".join(f"{files.links[k]}/s.rec" for k in read.shards)
-    return ReaderSource(rec_paths, index, parts, 0)
+        with files.lock:
+            spans = []
+            for k, lo, hi in read.pieces:
+                frames = files.frames[k]
+                a = int(frames.offsets[lo])
+                z = int(frames.offsets[hi]) if hi < len(frames.offsets) else int(plan.shards[k].bytes)
+                offsets.append(frames.offsets[lo:hi] - a + pos)
+                spans.append((files.fds[k], a, z - a))
+                pos += z - a
+        for fd, a, n in spans:  # (a read holds its files: let go only once it is done)
+            _copy(tape, fd, a, n)
+        text, parts = reader_index(np.concatenate(offsets))
+        # In folders of their own: dmlc lists the folder of every path it is given and stats each
+        # entry, so a folder where other files come and go (links let go of, indexes removed) fails it.
+        seq = next(_SEQ)
+        index, tape_dir = plan.folder / f"i{seq}" / "r.idx", plan.folder / f"t{seq}"
+        try:
+            index.parent.mkdir()
+            index.write_bytes(text)
+            tape_dir.mkdir()
+            os.symlink(f"/proc/self/fd/{tape}", tape_dir / "s.rec")
+        except OSError as exc:
+            shutil.rmtree(index.parent, ignore_errors=True)
+            shutil.rmtree(tape_dir, ignore_errors=True)
+            raise LoaderError(f"{index}: cannot write a reader's index ({exc.strerror}); pass cache_dir= a "
+                              "writable folder with room (or set XDG_CACHE_HOME)") from None
+    except BaseException:
+        os.close(tape)
+        raise
+    return ReaderSource(str(tape_dir / "s.rec"), index, parts, 0, tape, tape_dir)
 
 
 def _ensure_fd_room(needed: int) -> None:

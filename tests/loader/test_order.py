@@ -77,21 +77,17 @@ def test_a_part_that_fits_a_block_mixes_like_an_exact_shuffle_from_its_first_bat
     assert got[:20].min() >= 0.9 * exact.mean(), "the epoch's first batches mix every date too"
 
 
-def test_reads_join_whole_files_and_are_cut_where_a_file_is_entered_or_left_inside():
+def test_reads_join_any_pieces_and_are_cut_by_records_alone():
+    """A read is a tape (``reader_source``): pieces that start or end inside their files join."""
     recs = [(3, 5, 9, 9), (1, 0, 4, 4), (7, 0, 6, 10), (2, 0, 3, 3)]  # (shard, lo, hi, records in its file)
     reads = _cut_reads(recs, 100, 1000)
-    assert [r.pieces for r in reads] == [((3, 5, 9), (1, 0, 4), (7, 0, 6)), ((2, 0, 3),)]
-    assert [r.slot for r in reads] == [100, 114]
-    # A canonical part's first shard is entered inside it, wherever the permutation put it.
-    reads = _cut_reads([(1, 0, 4, 4), (3, 5, 9, 9), (2, 0, 3, 3)], 0, 1000)
-    assert [r.pieces for r in reads] == [((1, 0, 4),), ((3, 5, 9), (2, 0, 3))]
+    assert [r.pieces for r in reads] == [((3, 5, 9), (1, 0, 4), (7, 0, 6), (2, 0, 3))]
+    assert [r.slot for r in reads] == [100]
+    reads = _cut_reads(recs, 100, 8)
+    assert [r.pieces for r in reads] == [((3, 5, 9), (1, 0, 4)), ((7, 0, 6), (2, 0, 2)), ((2, 2, 3),)]
+    assert [r.slot for r in reads] == [100, 108, 116]
     small = _cut_reads(recs, 0, 3)
     assert sum(r.records for r in small) == 17 and max(r.records for r in small) <= 3
-    for r in small:
-        for i, (k, lo, hi) in enumerate(r.pieces):
-            nrec = {k0: n for k0, _, _, n in recs}[k]
-            assert lo == 0 or i == 0, "only a read's first piece starts inside its file"
-            assert hi == nrec or i == len(r.pieces) - 1, "only its last ends inside it"
     slots = [s for r in small for s in range(r.slot, r.slot + r.records)]
     assert slots == list(range(17))
 
