@@ -29,7 +29,8 @@ from shardgen.store.manifest import Manifest, ShardEntry
 
 __all__ = ["STATE_VERSION", "state_of", "check_state", "rewound", "at_end", "ends_epoch", "check_origin"]
 
-STATE_VERSION = 5  # 4: the order is a value; a state lists the phases read; 5: blocks without a ramp, of equal size
+STATE_VERSION = 6  # 4: the order is a value; a state lists the phases read; 5: blocks without a ramp, of equal size;
+# 6: a shuffled part of several blocks reads them in stripes (a piece of every date each)
 MUST_MATCH = ("seed", "shuffle")
 
 
@@ -55,6 +56,15 @@ def state_of(reader: Any, manifest: str) -> dict:
     return {**state, "sha256": _digest(state)}
 
 
+def _one_block_parts(state: dict) -> bool:
+    """Every canonical part of ``state`` is one block (its order is the same in versions 5 and 6)."""
+    try:
+        total = sum(int(s.get("windows") or s["records"]) for s in state["shards"])
+        return int(state["block"]) >= -(-total // int(state["canonical_parts"]))
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
+        return False
+
+
 def _digest(state: dict) -> str:
     """sha256 of every field but itself: a state is written by ``state_of`` alone."""
     body = {k: v for k, v in state.items() if k != "sha256"}
@@ -78,7 +88,13 @@ def check_state(reader: Any, state: dict) -> None:
                           f"is not in this order. Start epoch {state.get('epoch')} again (a new ShardIter, then "
                           f"reset() {state.get('epoch')} times) or go on with the next one; states saved from now "
                           f"on resume exactly")
-    if version not in (4, STATE_VERSION):
+    if version == 5 and state.get("shuffle") is not False and not _one_block_parts(state):
+        raise LoaderError(f"state_dict version 5 was saved by a loader whose blocks held consecutive dates "
+                          f"(before 2026-12-07): this one reads a part of several blocks in stripes, a piece of "
+                          f"every date each, so that state's place is not in this order. Start epoch "
+                          f"{state.get('epoch')} again (a new ShardIter, then reset() {state.get('epoch')} times) "
+                          f"or go on with the next one; states saved from now on resume exactly")
+    if version not in (4, 5, STATE_VERSION):
         raise LoaderError(f"state_dict version {version!r}, expected {STATE_VERSION}")
     try:
         sound = state.get("sha256") == _digest(state)

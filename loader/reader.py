@@ -183,7 +183,7 @@ class Reader:
     def _part_of(self, manifest: Manifest) -> tuple:
         """The shards of ``manifest`` this part reads in the next epoch (fetched ahead of a new generation)."""
         shards = select_shards(manifest, self.dates)
-        order = EpochOrder([s.samples for s in shards], order_spec(self.params), self.epoch + 1)
+        order = EpochOrder.of(shards, order_spec(self.params), self.epoch + 1)
         mine = slice_of([(0, order.total)], self.params.num_parts, self.params.part_index)
         return tuple(shards[k] for k in sorted(order.shards_of(mine)))
 

@@ -2,24 +2,26 @@
 which of those positions each part reads (MosaicML Streaming's idea, ``streaming/base/shuffle``,
 made exact across packed records and the same for every store).
 
-The order is a pure function of ``(seed, epoch, the selected shards' sample counts in store
-order, canonical_parts, block)`` and of nothing else: not the cache's size, ``readers``,
+The order is a pure function of ``(seed, epoch, the selected shards' sample and record counts in
+store order, canonical_parts, block)`` and of nothing else: not the cache's size, ``readers``,
 ``native_batch``, ``prefetch_buffer``, ``preprocess_threads``, the store's kind, nor the number
 of workers reading it.
 
 1. **Canonical parts.** The epoch's ``N`` samples, in store order, are split into
    ``K = canonical_parts`` ranges ``[c*N//K, (c+1)*N//K)``; a bound may fall inside a shard or a
    packed record (both sides read that record and each keeps its own samples).
-2. **Shards.** Each canonical part's shard pieces are permuted by ``(seed, epoch, c)`` and their
-   samples laid end to end.
-3. **Blocks.** That sequence is cut into ``ceil(n / block)`` blocks of equal size (to a sample):
-   a canonical part that fits in ``block`` is one block, an exact shuffle of its samples, from the
-   first batch on (the first blocks used to ramp up from ``block / 256`` samples of one or two
-   shards, so an epoch's first batches came from one date). A block's pieces are read in store
-   order (so a one-block part holds the same records in the same slots every epoch, and its next
-   epoch gathers from the block kept whole: ``loader.pipeline.memory.Arena.keep_whole``), and its
-   samples are permuted by ``(seed, epoch, c, b)``. A block's records are held in memory while it
-   is read, so ``block`` is the shuffle buffer.
+2. **Shards.** Each canonical part's shard pieces are permuted by ``(seed, epoch, c)``.
+3. **Blocks.** A canonical part of ``n`` samples is read in ``nb = ceil(n / block)`` blocks. One
+   block is an exact shuffle of the part. With more (shuffled), every block takes a *stripe*: a
+   piece of every date. Each shard piece is cut into ``nb`` sub-pieces of about equal size, at
+   multiples of its shard's samples per record (so a block reads whole records), and block ``b``
+   takes sub-piece ``(b - r) mod nb``, ``r`` drawn per piece by ``(seed, epoch, c)``. So a batch
+   mixes every date of the part whatever fits in memory (blocks of consecutive shard pieces held
+   358 of 2,500 dates at ten years). A block's pieces are read in store order (a one-block part holds the same
+   records in the same slots every epoch, and its next epoch gathers from the block kept whole:
+   ``loader.pipeline.memory.Arena.keep_whole``), and its samples are permuted by
+   ``(seed, epoch, c, b)``. A block's records are held in memory while it is read, so ``block``
+   is the shuffle buffer. In order, the part's samples are cut into blocks of equal size.
 4. **The epoch** (``E``) is the canonical parts' orders end to end.
 
 Without ``shuffle`` nothing is permuted: ``E`` is the store order.
@@ -137,13 +139,23 @@ def remainder(total: int, phases: Sequence[Phase]) -> Intervals:
 class EpochOrder:
     """The order of one epoch of shards with ``samples`` (per shard, store order)."""
 
-    def __init__(self, samples: Sequence[int], spec: OrderSpec, epoch: int):
+    def __init__(self, samples: Sequence[int], spec: OrderSpec, epoch: int, records: Optional[Sequence[int]] = None):
+        """``records``: each shard's records (a stripe is cut at a multiple of its samples per record,
+        so a block's piece of a date is whole records); None: cut anywhere."""
         self.samples = np.asarray(samples, np.int64)
         self.spec, self.epoch = spec, int(epoch)
         self.total = int(self.samples.sum())
+        self.grain = (np.ones(len(self.samples), np.int64) if records is None else
+                      np.maximum(1, self.samples // np.maximum(1, np.asarray(records, np.int64))))
         k = spec.canonical_parts
         self.canon = np.array([c * self.total // k for c in range(k + 1)], np.int64)  # E bounds of each
         self._canonical: dict = {}
+        self._stripes: dict = {}  # c -> (cuts, rotation) of a canonical part read in stripes
+
+    @classmethod
+    def of(cls, shards: Sequence, spec: OrderSpec, epoch: int) -> EpochOrder:
+        """The order of ``shards`` (manifest entries: ``samples`` and ``records`` of each)."""
+        return cls([s.samples for s in shards], spec, epoch, [s.records for s in shards])
 
     def _rng(self, *words: int) -> np.random.Generator:
         return np.random.default_rng([self.spec.seed, self.epoch, *words])
@@ -171,11 +183,35 @@ class EpochOrder:
         if self.spec.shuffle and len(pieces) > 1:
             pieces = pieces[self._rng(c, 0).permutation(len(pieces))]
         starts = np.concatenate(([0], np.cumsum(pieces[:, 2] - pieces[:, 1])))
-        return pieces, starts, _block_bounds(s1 - s0, self.spec.block)
+        n, nb = s1 - s0, max(1, -(-(s1 - s0) // self.spec.block))
+        if nb == 1 or not self.spec.shuffle:
+            return pieces, starts, _block_bounds(n, self.spec.block)
+        # Stripes: piece p's u units (its shard's samples per record) are cut into nb sub-pieces of
+        # q or q + 1 units (u = q * nb + rem); block b takes sub-piece (b - r_p) mod nb, the first rem
+        # of which are the larger, and r_p = a shift drawn per epoch + the rems of the pieces before, mod nb:
+        # block sizes differ by at most a unit, and each epoch's blocks take other records of each date.
+        lo, hi, g = pieces[:, 1], pieces[:, 2], self.grain[pieces[:, 0]]
+        first = lo // g  # units are the shard's records (its grid of g samples), clipped to the piece
+        q, rem = np.divmod(-(-hi // g) - first, nb)
+        units = np.concatenate((np.zeros((len(lo), 1), np.int64),
+                                np.cumsum(q[:, None] + (np.arange(nb)[None, :] < rem[:, None]), axis=1)), axis=1)
+        cuts = np.clip((first[:, None] + units) * g[:, None], lo[:, None], hi[:, None]) - lo[:, None]
+        rotation = (self._rng(c, 2).integers(nb) + np.cumsum(rem) - rem) % nb
+        taken = (np.arange(nb)[None, :] - rotation[:, None]) % nb  # the sub-piece of each piece block b takes
+        sizes = np.diff(cuts, axis=1)[np.arange(len(pieces))[:, None], taken]
+        self._stripes[c] = (cuts, taken)
+        return pieces, starts, np.concatenate(([0], np.cumsum(sizes.sum(axis=0))))
 
     def block(self, c: int, b: int) -> Block:
         pieces, starts, bounds = self.canonical(c)
         q0, q1 = int(bounds[b]), int(bounds[b + 1])
+        perm = self._rng(c, 1, b).permutation(q1 - q0) if self.spec.shuffle else None
+        if c in self._stripes:
+            cuts, taken = self._stripes[c]
+            rows = np.arange(len(pieces))
+            lo, hi = cuts[rows, taken[:, b]], cuts[rows, taken[:, b] + 1]
+            out = sorted((int(k), int(a + x), int(a + y)) for (k, a, _), x, y in zip(pieces, lo, hi) if x < y)
+            return Block(c, b, tuple(out), perm)
         out = []
         i = int(np.searchsorted(starts, q0, side="right")) - 1
         while i < len(pieces) and starts[i] < q1:
@@ -185,7 +221,6 @@ class EpochOrder:
                 out.append((k, lo + a, lo + z))
             i += 1
         out.sort()
-        perm = self._rng(c, 1, b).permutation(q1 - q0) if self.spec.shuffle else None
         return Block(c, b, tuple(out), perm)
 
     def visits(self, intervals: Intervals) -> Iterator[Visit]:

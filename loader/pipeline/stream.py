@@ -59,7 +59,7 @@ class EpochStream:
         self._producing = True  # the producer thread has batches left to assemble
         self.past_half = False  # the producer thread has been half way (and called on_half)
         self.failed = False  # its producer stopped on an error (the next get() raises it)
-        self.order = EpochOrder(plan.sample_counts, order_spec(params), epoch)
+        self.order = EpochOrder.of(plan.shards, order_spec(params), epoch)
         rest, self.part_samples, self.batches = split_phase(params, self.order.total, self.phases, plan.generation)
         self._mine = slice_of(rest, params.num_parts, params.part_index)
         self.samples = self.part_samples[params.part_index]

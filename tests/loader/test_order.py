@@ -45,10 +45,12 @@ def test_a_canonical_part_reads_only_its_own_shards_in_equal_blocks_read_in_stor
     for c in range(4):
         lo, hi = int(order.canon[c]), int(order.canon[c + 1])
         assert order.shards_of([(lo, hi)]) == set(range(4 * c, 4 * c + 4))
-    for n, block, want in ((10_000, 4096, [3333, 3333, 3334]), (10_000, 10_000, [10_000]), (10_001, 10_000,
-                                                                                               [5000, 5001])):
+    for n, block, want in ((10_000, 4096, [3334, 3333, 3333]), (10_000, 10_000, [10_000]), (10_001, 10_000,
+                                                                                               [5001, 5000])):
         sizes = np.diff(EpochOrder([n], OrderSpec(0, True, 1, block), 0).canonical(0)[2]).tolist()
         assert sizes == want, "as few blocks as hold the part, of equal size (no short last block)"
+        sizes = np.diff(EpochOrder([n], OrderSpec(0, False, 1, block), 0).canonical(0)[2]).tolist()
+        assert sorted(sizes) == sorted(want), "in order too"
     order = EpochOrder([7, 30, 12, 50, 9], OrderSpec(3, True, 1, 40), 2)
     for b in range(len(order.canonical(0)[2]) - 1):
         pieces = order.block(0, b).pieces

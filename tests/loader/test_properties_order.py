@@ -53,18 +53,36 @@ def _params(parts: int, part: int, bs: int, last_batch: str) -> StreamParams:
 @given(counts=COUNTS, spec=SPECS, epoch=st.integers(0, 5), data=st.data())
 def test_an_epoch_holds_every_sample_once_in_equal_blocks_and_any_cut_reads_its_own_positions(counts, spec, epoch,
                                                                                              data):
-    order = EpochOrder(counts, spec, epoch)
+    per = data.draw(st.lists(st.integers(1, 8), min_size=len(counts), max_size=len(counts)))
+    records = data.draw(st.one_of(st.none(), st.just([-(-n // p) for n, p in zip(counts, per)])))
+    order = EpochOrder(counts, spec, epoch, records)
     everything = _samples(order, [(0, order.total)])
     assert sorted(everything) == [(k, s) for k, n in enumerate(counts) for s in range(n)]
     if not spec.shuffle:
         assert everything == sorted(everything), "in order: the store's order"
-    assert everything == _samples(EpochOrder(counts, spec, epoch), [(0, order.total)]), "a value"
+    assert everything == _samples(EpochOrder(counts, spec, epoch, records), [(0, order.total)]), "a value"
+    grain = [1] * len(counts) if records is None else [max(1, n // r) for n, r in zip(counts, records)]
     for c in range(spec.canonical_parts):
         lo, hi = int(order.canon[c]), int(order.canon[c + 1])
         assert hi - lo in (order.total // spec.canonical_parts, -(-order.total // spec.canonical_parts))
-        sizes = [order.block(c, b).samples for b in range(len(order.canonical(c)[2]) - 1)]
-        assert sum(sizes) == hi - lo and max(sizes) <= spec.block and max(sizes) - min(sizes) <= 1
-        assert len(sizes) == max(1, math.ceil((hi - lo) / spec.block)), "as few blocks as hold the part"
+        nb = len(order.canonical(c)[2]) - 1
+        blocks = [order.block(c, b) for b in range(nb)]
+        sizes = [b.samples for b in blocks]
+        assert sum(sizes) == hi - lo and nb == max(1, math.ceil((hi - lo) / spec.block)), "as few blocks as hold it"
+        if records is None:
+            assert max(sizes) <= spec.block and max(sizes) - min(sizes) <= 1, "blocks of equal size"
+        for b in blocks:
+            assert list(b.pieces) == sorted(b.pieces), "a block's pieces are read in store order"
+        if spec.shuffle and nb > 1:  # stripes: every block takes whole records of every date that has enough
+            pieces = order.canonical(c)[0]
+            for k, p0, p1 in pieces:
+                units = -(-p1 // grain[k]) - p0 // grain[k]  # records it enters
+                held = [sum(hi2 - lo2 for k2, lo2, hi2 in b.pieces if k2 == k and p0 <= lo2 < p1) for b in blocks]
+                assert max(held) - min(held) <= 2 * grain[k], f"shard {k}'s piece is spread evenly over the blocks"
+                if units >= nb:
+                    assert min(held) > 0, f"shard {k} ({units} records) is in every block"
+                cuts = [lo2 for b in blocks for k2, lo2, _ in b.pieces if k2 == k and p0 < lo2 < p1]
+                assert all(x % grain[k] == 0 for x in cuts), "stripes are cut at whole records"
     a = data.draw(st.integers(0, order.total))
     z = data.draw(st.integers(a, order.total))
     assert _samples(order, [(a, z)]) == everything[a:z], "a stretch of the epoch reads its own positions"

@@ -157,7 +157,7 @@ def expected(state: dict) -> list:
     if phases and phases[-1][:2] == (PARTS, B):
         phases, skip = phases[:-1], phases[-1].batches
     spec = OrderSpec(state["seed"], state["shuffle"], state["canonical_parts"], state["block"])  # the state's own
-    order = EpochOrder([s.samples for s in shards], spec, state["epoch"])
+    order = EpochOrder.of(shards, spec, state["epoch"])
     rest = remainder(order.total, phases)
     sizes = [count(slice_of(rest, PARTS, q)) for q in range(PARTS)]
     ids = []

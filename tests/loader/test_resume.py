@@ -163,9 +163,10 @@ def test_a_resume_reads_only_from_the_block_it_resumes_in(store, tmp_path, monke
     with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
         it.load_state_dict(state)
         feed = it.reader.epochs.stream.feed  # the resumed epoch's (not the first one's, nor the next one's)
+        shards = it.reader.plan.shards
         list(it)
     blocks = [(c, b) for who, c, b in blocks if who is feed]
-    order = EpochOrder(list(COUNTS.values()), OrderSpec(KW["seed"], True, 1, state["block"]), 0)
+    order = EpochOrder.of(shards, OrderSpec(KW["seed"], True, 1, state["block"]), 0)
     first = next(order.visits(remainder(TOTAL, [Phase(1, B, int(n * 0.9))])))
     assert blocks and blocks[0] == (first.c, first.b)
     bounds = order.canonical(0)[2]
@@ -288,7 +289,7 @@ def test_what_is_not_a_state_is_one_loader_error(store, tmp_path, bad):
         assert it.next().data[0].shape[0] == B
 
 
-@pytest.mark.parametrize("version", [1, 6, None, "5"])
+@pytest.mark.parametrize("version", [1, 7, None, "6"])
 def test_a_state_of_another_version_is_refused_naming_it(store, tmp_path, version):
     from loader.checkpoint import STATE_VERSION, _digest
 
@@ -310,6 +311,29 @@ def test_a_state_of_the_order_with_a_ramp_is_refused_saying_what_to_do(store, tm
         with pytest.raises(LoaderError, match="version 4 .* equal blocks.*Start epoch 0 again"):
             it.load_state_dict({**state, "sha256": _digest(state)})
         assert it.next().data[0].shape[0] == B
+
+
+def test_a_version_5_state_is_refused_where_blocks_became_stripes_and_resumes_where_the_order_is_the_same(
+        store, tmp_path):
+    """Version 5 read a shuffled part of several blocks in consecutive dates (before 2026-12-07); a
+    one-block part's order (and any order in store order) is the same in both: those states resume."""
+    from loader.checkpoint import _digest
+
+    with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
+        assert it.reader.params.block < TOTAL, "this store is read in several blocks"
+        it.next()
+        state = {**it.state_dict(), "version": 5}
+        with pytest.raises(LoaderError, match="version 5 .* stripes.*Start epoch 0 again"):
+            it.load_state_dict({**state, "sha256": _digest(state)})
+    for kw in ({**KW, "shuffle_buffer": None}, {**KW, "shuffle": False}):
+        with ShardIter(store, B, cache_dir=tmp_path / "c", **kw) as it:
+            it.next()
+            state = it.state_dict()
+            want = [b.label[0].asnumpy().tolist() for b in it]
+        old = {**state, "version": 5}
+        with ShardIter(store, B, cache_dir=tmp_path / "d", **kw) as again:
+            again.load_state_dict({**old, "sha256": _digest(old)})
+            assert [b.label[0].asnumpy().tolist() for b in again] == want
 
 
 def test_a_state_the_new_parts_cannot_split_is_refused_before_the_epoch_is_let_go(store, tmp_path):
