@@ -22,6 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from loader.errors import LoaderError, StoreUnreachableError, as_loader_errors
+from loader.state_versions import STATE_VERSION, check_version
 from loader.pipeline.order import MAX_CANONICAL_PARTS, Phase, remainder
 from loader.source.generations import generation_of
 from loader.source.selection import normalize_dates, select_shards
@@ -29,8 +30,6 @@ from shardgen.store.manifest import Manifest, ShardEntry
 
 __all__ = ["STATE_VERSION", "state_of", "check_state", "rewound", "at_end", "ends_epoch", "check_origin"]
 
-STATE_VERSION = 6  # 4: the order is a value; a state lists the phases read; 5: blocks without a ramp, of equal size;
-# 6: a shuffled part of several blocks reads them in stripes (a piece of every date each)
 MUST_MATCH = ("seed", "shuffle")
 
 
@@ -56,15 +55,6 @@ def state_of(reader: Any, manifest: str) -> dict:
     return {**state, "sha256": _digest(state)}
 
 
-def _one_block_parts(state: dict) -> bool:
-    """Every canonical part of ``state`` is one block (its order is the same in versions 5 and 6)."""
-    try:
-        total = sum(int(s.get("windows") or s["records"]) for s in state["shards"])
-        return int(state["block"]) >= -(-total // int(state["canonical_parts"]))
-    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
-        return False
-
-
 def _digest(state: dict) -> str:
     """sha256 of every field but itself: a state is written by ``state_of`` alone."""
     body = {k: v for k, v in state.items() if k != "sha256"}
@@ -75,27 +65,7 @@ def check_state(reader: Any, state: dict) -> None:
     """LoaderError unless ``reader`` can continue from ``state``."""
     if not isinstance(state, dict):
         raise LoaderError(f"state_dict must be the dict state_dict() returned, got {type(state).__name__}")
-    version = state.get("version")
-    if version in (2, 3):
-        raise LoaderError(f"state_dict version {version} was saved by a loader whose order depended on its cache, "
-                          f"readers and store settings: this one cannot find its place in the computed order. "
-                          f"Start epoch {state.get('epoch')} again (a new ShardIter, then reset() "
-                          f"{state.get('epoch')} times) or go on with the next one; states saved from now on "
-                          f"resume exactly")
-    if version == 4 and state.get("shuffle") is not False:  # in order, version 4's order is today's
-        raise LoaderError(f"state_dict version 4 was saved by a loader whose epochs began with small blocks of one or "
-                          f"two dates (2026-12-06): this one cuts its order into equal blocks, so that state's place "
-                          f"is not in this order. Start epoch {state.get('epoch')} again (a new ShardIter, then "
-                          f"reset() {state.get('epoch')} times) or go on with the next one; states saved from now "
-                          f"on resume exactly")
-    if version == 5 and state.get("shuffle") is not False and not _one_block_parts(state):
-        raise LoaderError(f"state_dict version 5 was saved by a loader whose blocks held consecutive dates "
-                          f"(before 2026-12-07): this one reads a part of several blocks in stripes, a piece of "
-                          f"every date each, so that state's place is not in this order. Start epoch "
-                          f"{state.get('epoch')} again (a new ShardIter, then reset() {state.get('epoch')} times) "
-                          f"or go on with the next one; states saved from now on resume exactly")
-    if version not in (4, 5, STATE_VERSION):
-        raise LoaderError(f"state_dict version {version!r}, expected {STATE_VERSION}")
+    check_version(state)
     try:
         sound = state.get("sha256") == _digest(state)
     except (TypeError, ValueError):  # not JSON

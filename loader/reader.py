@@ -191,11 +191,13 @@ class Reader:
                wait: bool = True) -> None:
         """Make ``plan`` this reader's, reading ``epoch`` (default: the current one) after ``phases``
         and ``skip`` batches of this phase. Nothing changes if the epoch cannot start (e.g. a part
-        smaller than a batch): the error is raised and the plan's files are let go. ``wait=False``
-        (``reset()``): a plan whose files were all opened and checked when it was made does not wait
-        for its first native read to open (a failure there is raised by the next ``next()``)."""
+        smaller than a batch): the error is raised and the plan's files are let go. A store read in
+        place never waits for the first block's files (a shard refused is raised by ``next()``); an
+        object store's first files are fetched before ``ShardIter()`` or ``reset()`` returns (a store
+        out of reach is raised there, and ``reset()`` goes on with the generation held)."""
         epoch = self.epoch if epoch is None else epoch
-        stream = self.epochs.start(plan, epoch, self.params, phases, skip, wait=wait or not plan.files.eager)
+        stream = self.epochs.start(plan, epoch, self.params, phases, skip,
+                                   wait=(wait or not plan.files.eager) and not self.store.in_place)
         self.epoch, self.phases = epoch, tuple(phases)
         self.part_samples, self.batches = stream.samples, stream.batches
         self.cursor = skip

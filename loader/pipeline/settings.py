@@ -19,9 +19,9 @@ from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema
 
 __all__ = ["check_arguments", "check_label_names", "default_readers", "default_native_batch", "buffer_records",
-           "block_samples", "stream_params", "check_memory", "SHUFFLE_BYTES", "buffers_alive"]
+           "block_samples", "stream_params", "check_memory", "BLOCK_BYTES", "buffers_alive"]
 
-SHUFFLE_BYTES = 1 << 30  # what an iterator's shuffle buffers hold together by default
+BLOCK_BYTES = 128 << 20  # a default block: read in ~0.1-0.3 s here, a piece of every date when the part is larger
 HEADROOM = 1.25  # a part chosen to be one block stays one while a rolling window grows by a quarter
 
 
@@ -85,13 +85,13 @@ def default_native_batch(pack: int) -> int:
 def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], shards: tuple, canonical_parts: int) -> int:
     """The shuffle buffer's capacity in records (a block of the order): ``shuffle_buffer`` records
     (an int), a size in bytes (``"256MB"``), or by default the whole canonical part (an exact
-    shuffle of it, with a quarter to spare) when the buffers alive then hold at most
-    ``SHUFFLE_BYTES``, else as large a block as ``SHUFFLE_BYTES`` holds with several blocks alive."""
+    shuffle of it, with a quarter to spare) when it holds at most ``BLOCK_BYTES``, else blocks of
+    ``BLOCK_BYTES``: read in stripes (:mod:`loader.pipeline.order`), each holds a piece of every
+    date, so a batch mixes every date as an exact shuffle's would, and the first batch comes after
+    the first block, not after the part (at ten years: 4.1 s for 500 dates read whole)."""
     if shuffle_buffer is None:
         part = math.ceil(HEADROOM * sum(s.records for s in shards) / canonical_parts) + 2
-        if ONE_BLOCK_BUFFERS * buffer_bytes(schema, part) <= SHUFFLE_BYTES:
-            return part
-        return max(64, SHUFFLE_BYTES // (BUFFERS * buffer_bytes(schema, 1)))
+        return min(part, max(64, BLOCK_BYTES // buffer_bytes(schema, 1)))
     if isinstance(shuffle_buffer, (int, np.integer)) and not isinstance(shuffle_buffer, (bool, np.bool_)):
         if shuffle_buffer < 1:
             raise LoaderError(f"shuffle_buffer must be >= 1 record, got {shuffle_buffer!r}")

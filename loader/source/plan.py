@@ -205,9 +205,10 @@ def _make_folder(folder: Path) -> None:
 
 def make_plan(store: Store, root: Path, manifest: Manifest, shards: tuple[ShardEntry, ...], *, verify: str = "crc",
               who: str = "", eager: Optional[bool] = None) -> EpochPlan:
-    """A plan over ``shards`` of ``store`` with its own folder for MXNet under ``root``. ``eager``
-    (default: a store read in place): every file is opened and checked now, so what is wrong with one
-    is said by ``ShardIter()`` or ``reset()``; else files are fetched and checked as reads need them.
+    """A plan over ``shards`` of ``store`` with its own folder for MXNet under ``root``. Files are
+    fetched (an object store), opened and checked when a block that reads them is about to be read,
+    not now (at ten years, opening and checking 2,500 files first took 1.9 s before the first
+    batch); ``eager``: every file now, so what is wrong with one is said here.
 
     dmlc resolves each ``.rec`` path (and the index) by listing its folder and ``stat``-ing every
     entry there, which fails if a file is renamed meanwhile -- as the watcher's temp files are in
@@ -224,7 +225,7 @@ def make_plan(store: Store, root: Path, manifest: Manifest, shards: tuple[ShardE
         raise LoaderError(f"{store.where(MANIFEST_NAME)}: no shards selected in generation {manifest.generation} "
                           f"({span}; check `dates`)")
     _notice_old_shards(store, shards, verify)
-    eager = store.in_place if eager is None else eager
+    eager = bool(eager)
     plans = (root / PLANS).resolve()
     mine = plans / f"{HOST_TOKEN}-{os.getpid()}"
     if ";" in str(mine):

@@ -105,16 +105,32 @@ def test_every_batch_mixes_the_dates_of_the_part_from_the_first_one(tmp_path):
             assert min(spans[:5]) >= 0.8 * exact and np.mean(spans) >= 0.95 * exact, (spans[:5], exact)
 
 
-def test_a_part_larger_than_its_block_says_how_few_dates_a_block_spans(tmp_path):
+@pytest.mark.parametrize("shuffle_buffer", [300, 60, 17])
+def test_a_part_larger_than_its_block_mixes_every_date_in_every_block(tmp_path, shuffle_buffer):
+    """Blocks of a part larger than one are stripes (a piece of every date each): a block spans
+    every date with at least as many records as the part has blocks, and the batches mix like an
+    exact shuffle's from the first one (blocks of consecutive shard pieces held a third of the dates)."""
     make_store(tmp_path / "s", DATES)
-    with ShardIter(tmp_path / "s", 16, seed=3, cache_dir=tmp_path / "c", shuffle_buffer=300) as it:
-        assert it.stats["dates_per_block"] < len(DATES) // 3
-        assert sorted(_epoch(it)) == list(range(sum(DATES.values())))
+    n = sum(DATES.values())
+    with ShardIter(tmp_path / "s", 16, seed=3, cache_dir=tmp_path / "c", shuffle_buffer=shuffle_buffer,
+                   label_names=["date"]) as it:
+        blocks = -(-n // it.reader.params.block)
+        assert blocks > 3
+        assert it.stats["dates_per_block"] >= sum(1 for c in DATES.values() if c >= blocks)
+        for epoch in range(2):
+            if epoch:
+                it.reset()
+            spans = [len(np.unique(b.label[0].asnumpy()[:16 - b.pad])) for b in it][:-1]
+            days = np.repeat(np.arange(len(DATES)), list(DATES.values()))
+            days = days[np.random.default_rng(epoch).permutation(n)]
+            exact = np.mean([len(np.unique(days[i:i + 16])) for i in range(0, n - 15, 16)])
+            assert np.mean(spans) >= 0.9 * exact and min(spans[:20]) >= 0.6 * exact, (spans[:20], exact)
+    with ShardIter(tmp_path / "s", 16, seed=3, cache_dir=tmp_path / "c", shuffle_buffer=shuffle_buffer) as it:
+        assert sorted(_epoch(it)) == list(range(n))
 
 
-def test_the_default_block_is_the_whole_part_with_room_to_grow_unless_it_does_not_fit(tmp_path):
-    from loader.pipeline.memory import BUFFERS, ONE_BLOCK_BUFFERS
-    from loader.pipeline.settings import SHUFFLE_BYTES, buffer_records
+def test_the_default_block_is_the_whole_part_with_room_to_grow_unless_it_is_larger_than_a_block(tmp_path):
+    from loader.pipeline.settings import BLOCK_BYTES, buffer_records
     from shardgen.store.manifest import Manifest
 
     make_store(tmp_path / "s", DATES)
@@ -125,8 +141,7 @@ def test_the_default_block_is_the_whole_part_with_room_to_grow_unless_it_does_no
     assert buffer_records(m.schema, 100, m.shards, 1) == 100
     big = tuple(dataclasses.replace(s, records=s.records * 10**6) for s in m.shards)
     per = buffer_bytes(m.schema, 1)
-    assert ONE_BLOCK_BUFFERS * per * sum(s.records for s in big) > SHUFFLE_BYTES
-    assert buffer_records(m.schema, None, big, 1) == SHUFFLE_BYTES // (BUFFERS * per), "blocks of what 1 GiB holds"
+    assert buffer_records(m.schema, None, big, 1) == BLOCK_BYTES // per, "blocks of BLOCK_BYTES (stripes)"
 
 
 def test_under_a_cache_limit_the_block_kept_whole_spares_the_next_epochs_downloads(tmp_path, s3, counted):
