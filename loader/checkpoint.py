@@ -22,10 +22,10 @@ from typing import Any, Optional
 import numpy as np
 
 from loader.errors import LoaderError, StoreUnreachableError, as_loader_errors
-from loader.state_versions import STATE_VERSION, check_version
 from loader.pipeline.order import MAX_CANONICAL_PARTS, Phase, remainder
 from loader.source.generations import generation_of
 from loader.source.selection import normalize_dates, select_shards
+from loader.state_versions import STATE_VERSION, check_version
 from shardgen.store.manifest import Manifest, ShardEntry
 
 __all__ = ["STATE_VERSION", "state_of", "check_state", "rewound", "at_end", "ends_epoch", "check_origin"]
