@@ -191,13 +191,14 @@ class Reader:
                wait: bool = True) -> None:
         """Make ``plan`` this reader's, reading ``epoch`` (default: the current one) after ``phases``
         and ``skip`` batches of this phase. Nothing changes if the epoch cannot start (e.g. a part
-        smaller than a batch): the error is raised and the plan's files are let go. A store read in
-        place never waits for the first block's files (a shard refused is raised by ``next()``); an
-        object store's first files are fetched before ``ShardIter()`` or ``reset()`` returns (a store
-        out of reach is raised there, and ``reset()`` goes on with the generation held)."""
+        smaller than a batch): the error is raised and the plan's files are let go. ``wait``
+        (``ShardIter()``, ``load_state_dict()``): until the first read is open, its files fetched
+        and checked, so what stops the epoch (a shard refused, the store out of reach) is raised
+        here. ``reset()`` waits so for an object store only (out of reach, it goes on with the
+        generation held); a folder's shard refused then is raised by ``next()``."""
         epoch = self.epoch if epoch is None else epoch
         stream = self.epochs.start(plan, epoch, self.params, phases, skip,
-                                   wait=(wait or not plan.files.eager) and not self.store.in_place)
+                                   wait=wait or not (plan.files.eager or self.store.in_place))
         self.epoch, self.phases = epoch, tuple(phases)
         self.part_samples, self.batches = stream.samples, stream.batches
         self.cursor = skip

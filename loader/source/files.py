@@ -46,6 +46,7 @@ class PlanFiles:
         self.keys: list = [None] * len(shards)  # its key in ``shared_files`` (kept files are shared between plans)
         self._store = store.local_dir.resolve()
         self.eager = False  # every file opened and checked when the plan was made
+        self.held: dict = {}  # shard -> a descriptor opened when the plan was made, not checked yet (``hold``)
         self.checked: dict = {}  # fd -> its file's identity (stat, verify) when recheck() last found it good
         self.lock = threading.Lock()
         self.fetch_lock = threading.Lock()
@@ -90,6 +91,8 @@ class PlanFiles:
         held = adopt(key)
         if held is None:
             return False
+        with contextlib.suppress(KeyError, OSError):  # the other plan's descriptor is the one read
+            os.close(self.held.pop(k))
         fd, frames, link, seen = held
         now = identity(fd, self.verify)  # before the check: a change during it is checked next time
         if now != seen:
@@ -103,9 +106,27 @@ class PlanFiles:
             self.fds[k], self.frames[k], self.links[k], self.keys[k], self.checked[fd] = fd, frames, link, key, seen
         return True
 
+    def hold(self) -> None:
+        """Open every shard file now, check none (a store read in place): the plan holds the files
+        the generation published, so one replaced or deleted in the store before its block comes is
+        still the one read (checked when its block comes: ``ensure``); a missing one is said now."""
+        try:
+            for k, s in enumerate(self.shards):
+                self.held[k] = _open_shard(self._store, s)
+        except BaseException:
+            self._let_go_held()
+            raise
+
+    def _let_go_held(self) -> None:
+        held, self.held = self.held, {}
+        for fd in held.values():
+            os.close(fd)
+
     def _open(self, k: int) -> None:
         s, store, key = self.shards[k], self._store, self._key(k)
-        fd = _open_shard(store, s)
+        fd = self.held.pop(k, -1)
+        if fd < 0:
+            fd = _open_shard(store, s)
         try:
             seen = identity(fd, self.verify)
             frames = _check(self.store, store, fd, s, self.schema, self.verify)
@@ -156,6 +177,7 @@ class PlanFiles:
         return True
 
     def close(self) -> None:
+        self._let_go_held()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             with contextlib.suppress(OSError):  # this process's folder, once it holds no plan (``_make_folder``)

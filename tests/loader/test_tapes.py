@@ -37,6 +37,11 @@ def _shards_open(store) -> int:
     return n
 
 
+def _checked(it) -> int:
+    """Shards of the iterator's plan checked so far."""
+    return sum(f is not None for f in it.reader.plan.files.frames)
+
+
 def test_a_tape_joins_pieces_of_every_shard_and_every_tape_is_closed(tmp_path):
     counts = {f"2024-03-{d:02d}": 20 + 3 * d for d in range(1, 13)}
     make_store(tmp_path / "s", counts, pack=4)
@@ -54,24 +59,29 @@ def test_a_tape_joins_pieces_of_every_shard_and_every_tape_is_closed(tmp_path):
     assert _tapes() == before, "close() closes every tape"
 
 
-def test_construction_checks_no_shard_and_a_damaged_one_is_named_by_next(tmp_path):
-    make(tmp_path / "s")
+def test_a_damaged_shard_of_a_later_block_is_named_when_its_block_comes(tmp_path):
+    """Only the first read's files are checked before ``ShardIter()`` returns (what stops the epoch
+    is said there); a shard of a later block is checked when that block comes."""
+    make(tmp_path / "s", dates=8)
     m = Manifest.load(tmp_path / "s" / "manifest.json")
-    flip(tmp_path / "s" / m.shards[2].rec, m.schema.record_bytes * 3 + 1)
-    it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")  # returns: nothing was checked before
+    flip(tmp_path / "s" / m.shards[6].rec, m.schema.record_bytes * 3 + 1)
+    per = m.shards[0].records
+    it = ShardIter(tmp_path / "s", 8, shuffle=False, shuffle_buffer=per, native_batch=4, cache_dir=tmp_path / "c")
     try:
-        with pytest.raises(LoaderError, match=f"record 3 of {m.shards[2].date} is damaged"):
+        assert _checked(it) < 6, "the later blocks' shards are not checked yet"
+        assert _shards_open(tmp_path / "s") == 8, "but held open: a shard replaced now is not the one read"
+        with pytest.raises(LoaderError, match=f"record 3 of {m.shards[6].date} is damaged"):
             for _ in it:
                 pass
     finally:
         it.close()
 
 
-def test_a_shard_is_opened_when_a_block_that_reads_it_comes(tmp_path):
+def test_a_shard_is_checked_when_a_block_that_reads_it_comes(tmp_path):
     counts = {f"2024-03-{d:02d}": 40 for d in range(1, 13)}
     make_store(tmp_path / "s", counts)
     with ShardIter(tmp_path / "s", 8, shuffle=False, shuffle_buffer=40, cache_dir=tmp_path / "c") as it:
         it.next()
-        assert _shards_open(tmp_path / "s") <= 4, "the first blocks' shards, not the store's 12"
+        assert _checked(it) <= 4, "the first blocks' shards are checked, not the store's 12"
         ids = [i for b in it for i in batch_ids(b)]
     assert ids == list(range(8, 480))
