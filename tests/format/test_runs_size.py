@@ -149,7 +149,8 @@ def test_a_config_left_at_the_default_says_how_to_go_on_writing_a_store_of_the_o
     r = shardgen_cli("build", "-c", cfg)
     assert r.returncode == 2, r.stderr
     said = " ".join(r.stderr.split())
-    assert "store.pack 64 -> 512" in said and f"set store.pack = 64 and store.run_rows = {TT + 63} under [store]" in said
+    assert "store.pack 64 -> 512" in said and "use a new store.dir" in said
+    assert f"or set store.pack = 64 and store.run_rows = {TT + 63} under [store] to go on writing this one" in said
     assert "Traceback" not in r.stderr and len(Manifest.load(folder / "shards" / "manifest.json").shards) == 1
     cfg.write_text(cfg.read_text().replace('dir = "shards"', f'dir = "shards"\npack = 64\nrun_rows = {TT + 63}'))
     r = shardgen_cli("build", "-c", cfg)
