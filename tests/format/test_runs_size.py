@@ -157,3 +157,19 @@ def test_a_config_left_at_the_default_says_how_to_go_on_writing_a_store_of_the_o
     assert r.returncode == 0, r.stderr
     m = Manifest.load(folder / "shards" / "manifest.json")
     assert m.schema.layout == old and [s.date for s in m.shards][0] == "2023-12-29" and len(m.shards) == 5
+
+
+def test_synthetic_store_writes_dates_of_random_rows_in_the_default_layout(tmp_path):
+    """``benchmarks.stores.synthetic_store`` (the bench's ten-year store, 2,500 dates x 2,000 rows):
+    weekdays, every stride-1 window of each date's rows, the layout a config left at the default gives."""
+    from benchmarks.stores import synthetic_store
+
+    m = synthetic_store(tmp_path / "syn", 3, 2000)
+    assert m.schema == config_schema(tmp_path / "cfg")
+    assert [s.date for s in m.shards] == ["2015-01-05", "2015-01-06", "2015-01-07"]
+    assert [s.samples for s in m.shards] == [2000 - T + 1] * 3 and [s.records for s in m.shards] == [4] * 3
+    assert stored_over_raw(tmp_path / "syn", tmp_path) <= 1.3
+    rows = np.load(tmp_path / "memmap-syn" / "rows.npy")
+    assert 0.9 < rows.std() < 1.1 and not np.array_equal(rows[:2000], rows[2000:4000])  # random, a date's own
+    fri = synthetic_store(tmp_path / "week", 6, 100)
+    assert [s.date for s in fri.shards][-2:] == ["2015-01-09", "2015-01-12"]  # Friday, then Monday
