@@ -14,15 +14,15 @@ from typing import Iterable
 import numpy as np
 
 from loader.source.plan import cache_root
-from shardgen.format import LabelSpec, Layout, Schema
+from shardgen.format import LabelSpec, Layout, Schema, codec_for
 from shardgen.format.index import combine, parse_index, shard_index_text
-from shardgen.process import sliding_windows
+from shardgen.process import RunSpec, sliding_windows
 from shardgen.produce.writer import write_store
 from shardgen.store.manifest import Manifest
 from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["T", "C", "LABELS", "RUN_PACK", "PER_DATE", "LAYOUTS", "schema_for", "raw_rows", "build", "make_store",
-           "evict", "touch", "concat_store"]
+           "evict", "touch", "concat_store", "synthetic_store"]
 
 T, C = 60, 32
 LABELS = [LabelSpec("bd_return", 1), LabelSpec("eval_y", 4)]
@@ -102,3 +102,27 @@ def concat_store(manifest_dir: Path, out: Path) -> tuple[str, str, int]:
                       [s.bytes for s in m.shards])
     (out / "all.idx").write_bytes(shard_index_text(offsets))
     return str(out / "all.rec"), str(out / "all.idx"), m.schema.record_floats
+
+
+def synthetic_store(folder: Path, n_dates: int, rows: int, *, layout: Layout | None = None, seed: int = 0,
+                    fsync: bool = False) -> Manifest:
+    """A fresh store of ``n_dates`` weekdays from 2015-01-05, each ``rows`` random float32 rows of ``C``
+    inputs with every stride-1 window of ``T`` rows (random labels), written straight through
+    ``write_store`` (no generator, no raw files); ``layout`` defaults to what a config that does not
+    set ``store.pack`` gives (``Runs.default_pack``). Its manifest."""
+    if layout is None:
+        pack = codec_for("runs").default_pack
+        layout = Layout("runs", pack, T + pack - 1)
+    schema, n = schema_for(layout), rows - T + 1
+    days = [d for d in (dt.date(2015, 1, 5) + dt.timedelta(days=i) for i in range(n_dates * 7 // 5 + 7))
+            if d.weekday() < 5][:n_dates]
+
+    def shards() -> Iterable[tuple]:
+        rng = np.random.default_rng(seed)
+        for d in days:
+            x = rng.standard_normal((rows, C), dtype=np.float32)
+            y = rng.standard_normal((n, 5), dtype=np.float32)
+            yield d, RunSpec(x, np.arange(n), {"bd_return": y[:, 0], "eval_y": y[:, 1:]}, T), None
+
+    shutil.rmtree(folder, ignore_errors=True)
+    return write_store(folder, schema, shards(), fsync=fsync)

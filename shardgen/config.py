@@ -161,16 +161,16 @@ def _check_template(text: str, key: str) -> None:
 
 def _layout(sto: Table, process: ProcessConfig, time_steps: object) -> Layout:
     """``[store] layout``, ``pack``, ``run_rows``. The default layout is ``runs`` for the default
-    processor (each row stored once) and ``windows`` for a plug-in (which may return windows; a
-    build says when one returned a ``RunSpec``)."""
+    processor and ``windows`` for a plug-in (which may return windows; a build says when one returned
+    a ``RunSpec``). A ``runs`` record holds the rows of ``Runs.default_pack`` windows at stride 1 by default."""
     default = "runs" if process.function == ProcessConfig.function else "windows"
     kind = sto.get("layout", str, default)
     if kind not in KINDS:
         raise ConfigError(f"store.layout must be one of {', '.join(repr(k) for k in KINDS)}, got {kind!r}")
     codec = codec_for(kind)
-    pack = integer(sto, "pack", codec.default_pack, 1)
     stride = dict(process.options).get("stride", 1)
     stride = stride if isinstance(stride, int) and stride >= 1 else 1
+    pack = integer(sto, "pack", -(-codec.default_pack // stride) if codec.rows else codec.default_pack, 1)
     run_rows = 0
     if codec.rows:  # a run of rows: by default room for ``pack`` windows at the processor's stride
         run_rows = integer(sto, "run_rows", int(time_steps) + (pack - 1) * stride, 1)

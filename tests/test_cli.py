@@ -173,8 +173,8 @@ def test_demo_config_is_valid():
     from shardgen.config import load_config
 
     cfg = load_config(ROOT / "shardgen.toml")
-    assert cfg.schema.layout.kind == "runs" and cfg.schema.pack == 64 and cfg.schema.layout.run_rows == 60 + 63
-    assert cfg.schema.record_floats == 4 + 64 * (1 + 1 + 4) + 123 * 32 == 4324
+    assert cfg.schema.layout.kind == "runs" and cfg.schema.pack == 512 and cfg.schema.layout.run_rows == 60 + 511
+    assert cfg.schema.record_floats == 4 + 512 * (1 + 1 + 4) + 571 * 32 == 21348
     assert cfg.argv(cfg.dates.start)[:3] == [str(ROOT / "build/seqgen"), "--date", "2024-01-02"]
 
 

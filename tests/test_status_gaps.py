@@ -76,7 +76,8 @@ def test_an_empty_date_says_what_brings_it_back_and_that_does(tmp_path):
     ("time_steps = 5", "time_steps = 6", "schema.time_steps 5 -> 6"),
     ('{name = "b", width = 2}]', '{name = "b", width = 2}, {name = "c", width = 1}]',
      "schema.labels [a:1, b:2] -> [a:1, b:2, c:1]"),
-    ("stride = 1", "stride = 2", "store.run_rows (time_steps + (pack - 1) * [process] stride) 68 -> 131"),
+    ("stride = 1", "stride = 2", "store.pack 512 -> 256; store.run_rows (time_steps + (pack - 1) * [process] stride) "
+     "516 -> 515"),
     ("[store]", '[store]\nlayout = "windows"', "store.layout runs -> windows"),
 ], ids=["time_steps", "a label", "stride", "layout"])
 def test_a_schema_change_is_refused_naming_each_field_and_status_says_so_after_watch(tmp_path, old, new, says):
@@ -87,6 +88,8 @@ def test_a_schema_change_is_refused_naming_each_field_and_status_says_so_after_w
     r = shardgen_cli("build", "-c", cfg)
     assert r.returncode == 2 and says in r.stderr and "use a new store.dir" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    keeps = "or set store.pack = 512 and store.run_rows = 516 under [store] to go on writing this one"
+    assert (keeps in r.stderr) == (old == "stride = 1"), r.stderr  # only the knobs of runs' size differ
     if old != "time_steps = 5":
         return
     r = shardgen_cli("watch", "-c", cfg, "--once")

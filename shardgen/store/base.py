@@ -50,9 +50,13 @@ def check_schema(manifest: Manifest, schema: Schema, where: str) -> Manifest:
     """``manifest`` if it holds ``schema``; ConfigError otherwise."""
     if manifest.schema.fingerprint != schema.fingerprint:
         changes = "; ".join(schema_changes(manifest.schema, schema))
+        old, keep = manifest.schema.layout, ""
+        if old.kind == schema.layout.kind == "runs" and replace(manifest.schema, layout=schema.layout) == schema:
+            keep = (f", or set store.pack = {old.pack} and store.run_rows = {old.run_rows} under [store] to go on "
+                    "writing this one (layout 'runs' packs 512 windows a record by default since 2026-12, 64 before)")
         raise ConfigError(
             f"{where}: the store holds another schema than the config gives ({changes}; fingerprint "
-            f"{manifest.schema.fingerprint} -> {schema.fingerprint}); use a new store.dir for a new schema")
+            f"{manifest.schema.fingerprint} -> {schema.fingerprint}); use a new store.dir for a new schema{keep}")
     return manifest
 
 
