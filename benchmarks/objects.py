@@ -112,7 +112,7 @@ def _resume(server, store: Path, prefix: str, workdir: Path, batch_size: int, at
         for _ in range(k):
             it.next()
         state = it.state_dict()
-        order = EpochOrder.of(shards, order_spec(it.reader.params), 0)
+        order = EpochOrder([s.samples for s in shards], order_spec(it.reader.params), 0)
         group = it.reader.epochs.cap
     rest = sum(shards[i].bytes for i in order.shards_of(remainder(order.total, [Phase(1, batch_size, k)])))
     t0 = time.perf_counter()

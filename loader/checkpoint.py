@@ -49,6 +49,7 @@ def state_of(reader: Any, manifest: str) -> dict:
         "shuffle": p.shuffle,
         "canonical_parts": p.canonical_parts,
         "block": p.block,
+        "stripes": p.stripes,
         "phases": phases,
         "pinned": reader.choice.pin,
     }
@@ -102,6 +103,7 @@ def _check_fields(state: dict) -> None:
     pinned = state.get("pinned")
     want(pinned is None or (isinstance(pinned, int) and not isinstance(pinned, bool) and pinned >= 0), "pinned",
          "null or a generation number")
+    want(state.get("stripes", False) in (True, False), "stripes", "true or false")
     shards = state.get("shards")
     want(isinstance(shards, list) and len(shards) > 0, "shards", "the non-empty list of the epoch's shards")
     try:

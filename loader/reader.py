@@ -87,7 +87,11 @@ class Reader:
         labels = check_label_names(label_names, [lab.name for lab in schema.labels])
         dates = normalize_dates(dates)
         selected = select_shards(manifest, dates)
-        params = stream_params(schema, selected, shuffle_buffer, labels, **knobs)
+        # An object store fetches whole files: its blocks hold consecutive shard pieces (stripes would
+        # fetch every file for every block), so its part is one block wherever that fits (settings).
+        stripes = knobs.pop("stripes", None)
+        params = stream_params(schema, selected, shuffle_buffer, labels,
+                               stripes=store.in_place if stripes is None else stripes, **knobs)
         memory = check_memory(params, shuffle_buffer, selected)
         return cls(store, root, manifest, params, choice=choice, dates=dates, selected=selected, verify=verify,
                    memory=memory)
@@ -183,7 +187,7 @@ class Reader:
     def _part_of(self, manifest: Manifest) -> tuple:
         """The shards of ``manifest`` this part reads in the next epoch (fetched ahead of a new generation)."""
         shards = select_shards(manifest, self.dates)
-        order = EpochOrder.of(shards, order_spec(self.params), self.epoch + 1)
+        order = EpochOrder([s.samples for s in shards], order_spec(self.params), self.epoch + 1)
         mine = slice_of([(0, order.total)], self.params.num_parts, self.params.part_index)
         return tuple(shards[k] for k in sorted(order.shards_of(mine)))
 
@@ -234,7 +238,8 @@ class Reader:
         skip = 0
         if phases and phases[-1][:2] == (p.num_parts, p.batch_size):
             phases, skip = phases[:-1], phases[-1].batches
-        params = dataclasses.replace(p, canonical_parts=int(state["canonical_parts"]), block=int(state["block"]))
+        params = dataclasses.replace(p, canonical_parts=int(state["canonical_parts"]), block=int(state["block"]),
+                                     stripes=state.get("stripes") is True)
         memory = self.memory
         if params.block != p.block:  # buffers for the state's blocks
             per = p.block / max(1, p.buffer_records)

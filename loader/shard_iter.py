@@ -64,11 +64,10 @@ class ShardIter(mx.io.DataIter):
     reads it (once per file version), ``"frame"`` the framing only, ``"sha256"`` also the whole
     file against the manifest, ``"none"`` trusts the files.
     ``readers``: native iterators per part (each with its own I/O thread; default 2).
-    ``shuffle_buffer``: the block mixed in memory, as a number of *records* (an int) or a size
-    in bytes (``"256MB"``, ``"1GiB"``; default: the whole part, where it fits in 1 GiB).
+    ``shuffle_buffer``: the block mixed in memory, in *records* (an int) or bytes (``"256MB"``).
     ``native_batch``: records per native batch. ``prefetch_buffer``: caller batches assembled
-    ahead. ``canonical_parts``: the order's part count (default ``num_parts``; see
-    :mod:`loader.pipeline.order`): a state saved on any number of parts resumes on any other.
+    ahead. ``stripes``: every block a piece of every date (default: for a folder). ``canonical_parts``: the
+    order's part count (default ``num_parts``; :mod:`loader.pipeline.order`): a state resumes on any.
     What these hold in memory is computed at construction (:mod:`loader.pipeline.memory`);
     more than half the machine's memory is a LoaderError.
     """
@@ -79,11 +78,13 @@ class ShardIter(mx.io.DataIter):
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
                  verify: str = "crc", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
                  native_batch: Optional[int] = None, generation: Optional[int] = None,
-                 cache_limit: Optional[int | str] = None, canonical_parts: Optional[int] = None):
+                 cache_limit: Optional[int | str] = None, canonical_parts: Optional[int] = None,
+                 stripes: Optional[bool] = None):
         start()  # the process's exit hooks, with the first iterator (loader.lifecycle)
         knobs = dict(batch_size=batch_size, num_parts=num_parts, part_index=part_index, seed=seed,
                      preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
-                     native_batch=native_batch, last_batch=last_batch, canonical_parts=canonical_parts)
+                     native_batch=native_batch, last_batch=last_batch, canonical_parts=canonical_parts,
+                     stripes=stripes)
         check_arguments(**knobs, verify=verify)
         super().__init__(int(batch_size))
         self._closed = False

@@ -32,6 +32,7 @@ class StreamParams:
     label_names: tuple[str, ...]
     canonical_parts: int = 1  # the order's (``loader.pipeline.order``): recorded in every state
     block: int = 1  # samples of a full block of the order (the shuffle window)
+    stripes: bool = True  # the order's (``OrderSpec.stripes``): recorded in every state
 
 
 def batch_floats(p: StreamParams) -> int:

@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 
 from loader.errors import LoaderError, as_loader_error
-from loader.pipeline.memory import Arena
+from loader.pipeline.memory import TAPE_BYTES, Arena
 from loader.pipeline.native import free
 from loader.pipeline.order import EpochOrder, Visit
 from loader.source.plan import EpochPlan, Read
@@ -34,7 +34,6 @@ from shardgen.format.schema import day_number
 
 __all__ = ["ReadItem", "BlockItem", "Feed", "TAPE_BYTES", "group_items"]
 
-TAPE_BYTES = 32 << 20  # a read's tape: opening a native read costs ~3 ms, reading 32 MB ~20 ms
 
 
 class ReadItem(NamedTuple):
@@ -52,6 +51,13 @@ class BlockItem(NamedTuple):
     key: Optional[tuple] = None  # a canonical part's only block: kept whole for the next epoch (``Arena.whole``)
     codes: Optional[np.ndarray] = None  # its codes in slot order
     buffer: object = None  # the kept buffer that already holds it (nothing to read)
+
+
+def _records_of(shard, lo: int, hi: int, pack: int) -> int:
+    """The records samples ``[lo, hi)`` of ``shard`` are expected in: full records of ``pack``
+    samples (a stripe is cut at their bounds), one more where the shard's records are not all full."""
+    full = shard.samples == shard.records * pack or shard.records == 1
+    return int(min(shard.records, -(-hi // pack) - lo // pack + (0 if full else 1)))
 
 
 def _group(pieces: tuple, sizes: list, cap: Optional[int]) -> list:
@@ -241,8 +247,7 @@ class Feed:
                     return False
                 return True
         sizes = [s.bytes for s in plan.shards]
-        estimate = sum(math.ceil((hi - lo) * plan.shards[k].records / max(1, plan.shards[k].samples)) + 2
-                       for k, lo, hi in block.pieces)
+        estimate = sum(_records_of(plan.shards[k], lo, hi, self.pack) for k, lo, hi in block.pieces)
         codes, slot = [], 0
         per_record = sum(s.bytes for s in plan.shards) / max(1, plan.records)
         target = max(1, min(math.ceil(estimate / self.readers), int(TAPE_BYTES // max(1.0, per_record))))

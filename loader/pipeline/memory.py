@@ -44,9 +44,10 @@ from loader.pipeline.shuffle_buffer import ShuffleBuffer, buffer_bytes, size_cla
 from loader.pipeline.zerocopy import Loan, lend
 from shardgen.format.schema import Schema
 
-__all__ = ["Arena", "malloc_stats", "NATIVE_QUEUE", "MEMORY_SHARE", "BUFFERS", "ONE_BLOCK_BUFFERS",
+__all__ = ["Arena", "malloc_stats", "TAPE_BYTES", "NATIVE_QUEUE", "MEMORY_SHARE", "BUFFERS", "ONE_BLOCK_BUFFERS",
            "physical_memory", "footprint", "caller_batches_held", "check_footprint", "format_bytes"]
 
+TAPE_BYTES = 16 << 20  # a read's tape at most: opening a native read costs ~3 ms, reading 16 MB ~10 ms
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
 KEEP_BUFFERS = 4  # shuffle buffers an arena keeps for later blocks
 STREAMS = 2  # epoch streams alive at once: this epoch's and the next one's, filling while this one ends
@@ -104,6 +105,7 @@ def footprint(schema: Schema, *, buffer_records: int, block_records: int, native
     parts = {
         "shuffle buffers": buffers * buffer_bytes(schema, capacity),
         "native queues": 2 * 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
+        "read tapes": STREAMS * 2 * readers * min(TAPE_BYTES, block_records * schema.record_bytes),
         "batch buffers": caller_batches_held(prefetch_buffer) * 4 * batch_floats,
     }
     parts["total"] = sum(parts.values())

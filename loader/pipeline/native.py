@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-import shutil
 import threading
 from typing import Callable, Optional
 
@@ -27,22 +25,22 @@ class _Native(mx.io.MXDataIter):
 
     def free(self) -> None:
         handle, self.handle = getattr(self, "handle", None), None
-        if handle is not None:
-            check_call(_LIB.MXDataIterFree(handle))
-        tape, self.tape = getattr(self, "tape", None), None
-        if tape is not None:  # after the native: its threads no longer read it
-            release_tape(tape)
+        try:
+            if handle is not None:
+                check_call(_LIB.MXDataIterFree(handle))
+        finally:
+            source, self.tape = getattr(self, "tape", None), None
+            if source is not None:  # after the native: its threads no longer read it
+                release_tape(source)
 
     def __del__(self) -> None:
         self.free()
 
 
 def release_tape(source: ReaderSource) -> None:
-    """Close a read's tape (:func:`loader.source.plan.reader_source`) and remove its link."""
-    if source.tape >= 0:
-        os.close(source.tape)
-    if source.tape_dir is not None:
-        shutil.rmtree(source.tape_dir, ignore_errors=True)
+    """Close a read's tape (:func:`loader.source.plan.reader_source`) and remove its link (once)."""
+    if source.tape is not None:
+        source.tape.close()
 
 
 def free(native) -> None:

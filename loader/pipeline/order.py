@@ -2,8 +2,8 @@
 which of those positions each part reads (MosaicML Streaming's idea, ``streaming/base/shuffle``,
 made exact across packed records and the same for every store).
 
-The order is a pure function of ``(seed, epoch, the selected shards' sample and record counts in
-store order, canonical_parts, block)`` and of nothing else: not the cache's size, ``readers``,
+The order is a pure function of ``(seed, epoch, the selected shards' sample counts in store order,
+canonical_parts, block, the layout's pack)`` and of nothing else: not the cache's size, ``readers``,
 ``native_batch``, ``prefetch_buffer``, ``preprocess_threads``, the store's kind, nor the number
 of workers reading it.
 
@@ -14,7 +14,7 @@ of workers reading it.
 3. **Blocks.** A canonical part of ``n`` samples is read in ``nb = ceil(n / block)`` blocks. One
    block is an exact shuffle of the part. With more (shuffled), every block takes a *stripe*: a
    piece of every date. Each shard piece is cut into ``nb`` sub-pieces of about equal size, at
-   multiples of its shard's samples per record (so a block reads whole records), and block ``b``
+   multiples of the layout's pack (full records: a block reads whole records), and block ``b``
    takes sub-piece ``(b - r) mod nb``, ``r`` drawn per piece by ``(seed, epoch, c)``. So a batch
    mixes every date of the part whatever fits in memory (blocks of consecutive shard pieces held
    358 of 2,500 dates at ten years). A block's pieces are read in store order (a one-block part holds the same
@@ -54,11 +54,13 @@ class OrderSpec:
     shuffle: bool
     canonical_parts: int
     block: int  # samples per full block (the shuffle window)
+    grain: int = 1  # samples per full record (the layout's pack): stripes are cut at its multiples
+    stripes: bool = True  # a shuffled part of several blocks reads them in stripes (else consecutive pieces)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.canonical_parts <= MAX_CANONICAL_PARTS or self.block < 1:
-            raise ValueError(f"canonical_parts must be in [1, {MAX_CANONICAL_PARTS}] and block >= 1, got "
-                             f"{self.canonical_parts}, {self.block}")
+        if not 1 <= self.canonical_parts <= MAX_CANONICAL_PARTS or self.block < 1 or self.grain < 1:
+            raise ValueError(f"canonical_parts must be in [1, {MAX_CANONICAL_PARTS}], block and grain >= 1, got "
+                             f"{self.canonical_parts}, {self.block}, {self.grain}")
 
 
 class Phase(NamedTuple):
@@ -139,23 +141,14 @@ def remainder(total: int, phases: Sequence[Phase]) -> Intervals:
 class EpochOrder:
     """The order of one epoch of shards with ``samples`` (per shard, store order)."""
 
-    def __init__(self, samples: Sequence[int], spec: OrderSpec, epoch: int, records: Optional[Sequence[int]] = None):
-        """``records``: each shard's records (a stripe is cut at a multiple of its samples per record,
-        so a block's piece of a date is whole records); None: cut anywhere."""
+    def __init__(self, samples: Sequence[int], spec: OrderSpec, epoch: int):
         self.samples = np.asarray(samples, np.int64)
         self.spec, self.epoch = spec, int(epoch)
         self.total = int(self.samples.sum())
-        self.grain = (np.ones(len(self.samples), np.int64) if records is None else
-                      np.maximum(1, self.samples // np.maximum(1, np.asarray(records, np.int64))))
         k = spec.canonical_parts
         self.canon = np.array([c * self.total // k for c in range(k + 1)], np.int64)  # E bounds of each
         self._canonical: dict = {}
         self._stripes: dict = {}  # c -> (cuts, rotation) of a canonical part read in stripes
-
-    @classmethod
-    def of(cls, shards: Sequence, spec: OrderSpec, epoch: int) -> EpochOrder:
-        """The order of ``shards`` (manifest entries: ``samples`` and ``records`` of each)."""
-        return cls([s.samples for s in shards], spec, epoch, [s.records for s in shards])
 
     def _rng(self, *words: int) -> np.random.Generator:
         return np.random.default_rng([self.spec.seed, self.epoch, *words])
@@ -184,18 +177,18 @@ class EpochOrder:
             pieces = pieces[self._rng(c, 0).permutation(len(pieces))]
         starts = np.concatenate(([0], np.cumsum(pieces[:, 2] - pieces[:, 1])))
         n, nb = s1 - s0, max(1, -(-(s1 - s0) // self.spec.block))
-        if nb == 1 or not self.spec.shuffle:
+        if nb == 1 or not self.spec.shuffle or not self.spec.stripes:
             return pieces, starts, _block_bounds(n, self.spec.block)
         # Stripes: piece p's u units (its shard's samples per record) are cut into nb sub-pieces of
         # q or q + 1 units (u = q * nb + rem); block b takes sub-piece (b - r_p) mod nb, the first rem
         # of which are the larger, and r_p = a shift drawn per epoch + the rems of the pieces before, mod nb:
         # block sizes differ by at most a unit, and each epoch's blocks take other records of each date.
-        lo, hi, g = pieces[:, 1], pieces[:, 2], self.grain[pieces[:, 0]]
-        first = lo // g  # units are the shard's records (its grid of g samples), clipped to the piece
+        lo, hi, g = pieces[:, 1], pieces[:, 2], self.spec.grain
+        first = lo // g  # units are the shard's records (a grid of g samples: full records), clipped to the piece
         q, rem = np.divmod(-(-hi // g) - first, nb)
         units = np.concatenate((np.zeros((len(lo), 1), np.int64),
                                 np.cumsum(q[:, None] + (np.arange(nb)[None, :] < rem[:, None]), axis=1)), axis=1)
-        cuts = np.clip((first[:, None] + units) * g[:, None], lo[:, None], hi[:, None]) - lo[:, None]
+        cuts = np.clip((first[:, None] + units) * g, lo[:, None], hi[:, None]) - lo[:, None]
         rotation = (self._rng(c, 2).integers(nb) + np.cumsum(rem) - rem) % nb
         taken = (np.arange(nb)[None, :] - rotation[:, None]) % nb  # the sub-piece of each piece block b takes
         sizes = np.diff(cuts, axis=1)[np.arange(len(pieces))[:, None], taken]

@@ -19,15 +19,16 @@ from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema
 
 __all__ = ["check_arguments", "check_label_names", "default_readers", "default_native_batch", "buffer_records",
-           "block_samples", "stream_params", "check_memory", "BLOCK_BYTES", "buffers_alive"]
+           "block_samples", "stream_params", "check_memory", "BLOCK_BYTES", "SHUFFLE_BYTES", "buffers_alive"]
 
+SHUFFLE_BYTES = 1 << 30  # what an object store's iterator's shuffle buffers hold together by default
 BLOCK_BYTES = 128 << 20  # a default block: read in ~0.1-0.3 s here, a piece of every date when the part is larger
 HEADROOM = 1.25  # a part chosen to be one block stays one while a rolling window grows by a quarter
 
 
 def check_arguments(*, batch_size: object, num_parts: object, part_index: object, preprocess_threads: object,
                     prefetch_buffer: object, readers: object, native_batch: object, last_batch: object,
-                    seed: object, verify: object, canonical_parts: object = None) -> None:
+                    seed: object, verify: object, canonical_parts: object = None, stripes: object = None) -> None:
     """LoaderError naming the first argument that is out of range."""
     for name, value, low in (("batch_size", batch_size, 1), ("num_parts", num_parts, 1),
                              ("preprocess_threads", preprocess_threads, 1),
@@ -42,6 +43,8 @@ def check_arguments(*, batch_size: object, num_parts: object, part_index: object
                           f"{num_parts if canonical_parts is None else canonical_parts:,}")
     if not isinstance(part_index, (int, np.integer)) or not 0 <= part_index < num_parts:
         raise LoaderError(f"part_index must be in [0, {num_parts}), got {part_index!r}")
+    if stripes not in (None, True, False) or isinstance(stripes, (int, np.integer)) and not isinstance(stripes, bool):
+        raise LoaderError(f"stripes must be True, False or None (the store's default), got {stripes!r}")
     if last_batch not in ("pad", "discard"):
         raise LoaderError(f"last_batch must be 'pad' or 'discard', got {last_batch!r}")
     if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**31:
@@ -82,16 +85,23 @@ def default_native_batch(pack: int) -> int:
     return max(8, min(256, math.ceil(2048 / pack)))
 
 
-def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], shards: tuple, canonical_parts: int) -> int:
+def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], shards: tuple, canonical_parts: int,
+                   stripes: bool = True) -> int:
     """The shuffle buffer's capacity in records (a block of the order): ``shuffle_buffer`` records
     (an int), a size in bytes (``"256MB"``), or by default the whole canonical part (an exact
     shuffle of it, with a quarter to spare) when it holds at most ``BLOCK_BYTES``, else blocks of
     ``BLOCK_BYTES``: read in stripes (:mod:`loader.pipeline.order`), each holds a piece of every
     date, so a batch mixes every date as an exact shuffle's would, and the first batch comes after
-    the first block, not after the part (at ten years: 4.1 s for 500 dates read whole)."""
+    the first block, not after the part (at ten years: 4.1 s for 500 dates read whole). Without
+    stripes (an object store's blocks take whole files), the whole part where the buffers it takes
+    fit in ``SHUFFLE_BYTES``, else as large a block as that holds with several blocks alive."""
     if shuffle_buffer is None:
         part = math.ceil(HEADROOM * sum(s.records for s in shards) / canonical_parts) + 2
-        return min(part, max(64, BLOCK_BYTES // buffer_bytes(schema, 1)))
+        if stripes:
+            return min(part, max(64, BLOCK_BYTES // buffer_bytes(schema, 1)))
+        if ONE_BLOCK_BUFFERS * buffer_bytes(schema, part) <= SHUFFLE_BYTES:
+            return part
+        return max(64, SHUFFLE_BYTES // (BUFFERS * buffer_bytes(schema, 1)))
     if isinstance(shuffle_buffer, (int, np.integer)) and not isinstance(shuffle_buffer, (bool, np.bool_)):
         if shuffle_buffer < 1:
             raise LoaderError(f"shuffle_buffer must be >= 1 record, got {shuffle_buffer!r}")
@@ -104,12 +114,12 @@ def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], shards: 
 def stream_params(schema: Schema, shards: tuple, shuffle_buffer: Optional[int | str], label_names: tuple, *,
                   batch_size: int, shuffle: bool, seed: int, num_parts: int, part_index: int, last_batch: str,
                   readers: Optional[int], native_batch: Optional[int], preprocess_threads: int,
-                  prefetch_buffer: int, canonical_parts: Optional[int]) -> StreamParams:
+                  prefetch_buffer: int, canonical_parts: Optional[int], stripes: bool = True) -> StreamParams:
     """The settings of a stream reading ``shards``: the arguments (``check_arguments`` checked them),
     their defaults filled in, the shuffle buffer sized (``buffer_records``) and the block it makes."""
     canonical = int(num_parts if canonical_parts is None else canonical_parts)
     nb = int(native_batch) if native_batch is not None else default_native_batch(schema.pack)
-    records = buffer_records(schema, shuffle_buffer, shards, canonical)
+    records = buffer_records(schema, shuffle_buffer, shards, canonical, stripes)
     return StreamParams(
         schema=schema, batch_size=int(batch_size), shuffle=bool(shuffle), seed=int(seed),
         num_parts=int(num_parts), part_index=int(part_index), last_batch=last_batch,
@@ -118,7 +128,7 @@ def stream_params(schema: Schema, shards: tuple, shuffle_buffer: Optional[int | 
         preprocess_threads=int(preprocess_threads), prefetch_buffer=int(prefetch_buffer),
         label_names=label_names,
         canonical_parts=canonical,
-        block=block_samples(records, shards, schema))
+        block=block_samples(records, shards, schema), stripes=bool(stripes))
 
 
 def buffers_alive(params: StreamParams, shards: tuple) -> int:
@@ -139,8 +149,8 @@ def block_samples(records: int, shards: tuple, schema: Schema) -> int:
 def block_records(block: int, shards: tuple) -> int:
     """The most records a block of ``block`` samples of ``shards`` can hold: its samples taken from
     the sparsest shards first (a store's samples per record vary: a short date, another stride),
-    plus two records per shard it may enter or leave inside a record."""
-    need, records = block, 2 * min(len(shards), block)
+    plus a record per shard whose records are not all full (a stripe is cut at full records' bounds)."""
+    need, records = block, 2 + min(len(shards), block)  # a stripe enters each shard once, at a record's bound
     for s in sorted(shards, key=lambda s: s.samples / max(1, s.records)):
         if need <= 0:
             break

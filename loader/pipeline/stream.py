@@ -37,7 +37,8 @@ __all__ = ["EpochStream", "order_spec"]
 
 
 def order_spec(p: StreamParams) -> OrderSpec:
-    return OrderSpec(p.seed, p.shuffle, p.canonical_parts, p.block)
+    return OrderSpec(p.seed, p.shuffle, p.canonical_parts, p.block, p.schema.pack if p.schema is not None else 1,
+                     p.stripes)
 
 
 class EpochStream:
@@ -59,7 +60,7 @@ class EpochStream:
         self._producing = True  # the producer thread has batches left to assemble
         self.past_half = False  # the producer thread has been half way (and called on_half)
         self.failed = False  # its producer stopped on an error (the next get() raises it)
-        self.order = EpochOrder.of(plan.shards, order_spec(params), epoch)
+        self.order = EpochOrder(plan.sample_counts, order_spec(params), epoch)
         rest, self.part_samples, self.batches = split_phase(params, self.order.total, self.phases, plan.generation)
         self._mine = slice_of(rest, params.num_parts, params.part_index)
         self.samples = self.part_samples[params.part_index]

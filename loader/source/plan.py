@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -107,8 +108,23 @@ class ReaderSource:
     index: Path
     num_parts: int
     part_index: int
-    tape: int = -1
-    tape_dir: Optional[Path] = None
+    tape: Optional[Tape] = None
+
+
+class Tape:
+    """A read's memory file and the folder of its link; ``close()`` once, whoever calls it first
+    (the native iterator's ``free()``, or the opening that failed)."""
+
+    def __init__(self, fd: int, folder: Optional[Path] = None):
+        self.fd, self.folder, self._lock = fd, folder, threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _SEQ = itertools.count()
@@ -133,7 +149,7 @@ def reader_source(plan: EpochPlan, read: Read) -> ReaderSource:
     native iterator has read it."""
     files = plan.files
     offsets, pos = [], 0
-    tape = os.memfd_create("shardgen-tape", os.MFD_CLOEXEC)
+    tape = Tape(os.memfd_create("shardgen-tape", os.MFD_CLOEXEC))
     try:
         with files.lock:
             spans = []
@@ -145,26 +161,25 @@ def reader_source(plan: EpochPlan, read: Read) -> ReaderSource:
                 spans.append((files.fds[k], a, z - a))
                 pos += z - a
         for fd, a, n in spans:  # (a read holds its files: let go only once it is done)
-            _copy(tape, fd, a, n)
+            _copy(tape.fd, fd, a, n)
         text, parts = reader_index(np.concatenate(offsets))
         # In folders of their own: dmlc lists the folder of every path it is given and stats each
         # entry, so a folder where other files come and go (links let go of, indexes removed) fails it.
         seq = next(_SEQ)
-        index, tape_dir = plan.folder / f"i{seq}" / "r.idx", plan.folder / f"t{seq}"
+        index, tape.folder = plan.folder / f"i{seq}" / "r.idx", plan.folder / f"t{seq}"
         try:
             index.parent.mkdir()
             index.write_bytes(text)
-            tape_dir.mkdir()
-            os.symlink(f"/proc/self/fd/{tape}", tape_dir / "s.rec")
+            tape.folder.mkdir()
+            os.symlink(f"/proc/self/fd/{tape.fd}", tape.folder / "s.rec")
         except OSError as exc:
             shutil.rmtree(index.parent, ignore_errors=True)
-            shutil.rmtree(tape_dir, ignore_errors=True)
             raise LoaderError(f"{index}: cannot write a reader's index ({exc.strerror}); pass cache_dir= a "
                               "writable folder with room (or set XDG_CACHE_HOME)") from None
     except BaseException:
-        os.close(tape)
+        tape.close()
         raise
-    return ReaderSource(str(tape_dir / "s.rec"), index, parts, 0, tape, tape_dir)
+    return ReaderSource(str(tape.folder / "s.rec"), index, parts, 0, tape)
 
 
 def _ensure_fd_room(needed: int) -> None:

@@ -8,6 +8,7 @@ through real ``ShardIter``s on small stores written per example."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import tempfile
@@ -53,15 +54,14 @@ def _params(parts: int, part: int, bs: int, last_batch: str) -> StreamParams:
 @given(counts=COUNTS, spec=SPECS, epoch=st.integers(0, 5), data=st.data())
 def test_an_epoch_holds_every_sample_once_in_equal_blocks_and_any_cut_reads_its_own_positions(counts, spec, epoch,
                                                                                              data):
-    per = data.draw(st.lists(st.integers(1, 8), min_size=len(counts), max_size=len(counts)))
-    records = data.draw(st.one_of(st.none(), st.just([-(-n // p) for n, p in zip(counts, per)])))
-    order = EpochOrder(counts, spec, epoch, records)
+    spec = dataclasses.replace(spec, grain=data.draw(st.integers(1, 8)))  # the layout's pack
+    order = EpochOrder(counts, spec, epoch)
     everything = _samples(order, [(0, order.total)])
     assert sorted(everything) == [(k, s) for k, n in enumerate(counts) for s in range(n)]
     if not spec.shuffle:
         assert everything == sorted(everything), "in order: the store's order"
-    assert everything == _samples(EpochOrder(counts, spec, epoch, records), [(0, order.total)]), "a value"
-    grain = [1] * len(counts) if records is None else [max(1, n // r) for n, r in zip(counts, records)]
+    assert everything == _samples(EpochOrder(counts, spec, epoch), [(0, order.total)]), "a value"
+    grain = [spec.grain] * len(counts)
     for c in range(spec.canonical_parts):
         lo, hi = int(order.canon[c]), int(order.canon[c + 1])
         assert hi - lo in (order.total // spec.canonical_parts, -(-order.total // spec.canonical_parts))
@@ -69,7 +69,7 @@ def test_an_epoch_holds_every_sample_once_in_equal_blocks_and_any_cut_reads_its_
         blocks = [order.block(c, b) for b in range(nb)]
         sizes = [b.samples for b in blocks]
         assert sum(sizes) == hi - lo and nb == max(1, math.ceil((hi - lo) / spec.block)), "as few blocks as hold it"
-        if records is None:
+        if spec.grain == 1:
             assert max(sizes) <= spec.block and max(sizes) - min(sizes) <= 1, "blocks of equal size"
         for b in blocks:
             assert list(b.pieces) == sorted(b.pieces), "a block's pieces are read in store order"

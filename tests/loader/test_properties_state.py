@@ -156,8 +156,9 @@ def expected(state: dict) -> list:
     skip = 0
     if phases and phases[-1][:2] == (PARTS, B):
         phases, skip = phases[:-1], phases[-1].batches
-    spec = OrderSpec(state["seed"], state["shuffle"], state["canonical_parts"], state["block"])  # the state's own
-    order = EpochOrder.of(shards, spec, state["epoch"])
+    spec = OrderSpec(state["seed"], state["shuffle"], state["canonical_parts"], state["block"], 4)  # the state's
+    # own, and the store's pack (its schema's fingerprint is in the state)
+    order = EpochOrder([s.samples for s in shards], spec, state["epoch"])
     rest = remainder(order.total, phases)
     sizes = [count(slice_of(rest, PARTS, q)) for q in range(PARTS)]
     ids = []

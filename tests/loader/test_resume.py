@@ -166,7 +166,7 @@ def test_a_resume_reads_only_from_the_block_it_resumes_in(store, tmp_path, monke
         shards = it.reader.plan.shards
         list(it)
     blocks = [(c, b) for who, c, b in blocks if who is feed]
-    order = EpochOrder.of(shards, OrderSpec(KW["seed"], True, 1, state["block"]), 0)
+    order = EpochOrder([s.samples for s in shards], OrderSpec(KW["seed"], True, 1, state["block"], 4), 0)
     first = next(order.visits(remainder(TOTAL, [Phase(1, B, int(n * 0.9))])))
     assert blocks and blocks[0] == (first.c, first.b)
     bounds = order.canonical(0)[2]

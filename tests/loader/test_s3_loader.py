@@ -372,10 +372,13 @@ def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_r
     for epoch in epochs:
         assert sorted(i for ids, _ in epoch for i in ids) == list(range(sum(counts.values())))
     assert epochs[0] != epochs[1]
-    with ShardIter(local, 8, seed=2, shuffle_buffer=16, native_batch=4) as it:  # the folder, readers=2, no limit
+    with ShardIter(local, 8, seed=2, shuffle_buffer=16, native_batch=4, stripes=False) as it:  # the folder,
+        # readers=2, no limit, blocks of whole files as an object store's
         assert [read_epoch(it), (it.reset(), read_epoch(it))[1]] == epochs  # the same order (docs/s3.md, "Order")
     assert 0 < peak[0] <= limit, (peak, snap)
-    assert downloads > len(counts)  # the second epoch fetched again what the first evicted
+    # The second epoch fetched again what the first evicted, each file about once an epoch (blocks of a
+    # piece of every date would fetch every file for every block: 124 downloads an epoch at 5 blocks).
+    assert len(counts) < downloads <= 3 * len(counts)
     with ShardIter(url, 8, cache_dir=cache, **kw) as it:
         [it.next() for _ in range(7)]
         state = it.state_dict()
