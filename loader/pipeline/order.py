@@ -232,9 +232,15 @@ class EpochOrder:
         """The shards ``intervals`` read samples of (whole blocks: a block is read whole)."""
         seen, out = set(), set()
         for v in self.visits(intervals):
-            if (v.c, v.b) not in seen:
-                seen.add((v.c, v.b))
-                out.update(k for k, _, _ in self.block(v.c, v.b).pieces)
+            seen.add((v.c, v.b))
+        for c in {c for c, _ in seen}:
+            pieces, _, bounds = self.canonical(c)
+            blocks = [b for b in range(len(bounds) - 1) if (c, b) in seen]
+            if len(blocks) == len(bounds) - 1:  # every block: the part's pieces (no block made: stripes)
+                out.update(int(k) for k in pieces[:, 0])
+            else:
+                for b in blocks:
+                    out.update(k for k, _, _ in self.block(c, b).pieces)
         return out
 
 

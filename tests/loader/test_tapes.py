@@ -85,3 +85,20 @@ def test_a_shard_is_checked_when_a_block_that_reads_it_comes(tmp_path):
         assert _checked(it) <= 4, "the first blocks' shards are checked, not the store's 12"
         ids = [i for b in it for i in batch_ids(b)]
     assert ids == list(range(8, 480))
+
+
+@pytest.mark.parametrize("saved, loading", [(False, None), (True, False)])
+def test_a_state_resumes_in_its_own_blocks_whatever_the_loading_iterator_would_use(tmp_path, saved, loading):
+    """``stripes`` shapes the order (an object store's default is whole files, a folder's stripes):
+    the state records it, and an iterator of the other kind resumes exactly the rest."""
+    counts = {f"2024-03-{d:02d}": 30 + d for d in range(1, 9)}
+    make_store(tmp_path / "s", counts, pack=4)
+    with ShardIter(tmp_path / "s", 8, seed=2, shuffle_buffer=10, stripes=saved, cache_dir=tmp_path / "c") as it:
+        for _ in range(5):
+            it.next()
+        state = it.state_dict()
+        rest = [batch_ids(b) for b in it]
+    assert state["stripes"] is saved
+    with ShardIter(tmp_path / "s", 8, seed=2, shuffle_buffer=10, stripes=loading, cache_dir=tmp_path / "d") as it:
+        it.load_state_dict(state)
+        assert [batch_ids(b) for b in it] == rest
