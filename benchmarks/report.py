@@ -12,6 +12,8 @@ from typing import Optional
 import mxnet as mx
 import numpy as np
 
+from benchmarks.bigmem import bigmem_lines, bigmem_targets
+from benchmarks.tenyear import ten_year_lines, ten_year_targets
 from shardgen.store.manifest import utc_now
 
 __all__ = ["machine_info", "targets", "results_table", "targets_block", "table", "chart"]
@@ -79,10 +81,10 @@ def targets(res: dict) -> list[dict]:
     """Each target: name, value, the limit and how it is judged (``target``), met. ShardIter's stall
     is judged against the floor measured in the same run (``res["stall_floor"]``): the shared
     machine's own cost of waking a sleeping consumer, which moves from run to run."""
-    if "loaders" not in res:  # --only boundaries / objects / cpu
+    if "loaders" not in res:  # --only boundaries / objects / cpu / ten-years / larger-than-memory
         return _judge((_boundary_targets(res["boundaries"]) if "boundaries" in res else [])
                       + (_object_targets(res["object_store"]) if "object_store" in res else [])
-                      + (_cpu_targets(res["cpu"]) if "cpu" in res else []))
+                      + (_cpu_targets(res["cpu"]) if "cpu" in res else []) + _issue65_targets(res))
     lo = res["loaders"]
     si = lo["ShardIter"]
     floor = {load: res["stall_floor"][load]["stall_pct"] for load in ("stall_50", "stall_90")}
@@ -158,7 +160,18 @@ def targets(res: dict) -> list[dict]:
                  ("soak: threads added, epochs 100 -> 300", so["threads_delta"], "<=", 0)]
     if "boundaries" in res:
         rows += _boundary_targets(res["boundaries"])
-    return _judge(rows)
+    return _judge(rows + _issue65_targets(res))
+
+
+def _issue65_targets(res: dict) -> list[tuple]:
+    """Ten years, and a store larger than memory, beside the memmap loop (issue 65)."""
+    return ((ten_year_targets(res["ten_year"]) if "ten_year" in res else [])
+            + (bigmem_targets(res["larger_than_memory"]) if "larger_than_memory" in res else []))
+
+
+def _issue65_lines(res: dict) -> list[str]:
+    return ((ten_year_lines(res["ten_year"]) if "ten_year" in res else [])
+            + (bigmem_lines(res["larger_than_memory"]) if "larger_than_memory" in res else []))
 
 
 def _mixing_targets(mx: dict) -> list[tuple]:
@@ -289,10 +302,10 @@ def _object_lines(ob: dict) -> list[str]:
 
 def results_table(res: dict) -> str:
     """Every figure of a run, as plain text (the targets apart)."""
-    if "loaders" not in res:  # --only boundaries / objects / cpu
+    if "loaders" not in res:  # --only boundaries / objects / cpu / ten-years / larger-than-memory
         return "\n".join((_boundary_lines(res["boundaries"])[1:] if "boundaries" in res else [])
                          + (_object_lines(res["object_store"]) if "object_store" in res else [])
-                         + (_cpu_lines(res["cpu"])[1:] if "cpu" in res else []))
+                         + (_cpu_lines(res["cpu"])[1:] if "cpu" in res else []) + _issue65_lines(res)[1:])
     lines = [f"{'loader':32} {'samples/s':>11} {'GB/s':>6} {'stall@50%':>10} {'stall@90%':>10} "
              f"{'next() p99 ms @50%/@90%':>24}"]
     for name, r in res["loaders"].items():
@@ -373,7 +386,7 @@ def results_table(res: dict) -> str:
                      f"{res['machine'].get('nproc', '?')} cores")
     if "boundaries" in res:
         lines += _boundary_lines(res["boundaries"])
-    return "\n".join(lines)
+    return "\n".join(lines + _issue65_lines(res))
 
 
 def targets_block(res: dict) -> str:
