@@ -63,9 +63,9 @@ class MemoryLimit:
 
 
 def _limited(kind: str, source: str, cache: Optional[str], batch_size: int, seconds: float, limit: int,
-             drop: tuple) -> dict:
+             drop: tuple, cgroup: Path) -> dict:
     drop_pages(*drop)
-    with MemoryLimit(limit) as cg:
+    with MemoryLimit(limit, cgroup) as cg:
         r = run_fresh(kind, source, cache, batch_size, 2, seconds, preexec=cg.join, timeout=3 * seconds + 300)
         r["cgroup_peak"] = cg.peak()
     return r
@@ -73,8 +73,9 @@ def _limited(kind: str, source: str, cache: Optional[str], batch_size: int, seco
 
 def larger_than_memory(cache: Path, *, n_dates: int = 250, rows: int = 125_000, limit: int = 2 * GIB,
                        seconds: float = 60.0, loop_seconds: float = 40.0, batch_size: int = 512,
-                       root: Optional[Path] = None, log: Callable[[str], None] = lambda m: None) -> dict:
-    why = cgroup_unavailable()
+                       root: Optional[Path] = None, cgroup: Path = CGROUP_V1,
+                       log: Callable[[str], None] = lambda m: None) -> dict:
+    why = cgroup_unavailable(cgroup)
     res: dict = {"dates": n_dates, "rows_per_date": rows, "limit": limit, "seconds": seconds,
                  "loop_seconds": loop_seconds, "batch_size": batch_size}
     if why:
@@ -88,8 +89,8 @@ def larger_than_memory(cache: Path, *, n_dates: int = 250, rows: int = 125_000, 
     log(f"bench: larger than memory ({st['store_bytes'] / 1e9:.1f} GB of shards, {built}) under a "
         f"{limit / GIB:g} GiB cgroup: "
         f"ShardIter {seconds:g} s, the memmap loop {loop_seconds:g} s")
-    res["shard_iter"] = _limited("shard_iter", st["store"], str(cache), batch_size, seconds, limit, drop)
-    res["memmap"] = _limited("memmap", st["memmap"], None, batch_size, loop_seconds, limit, drop)
+    res["shard_iter"] = _limited("shard_iter", st["store"], str(cache), batch_size, seconds, limit, drop, cgroup)
+    res["memmap"] = _limited("memmap", st["memmap"], None, batch_size, loop_seconds, limit, drop, cgroup)
     for kind in ("shard_iter", "memmap"):
         r = res[kind]
         if "failed" not in r:

@@ -64,6 +64,13 @@ def test_quick_bench_writes_results(quick):
             "the trainer's own numpy gather after a ShardIter ran / before",
             "ShardIter shuffled: process CPU per window / the RAM gather floor"} <= names
     assert all(isinstance(t["met"], bool) for t in res["targets"])
+    # issue 65's rows, at a toy scale: both loops ran on the ten-year store; the larger-than-memory row ran
+    # under a cgroup or says why not
+    assert "failed" not in res["ten_year"]["shard_iter"] and "failed" not in res["ten_year"]["memmap"]
+    assert res["ten_year"]["store"]["dates"] == 12 and res["larger_than_memory"]["dates"] == 4
+    assert "unavailable" in res["larger_than_memory"] or res["larger_than_memory"]["rate_ratio"] > 0
+    assert sum(t["name"].startswith("ten years (12 dates") for t in res["targets"]) == 10
+    assert sum(t["name"].startswith("larger than memory (4 dates") for t in res["targets"]) in (1, 2)
     assert "targets:" in stdout and "ShardIter" in stdout
     # ShardIter's stall is judged against the floor measured in the same run, plus one point
     by_name = {t["name"]: t for t in res["targets"]}
@@ -102,3 +109,137 @@ def test_quick_bench_page_is_written_from_its_results(quick):
     assert text.count("```") % 2 == 0
     chart = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)  # linked only if written, relative to the page
     assert chart == (["../chart.png"] if "chart:" in stdout else [])
+
+
+# -- issue 65's rows, on tiny stores: the row code runs and measures what it says --------------------------------
+
+
+def _tiny_ten_year(tmp_path):
+    from benchmarks.tenyear import ten_year
+
+    return ten_year(tmp_path / "cache", n_dates=8, rows=400, root=tmp_path / "stores")
+
+
+def test_ten_year_row_on_a_tiny_store(tmp_path):
+    import numpy as np
+
+    from benchmarks.bigstores import default_layout
+    from benchmarks.report import _judge
+    from benchmarks.tenyear import ten_year_lines, ten_year_targets
+    from shardgen.store.manifest import Manifest
+
+    ty = _tiny_ten_year(tmp_path)
+    windows = 8 * (400 - 60 + 1)
+    st = ty["store"]
+    assert st["windows"] == windows and not st["cached"]
+    store = next((tmp_path / "stores").glob("*/store"))
+    m = Manifest.load(store / "manifest.json")
+    assert m.schema.layout == default_layout() and [s.samples for s in m.shards] == [341] * 8
+    assert st["store_bytes"] == m.bytes
+    assert st["raw_bytes"] == 8 * 400 * 32 * 4 + windows * 6 * 4  # rows and labels (5 + the day), float32
+    assert ty["bytes_ratio"] == pytest.approx(m.bytes / st["raw_bytes"])
+    for kind in ("memmap", "shard_iter"):
+        r = ty[kind]
+        assert "failed" not in r, r
+        assert r["windows"] == 2 * windows and r["epochs_done"] == 2
+        assert 0 < r["construct_s"] <= r["first_batch_s"] <= r["seconds"]
+        assert r["samples_per_s"] == pytest.approx(r["windows"] / r["seconds"])
+        assert r["peak_rss"] > 50e6
+        # every full batch of both epochs (windows // 512 of them), each holding at most the 8 dates
+        assert sorted(r["dates"]) == ["0", "1"] and all(d["batches"] == windows // 512 for d in r["dates"].values())
+        assert all(1 <= d["least"] <= d["mean"] <= 8 for d in r["dates"].values())
+    # the memmap loop draws an exact shuffle: with 8 dates of 341 windows every batch of 512 holds all 8
+    assert ty["exact_dates_per_batch"] == pytest.approx(8.0)
+    assert ty["memmap"]["dates"]["0"]["mean"] == 8 and ty["memmap"]["dates"]["0"]["mean_ratio"] == pytest.approx(1)
+    ratios = ty["ratios"]
+    assert ratios["samples_per_s"] == pytest.approx(ty["shard_iter"]["samples_per_s"] / ty["memmap"]["samples_per_s"])
+    assert ratios["peak_rss"] == pytest.approx(ty["shard_iter"]["peak_rss"] / ty["memmap"]["peak_rss"])
+    judged = _judge(ten_year_targets(ty))
+    assert len(judged) == 10 and all(np.isfinite(t["value"]) for t in judged)
+    by = {t["name"].split(": ", 1)[1]: t for t in judged}
+    assert by["ShardIter construction (s)"]["value"] == ty["shard_iter"]["construct_s"]
+    assert by["ShardIter construction (s)"]["met"] == (ty["shard_iter"]["construct_s"] <= 0.5)
+    assert "ten years: 8 weekdays x 400 rows" in "\n".join(ten_year_lines(ty))
+    again = _tiny_ten_year(tmp_path)  # a second run reuses the store
+    assert again["store"]["cached"] and again["store"]["build_s"] == st["build_s"]
+
+
+def test_ten_year_memmap_holds_the_stores_windows(tmp_path):
+    """The memmap loop reads the very rows and labels the store holds (written from the same rows)."""
+    import numpy as np
+
+    from benchmarks.bigstores import synthetic_store
+    from loader.shard_iter import ShardIter
+
+    st = synthetic_store(3, 100, root=tmp_path)
+    mm = tmp_path / next(p.name for p in tmp_path.iterdir()) / "memmap"
+    rows, starts = np.load(mm / "rows.npy"), np.load(mm / "starts.npy")
+    labels = np.load(mm / "labels.npy")
+    assert st["windows"] == len(starts) == len(labels) == 3 * 41
+    x = rows[starts[:, None] + np.arange(60)]
+    with ShardIter(st["store"], len(starts), shuffle=False, cache_dir=tmp_path / "cache") as it:
+        b = it.next()
+        assert b.pad == 0
+        order = np.lexsort((b.data[0].asnumpy()[:, 0, 0], b.label[-1].asnumpy()))  # by date, then first row
+        np.testing.assert_array_equal(b.data[0].asnumpy()[order], x)
+        got = np.column_stack([lab.asnumpy().reshape(len(starts), -1) for lab in b.label])[order]
+        np.testing.assert_array_equal(got, labels)
+
+
+def test_exact_dates_per_batch():
+    from benchmarks.loops import exact_dates_per_batch
+
+    assert exact_dates_per_batch([2, 2], 2) == pytest.approx(5 / 3)  # same date with chance 1/3
+    assert exact_dates_per_batch([5], 3) == pytest.approx(1.0)
+    assert exact_dates_per_batch([1, 1, 1], 1) == pytest.approx(1.0)
+    assert exact_dates_per_batch([3, 1], 2) == pytest.approx(1 + 1 / 2)  # the lone window: in 3 of 6 pairs
+    # 250 dates of 124,941 windows, batches of 512 (the issue's 218): nearly drawing with replacement
+    assert exact_dates_per_batch([124_941] * 250, 512) == pytest.approx(250 * (1 - (249 / 250) ** 512), abs=0.05)
+
+
+def _tiny_bigmem(tmp_path, **kw):
+    from benchmarks.bigmem import larger_than_memory
+
+    return larger_than_memory(tmp_path / "cache", n_dates=4, rows=2000, seconds=1.0, loop_seconds=0.5,
+                              root=tmp_path / "stores", **kw)
+
+
+def test_larger_than_memory_row_on_a_tiny_store(tmp_path):
+    from benchmarks.bigmem import CGROUP_V1, bigmem_lines, bigmem_targets, cgroup_unavailable
+    from benchmarks.report import _judge
+
+    bm = _tiny_bigmem(tmp_path)
+    why = cgroup_unavailable()
+    if why:  # the row says so, and its target is judged not met
+        assert bm["unavailable"] == why
+        assert [t["met"] for t in _judge(bigmem_targets(bm))] == [False]
+        return
+    assert bm["exact_dates_per_batch"] == pytest.approx(4.0)
+    for kind in ("shard_iter", "memmap"):
+        r = bm[kind]
+        assert "failed" not in r, r
+        # read in the cgroup: what the child used was charged to it
+        assert 50e6 < r["cgroup_peak"] <= bm["limit"] and r["windows"] > 0 and r["samples_per_s"] > 0
+        assert r["dates"]["0"]["mean"] == 4
+    assert bm["rate_ratio"] == pytest.approx(bm["shard_iter"]["samples_per_s"] / bm["memmap"]["samples_per_s"])
+    judged = _judge(bigmem_targets(bm))
+    assert [t["limit"] for t in judged] == [0.8, 100.0] and judged[0]["value"] == pytest.approx(1.0)
+    assert "under a 2 GiB cgroup v1 limit" in "\n".join(bigmem_lines(bm))
+    assert not list(CGROUP_V1.glob("shardgen-bench-*"))  # every cgroup made was removed
+
+
+def test_larger_than_memory_row_limits_the_reader(tmp_path):
+    """Under a limit too small for an MXNet process, the reader is killed: the row says it failed
+    (no exception), and its targets are judged not met."""
+    from benchmarks.bigmem import CGROUP_V1, bigmem_lines, bigmem_targets, cgroup_unavailable
+    from benchmarks.report import _judge
+
+    if cgroup_unavailable():
+        bm = _tiny_bigmem(tmp_path, cgroup=tmp_path)  # no controller there
+        assert bm["unavailable"] == f"no cgroup v1 memory controller at {tmp_path}"
+    else:
+        bm = _tiny_bigmem(tmp_path, limit=40 << 20)
+        assert "failed" in bm["shard_iter"] and "rate_ratio" not in bm
+        assert not list(CGROUP_V1.glob("shardgen-bench-*"))  # every cgroup made was removed
+    assert [t["met"] for t in _judge(bigmem_targets(bm))] == [False]
+    assert "not measured" in bigmem_targets(bm)[0][0] or "failed" in "\n".join(bigmem_lines(bm))
