@@ -11,6 +11,8 @@ of it would stay held there between runs."""
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -52,8 +54,20 @@ def weekdays(n: int, start: dt.date = dt.date(2015, 1, 5)) -> list[dt.date]:
     return out
 
 
+def _writer_version() -> str:
+    """A digest of the code that decides a shard's bytes (shardgen/format, the writer): a store
+    written by other code is written again."""
+    import shardgen
+
+    pkg = Path(shardgen.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted([*(pkg / "format").glob("*.py"), pkg / "produce" / "writer.py", pkg / "process.py"]):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:10]
+
+
 def _key(n_dates: int, rows: int, layout: Layout) -> str:
-    return f"d{n_dates}x{rows}-T{T}C{C}-{layout.kind}{layout.pack}r{layout.run_rows}"
+    return f"d{n_dates}x{rows}-T{T}C{C}-{layout.kind}{layout.pack}r{layout.run_rows}-{_writer_version()}"
 
 
 def synthetic_store(n_dates: int, rows: int, *, root: Optional[Path] = None,
@@ -62,12 +76,21 @@ def synthetic_store(n_dates: int, rows: int, *, root: Optional[Path] = None,
     the default layout: ``{"store", "memmap", "build_s", "cached", "windows", "raw_bytes", "store_bytes"}``.
     ``memmap`` is the folder :func:`benchmarks.memmap._memmap_loop` reads (rows, starts, labels)."""
     layout = default_layout()
-    folder = (root or store_cache()) / _key(n_dates, rows, layout)
-    done = folder / DONE
-    if done.exists():
-        return {**json.loads(done.read_text()), "cached": True, "store": str(folder / "store"),
-                "memmap": str(folder / "memmap")}
-    shutil.rmtree(folder, ignore_errors=True)
+    base = root or store_cache()
+    base.mkdir(parents=True, exist_ok=True)
+    folder = base / _key(n_dates, rows, layout)
+    with open(base / f"d{n_dates}x{rows}.lock", "w") as lock:  # one writer of a size at a time (two benches)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = (folder / DONE).exists()
+        if not cached:
+            for old in base.glob(f"d{n_dates}x{rows}-*"):  # the same size by other code or layout: gigabytes
+                shutil.rmtree(old, ignore_errors=True)
+            _write(folder, n_dates, rows, layout, log)
+    return {**json.loads((folder / DONE).read_text()), "cached": cached, "store": str(folder / "store"),
+            "memmap": str(folder / "memmap")}
+
+
+def _write(folder: Path, n_dates: int, rows: int, layout: Layout, log: Callable[[str], None]) -> None:
     (folder / "memmap").mkdir(parents=True)
     log(f"bench: writing {n_dates} dates x {rows} rows ({layout.kind}, pack {layout.pack}) to {folder}")
     schema = Schema.create(time_steps=T, num_inputs=C, data_name="seq_var", labels=LABELS, layout=layout)
@@ -93,8 +116,7 @@ def synthetic_store(n_dates: int, rows: int, *, root: Optional[Path] = None,
     info = {"build_s": time.perf_counter() - t0, "windows": m.samples, "store_bytes": m.bytes,
             "raw_bytes": raw_bytes(mm), "dates": n_dates, "rows_per_date": rows,
             "layout": f"{layout.kind} pack {layout.pack} run_rows {layout.run_rows}"}
-    done.write_text(json.dumps(info))
-    return {**info, "cached": False, "store": str(folder / "store"), "memmap": str(mm)}
+    (folder / DONE).write_text(json.dumps(info))
 
 
 def raw_bytes(memmap: Path) -> int:

@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -171,8 +172,10 @@ def test_ten_year_memmap_holds_the_stores_windows(tmp_path):
     from benchmarks.bigstores import synthetic_store
     from loader.shard_iter import ShardIter
 
+    (tmp_path / "d3x100-T60C32-runs64r123-written-by-older-code").mkdir(parents=True)  # gigabytes at full size
     st = synthetic_store(3, 100, root=tmp_path)
-    mm = tmp_path / next(p.name for p in tmp_path.iterdir()) / "memmap"
+    assert [p.name for p in tmp_path.glob("d3x100-*")] == [Path(st["store"]).parent.name]
+    mm = Path(st["memmap"])
     rows, starts = np.load(mm / "rows.npy"), np.load(mm / "starts.npy")
     labels = np.load(mm / "labels.npy")
     assert st["windows"] == len(starts) == len(labels) == 3 * 41
