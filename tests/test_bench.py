@@ -157,6 +157,7 @@ def test_ten_year_row_on_a_tiny_store(tmp_path):
     assert ratios["peak_rss"] == pytest.approx(ty["shard_iter"]["peak_rss"] / ty["memmap"]["peak_rss"])
     judged = _judge(ten_year_targets(ty))
     assert len(judged) == 10 and all(np.isfinite(t["value"]) for t in judged)
+    assert [t["limit"] for t in judged] == [1.3, 1.5, 4.0, 0.5, 0.9, 0.8, 0.9, 0.8, 1.2, 1.3]  # the issue's
     by = {t["name"].split(": ", 1)[1]: t for t in judged}
     assert by["ShardIter construction (s)"]["value"] == ty["shard_iter"]["construct_s"]
     assert by["ShardIter construction (s)"]["met"] == (ty["shard_iter"]["construct_s"] <= 0.5)
@@ -200,6 +201,47 @@ def test_exact_dates_per_batch():
     assert exact_dates_per_batch([124_941] * 250, 512) == pytest.approx(250 * (1 - (249 / 250) ** 512), abs=0.05)
 
 
+def test_dates_summary_per_epoch():
+    from benchmarks.tenyear import dates_summary
+
+    got = dates_summary({"dates_per_batch": [[3, 5, 4], [2, 6]]}, 4.0)
+    assert got == {"0": {"mean": 4.0, "least": 3, "batches": 3, "mean_ratio": 1.0, "least_ratio": 0.75},
+                   "1": {"mean": 4.0, "least": 2, "batches": 2, "mean_ratio": 1.0, "least_ratio": 0.5}}
+
+
+def test_a_bounded_run_stops_at_its_time(tmp_path):
+    """``seconds``: the loop stops after the batch that reached the bound (here: the first)."""
+    from benchmarks.bigstores import synthetic_store
+    from benchmarks.loops import measure
+
+    st = synthetic_store(3, 200, root=tmp_path)
+    for kind, source in (("memmap", st["memmap"]), ("shard_iter", st["store"])):
+        r = measure(kind, source, str(tmp_path / "cache"), 64, 2, seconds=0.0)
+        assert r["windows"] == 64 and r["epochs_done"] == 0 and len(r["dates_per_batch"]) == 1, (kind, r)
+
+
+def test_drop_pages_empties_the_page_cache(tmp_path):
+    import shutil
+
+    from benchmarks.bigstores import drop_pages
+
+    f = tmp_path / "a" / "b.bin"
+    f.parent.mkdir()
+    f.write_bytes(b"x" * (4 << 20))
+    f.read_bytes()
+    assert drop_pages(tmp_path)
+
+    def resident() -> int:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(f)], capture_output=True,
+                             text=True, check=True).stdout
+        return int(out.strip())
+
+    if shutil.which("fincore"):  # util-linux
+        assert resident() == 0
+        f.read_bytes()
+        assert resident() == 4 << 20
+
+
 def _tiny_bigmem(tmp_path, **kw):
     from benchmarks.bigmem import larger_than_memory
 
@@ -237,12 +279,14 @@ def test_larger_than_memory_row_limits_the_reader(tmp_path):
     from benchmarks.bigmem import CGROUP_V1, bigmem_lines, bigmem_targets, cgroup_unavailable
     from benchmarks.report import _judge
 
-    if cgroup_unavailable():
-        bm = _tiny_bigmem(tmp_path, cgroup=tmp_path)  # no controller there
-        assert bm["unavailable"] == f"no cgroup v1 memory controller at {tmp_path}"
-    else:
+    assert cgroup_unavailable(tmp_path) == f"no cgroup v1 memory controller at {tmp_path}"
+    not_here = _tiny_bigmem(tmp_path, cgroup=tmp_path)
+    assert not_here["unavailable"] == f"no cgroup v1 memory controller at {tmp_path}"
+    assert [t["met"] for t in _judge(bigmem_targets(not_here))] == [False]
+    assert "not measured (no cgroup v1 memory controller" in "\n".join(bigmem_lines(not_here))
+    if not cgroup_unavailable():
         bm = _tiny_bigmem(tmp_path, limit=40 << 20)
         assert "failed" in bm["shard_iter"] and "rate_ratio" not in bm
         assert not list(CGROUP_V1.glob("shardgen-bench-*"))  # every cgroup made was removed
-    assert [t["met"] for t in _judge(bigmem_targets(bm))] == [False]
-    assert "not measured" in bigmem_targets(bm)[0][0] or "failed" in "\n".join(bigmem_lines(bm))
+        assert [t["met"] for t in _judge(bigmem_targets(bm))] == [False]
+        assert "not measured" in bigmem_targets(bm)[0][0] and "failed" in "\n".join(bigmem_lines(bm))
