@@ -2,6 +2,7 @@
 timings: `make bench` does those)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -288,7 +289,7 @@ def test_larger_than_memory_row_on_a_tiny_store(tmp_path):
     judged = _judge(bigmem_targets(bm))
     assert [t["limit"] for t in judged] == [0.8, 100.0] and judged[0]["value"] == pytest.approx(1.0)
     assert "under a 2 GiB cgroup v1 limit" in "\n".join(bigmem_lines(bm))
-    assert not list(CGROUP_V1.glob("shardgen-bench-*"))  # every cgroup made was removed
+    assert not list(CGROUP_V1.glob(f"shardgen-bench-{os.getpid()}-*"))  # every cgroup made was removed
 
 
 def test_larger_than_memory_row_limits_the_reader(tmp_path):
@@ -305,6 +306,6 @@ def test_larger_than_memory_row_limits_the_reader(tmp_path):
     if not cgroup_unavailable():
         bm = _tiny_bigmem(tmp_path, limit=40 << 20)
         assert "shard_iter: killed (SIGKILL: out of memory?)" in bm["shard_iter"]["failed"] and "rate_ratio" not in bm
-        assert not list(CGROUP_V1.glob("shardgen-bench-*"))  # every cgroup made was removed
+        assert not list(CGROUP_V1.glob(f"shardgen-bench-{os.getpid()}-*"))  # every cgroup made was removed
         assert [t["met"] for t in _judge(bigmem_targets(bm))] == [False]
         assert "not measured" in bigmem_targets(bm)[0][0] and "failed" in "\n".join(bigmem_lines(bm))
