@@ -27,6 +27,7 @@ import mxnet as mx
 import numpy as np
 
 from benchmarks.baselines import ListBatchIter, PoppedBatches, samples_from_arrays
+from benchmarks.bigmem import larger_than_memory as bigmem_row
 from benchmarks.boundaries import boundary_suite
 from benchmarks.content import content_check, writer_checksums
 from benchmarks.cpu import cpu_suite
@@ -38,6 +39,7 @@ from benchmarks.report import chart, machine_info, table, targets
 from benchmarks.scale import scale_suite
 from benchmarks.soak import soak_in_subprocess
 from benchmarks.stores import LAYOUTS, PER_DATE, bench_cache, build, evict, schema_for, touch
+from benchmarks.tenyear import ten_year
 from benchmarks.training import loop_cost
 from benchmarks.writer import build_cost, writer_bandwidth
 from loader.shard_iter import ShardIter
@@ -139,9 +141,10 @@ def _arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--no-docs", action="store_true", help="write no results page")
     p.add_argument("--chart", type=Path, help="the PNG chart (default: next to the results page, else "
                    "bench/chart.png)")
-    p.add_argument("--only", choices=["boundaries", "objects", "cpu"], help="run only these rows (objects: S3 on "
-                   "loopback, issue 36; boundaries: epoch boundaries "
-                   "at 400 shards, issue 37; cpu: CPU per window, issue 46); writes no results page")
+    p.add_argument("--only", choices=["boundaries", "objects", "cpu", "ten-years", "larger-than-memory"],
+                   help="run only these rows (objects: S3 on loopback, issue 36; boundaries: epoch boundaries "
+                   "at 400 shards, issue 37; cpu: CPU per window, issue 46; ten-years and larger-than-memory: "
+                   "issue 65's stores beside the memmap loop); writes no results page")
     p.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder, removed after)")
     args = p.parse_args(argv)
     if args.no_docs or args.only:
@@ -157,6 +160,20 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)  # progress to stderr
 
 
+def issue65_rows(args: argparse.Namespace, workdir: Path, res: dict, *, ten_years: bool,
+                 larger_than_memory: bool) -> None:
+    """Issue 65's stores, each read by ShardIter and the memmap loop in fresh processes; ``--quick``
+    at a toy scale in the workdir (the real stores are kept under ``bigstores.store_cache()``)."""
+    small = {"root": workdir / "issue65"} if args.quick else {}
+    if ten_years:
+        res["ten_year"] = ten_year(bench_cache(), batch_size=args.batch_size, log=log, **small,
+                                   **({"n_dates": 12, "rows": 200} if args.quick else {}))
+    if larger_than_memory:
+        res["larger_than_memory"] = bigmem_row(
+            bench_cache(), batch_size=args.batch_size, log=log, **small,
+            **({"n_dates": 4, "rows": 2000, "seconds": 2.0, "loop_seconds": 1.0} if args.quick else {}))
+
+
 def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     """Every measurement, into ``res``."""
     n = args.samples or (6000 if args.quick else 100_000)
@@ -169,6 +186,11 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
                        "num_inputs": 32}
     if args.only == "boundaries":
         res["boundaries"] = boundary_suite(workdir, cache, quick=args.quick, seconds=seconds, batch_size=bs, log=log)
+        res["targets"] = targets(res)
+        return
+    if args.only in ("ten-years", "larger-than-memory"):
+        issue65_rows(args, workdir, res, ten_years=args.only == "ten-years",
+                     larger_than_memory=args.only == "larger-than-memory")
         res["targets"] = targets(res)
         return
     if args.only == "cpu":
@@ -221,6 +243,9 @@ def run(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     res["training_loop"] = loop_cost(store, bs, cache, steps=4 if args.quick else 30)
     res["scale"] = scale_suite(workdir, quick=args.quick, seconds=seconds, log=log)
     res["boundaries"] = boundary_suite(workdir, cache, quick=args.quick, seconds=seconds, batch_size=bs, log=log)
+    if not args.quick:  # about 2 minutes with the stores kept, 4 the first time (10 GB written to disk);
+        # a quick run leaves them to ``--quick --only ten-years`` / ``larger-than-memory`` (tests/test_bench.py)
+        issue65_rows(args, workdir, res, ten_years=True, larger_than_memory=True)
     log("bench: soak")
     res["soak"] = soak_in_subprocess(workdir, cache, epochs=12 if args.quick else 300,
                                      publish_every=3 if args.quick else 10,

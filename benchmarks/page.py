@@ -61,6 +61,12 @@ HOW_TO_READ = """\
   the reference generator alone, serially, for the same dates, with jobs=1 and jobs=2.
 * **Gluon LSTM loop**: the same imperative training loop (a small LSTM on the CPU) from batches
   already in RAM and from ShardIter, in alternating rounds; the ratio is the median of the rounds'.
+* **ten years** and **larger than memory** (issue 65, `benchmarks/tenyear.py`, `benchmarks/bigmem.py`):
+  synthetic stores in the default layout (kept on disk between runs, `benchmarks/bigstores.py`) read by
+  ShardIter at its defaults and by the memmap loop over the same rows and labels, each in a fresh process,
+  timed from before construction. The exact shuffle's dates per batch is the expected value for the
+  store's windows per date. Larger than memory: each process in a 2 GiB cgroup v1 memory limit (page
+  cache included), the files' pages dropped before each, read for a bounded time.
 """
 
 

@@ -2,9 +2,11 @@
 timings: `make bench` does those)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -102,3 +104,208 @@ def test_quick_bench_page_is_written_from_its_results(quick):
     assert text.count("```") % 2 == 0
     chart = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)  # linked only if written, relative to the page
     assert chart == (["../chart.png"] if "chart:" in stdout else [])
+
+
+# -- issue 65's rows, on tiny stores: the row code runs and measures what it says --------------------------------
+
+
+@pytest.mark.parametrize("row", ["ten-years", "larger-than-memory"])
+def test_quick_issue65_row_from_the_command_line(tmp_path, row):
+    """``python -m benchmarks --quick --only <row>``: the row at a toy scale, its figures and targets printed
+    (a full run runs both rows; a quick run of everything leaves them to this test)."""
+    out = tmp_path / "results.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", row, "--out", str(out),
+                        "--chart", str(tmp_path / "chart.png"), "--workdir", str(tmp_path / "work")],
+                       capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    names = [t["name"] for t in res["targets"]]
+    if row == "ten-years":
+        assert "failed" not in res["ten_year"]["shard_iter"] and "failed" not in res["ten_year"]["memmap"]
+        assert res["ten_year"]["store"]["dates"] == 12 and "larger_than_memory" not in res
+        assert sum(n.startswith("ten years (12 dates") for n in names) == len(names) == 10
+        assert "ten years: 12 weekdays x 200 rows" in r.stdout
+    else:
+        bm = res["larger_than_memory"]
+        assert bm["dates"] == 4 and "ten_year" not in res
+        assert "unavailable" in bm or bm["rate_ratio"] > 0
+        assert all(n.startswith("larger than memory (4 dates") for n in names) and len(names) in (1, 2)
+        assert "larger than memory: 4 dates x 2,000 rows" in r.stdout
+    assert all(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}" in r.stdout for t in res["targets"])
+
+
+def _tiny_ten_year(tmp_path):
+    from benchmarks.tenyear import ten_year
+
+    return ten_year(tmp_path / "cache", n_dates=8, rows=400, root=tmp_path / "stores")
+
+
+def test_ten_year_row_on_a_tiny_store(tmp_path):
+    import numpy as np
+
+    from benchmarks.bigstores import default_layout
+    from benchmarks.report import _judge
+    from benchmarks.tenyear import ten_year_lines, ten_year_targets
+    from shardgen.store.manifest import Manifest
+
+    ty = _tiny_ten_year(tmp_path)
+    windows = 8 * (400 - 60 + 1)
+    st = ty["store"]
+    assert st["windows"] == windows and not st["cached"]
+    store = next((tmp_path / "stores").glob("*/store"))
+    m = Manifest.load(store / "manifest.json")
+    assert m.schema.layout == default_layout() and [s.samples for s in m.shards] == [341] * 8
+    assert st["store_bytes"] == m.bytes
+    assert st["raw_bytes"] == 8 * 400 * 32 * 4 + windows * 6 * 4  # rows and labels (5 + the day), float32
+    assert ty["bytes_ratio"] == pytest.approx(m.bytes / st["raw_bytes"])
+    for kind in ("memmap", "shard_iter"):
+        r = ty[kind]
+        assert "failed" not in r, r
+        assert r["windows"] == 2 * windows and r["epochs_done"] == 2
+        assert 0 < r["construct_s"] <= r["first_batch_s"] <= r["seconds"]
+        assert r["samples_per_s"] == pytest.approx(r["windows"] / r["seconds"])
+        assert r["peak_rss"] > 50e6
+        # every full batch of both epochs (windows // 512 of them), each holding at most the 8 dates
+        assert sorted(r["dates"]) == ["0", "1"] and all(d["batches"] == windows // 512 for d in r["dates"].values())
+        assert all(1 <= d["least"] <= d["mean"] <= 8 for d in r["dates"].values())
+    # the memmap loop draws an exact shuffle: with 8 dates of 341 windows every batch of 512 holds all 8
+    assert ty["exact_dates_per_batch"] == pytest.approx(8.0)
+    assert ty["memmap"]["dates"]["0"]["mean"] == 8 and ty["memmap"]["dates"]["0"]["mean_ratio"] == pytest.approx(1)
+    ratios = ty["ratios"]
+    assert ratios["samples_per_s"] == pytest.approx(ty["shard_iter"]["samples_per_s"] / ty["memmap"]["samples_per_s"])
+    assert ratios["peak_rss"] == pytest.approx(ty["shard_iter"]["peak_rss"] / ty["memmap"]["peak_rss"])
+    judged = _judge(ten_year_targets(ty))
+    assert len(judged) == 10 and all(np.isfinite(t["value"]) for t in judged)
+    assert [t["limit"] for t in judged] == [1.3, 1.5, 4.0, 0.5, 0.9, 0.8, 0.9, 0.8, 1.2, 1.3]  # the issue's
+    by = {t["name"].split(": ", 1)[1]: t for t in judged}
+    assert by["ShardIter construction (s)"]["value"] == ty["shard_iter"]["construct_s"]
+    assert by["ShardIter construction (s)"]["met"] == (ty["shard_iter"]["construct_s"] <= 0.5)
+    assert "ten years: 8 weekdays x 400 rows" in "\n".join(ten_year_lines(ty))
+    again = _tiny_ten_year(tmp_path)  # a second run reuses the store
+    assert again["store"]["cached"] and again["store"]["build_s"] == st["build_s"]
+
+
+def test_ten_year_memmap_holds_the_stores_windows(tmp_path):
+    """The memmap loop reads the very rows and labels the store holds (written from the same rows)."""
+    import numpy as np
+
+    from benchmarks.bigstores import synthetic_store
+    from loader.shard_iter import ShardIter
+
+    (tmp_path / "d3x100-T60C32-runs64r123-written-by-older-code").mkdir(parents=True)  # gigabytes at full size
+    st = synthetic_store(3, 100, root=tmp_path)
+    assert [p.name for p in tmp_path.glob("d3x100-*")] == [Path(st["store"]).parent.name]
+    mm = Path(st["memmap"])
+    rows, starts = np.load(mm / "rows.npy"), np.load(mm / "starts.npy")
+    labels = np.load(mm / "labels.npy")
+    assert st["windows"] == len(starts) == len(labels) == 3 * 41
+    x = rows[starts[:, None] + np.arange(60)]
+    with ShardIter(st["store"], len(starts), shuffle=False, cache_dir=tmp_path / "cache") as it:
+        b = it.next()
+        assert b.pad == 0
+        order = np.lexsort((b.data[0].asnumpy()[:, 0, 0], b.label[-1].asnumpy()))  # by date, then first row
+        np.testing.assert_array_equal(b.data[0].asnumpy()[order], x)
+        got = np.column_stack([lab.asnumpy().reshape(len(starts), -1) for lab in b.label])[order]
+        np.testing.assert_array_equal(got, labels)
+
+
+def test_exact_dates_per_batch():
+    from benchmarks.loops import exact_dates_per_batch
+
+    assert exact_dates_per_batch([2, 2], 2) == pytest.approx(5 / 3)  # same date with chance 1/3
+    assert exact_dates_per_batch([5], 3) == pytest.approx(1.0)
+    assert exact_dates_per_batch([1, 1, 1], 1) == pytest.approx(1.0)
+    assert exact_dates_per_batch([3, 1], 2) == pytest.approx(1 + 1 / 2)  # the lone window: in 3 of 6 pairs
+    # 250 dates of 124,941 windows, batches of 512 (the issue's 218): nearly drawing with replacement
+    assert exact_dates_per_batch([124_941] * 250, 512) == pytest.approx(250 * (1 - (249 / 250) ** 512), abs=0.05)
+
+
+def test_dates_summary_per_epoch():
+    from benchmarks.tenyear import dates_summary
+
+    got = dates_summary({"dates_per_batch": [[3, 5, 4], [2, 6]]}, 4.0)
+    assert got == {"0": {"mean": 4.0, "least": 3, "batches": 3, "mean_ratio": 1.0, "least_ratio": 0.75},
+                   "1": {"mean": 4.0, "least": 2, "batches": 2, "mean_ratio": 1.0, "least_ratio": 0.5}}
+
+
+def test_a_bounded_run_stops_at_its_time(tmp_path):
+    """``seconds``: the loop stops after the batch that reached the bound (here: the first)."""
+    from benchmarks.bigstores import synthetic_store
+    from benchmarks.loops import measure
+
+    st = synthetic_store(3, 200, root=tmp_path)
+    for kind, source in (("memmap", st["memmap"]), ("shard_iter", st["store"])):
+        r = measure(kind, source, str(tmp_path / "cache"), 64, 2, seconds=0.0)
+        assert r["windows"] == 64 and r["epochs_done"] == 0 and len(r["dates_per_batch"]) == 1, (kind, r)
+
+
+def test_drop_pages_empties_the_page_cache(tmp_path):
+    import shutil
+
+    from benchmarks.bigstores import drop_pages
+
+    f = tmp_path / "a" / "b.bin"
+    f.parent.mkdir()
+    f.write_bytes(b"x" * (4 << 20))
+    f.read_bytes()
+    assert drop_pages(tmp_path)
+
+    def resident() -> int:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(f)], capture_output=True,
+                             text=True, check=True).stdout
+        return int(out.strip())
+
+    if shutil.which("fincore"):  # util-linux
+        assert resident() == 0
+        f.read_bytes()
+        assert resident() == 4 << 20
+
+
+def _tiny_bigmem(tmp_path, **kw):
+    from benchmarks.bigmem import larger_than_memory
+
+    return larger_than_memory(tmp_path / "cache", n_dates=4, rows=2000, seconds=1.0, loop_seconds=0.5,
+                              root=tmp_path / "stores", **kw)
+
+
+def test_larger_than_memory_row_on_a_tiny_store(tmp_path):
+    from benchmarks.bigmem import CGROUP_V1, bigmem_lines, bigmem_targets, cgroup_unavailable
+    from benchmarks.report import _judge
+
+    bm = _tiny_bigmem(tmp_path)
+    why = cgroup_unavailable()
+    if why:  # the row says so, and its target is judged not met
+        assert bm["unavailable"] == why
+        assert [t["met"] for t in _judge(bigmem_targets(bm))] == [False]
+        return
+    assert bm["exact_dates_per_batch"] == pytest.approx(4.0)
+    for kind in ("shard_iter", "memmap"):
+        r = bm[kind]
+        assert "failed" not in r, r
+        # read in the cgroup: what the child used was charged to it
+        assert 50e6 < r["cgroup_peak"] <= bm["limit"] and r["windows"] > 0 and r["samples_per_s"] > 0
+        assert r["dates"]["0"]["mean"] == 4
+    assert bm["rate_ratio"] == pytest.approx(bm["shard_iter"]["samples_per_s"] / bm["memmap"]["samples_per_s"])
+    judged = _judge(bigmem_targets(bm))
+    assert [t["limit"] for t in judged] == [0.8, 100.0] and judged[0]["value"] == pytest.approx(1.0)
+    assert "under a 2 GiB cgroup v1 limit" in "\n".join(bigmem_lines(bm))
+    assert not list(CGROUP_V1.glob(f"shardgen-bench-{os.getpid()}-*"))  # every cgroup made was removed
+
+
+def test_larger_than_memory_row_limits_the_reader(tmp_path):
+    """Under a limit too small for an MXNet process, the reader is killed: the row says it failed
+    (no exception), and its targets are judged not met."""
+    from benchmarks.bigmem import CGROUP_V1, bigmem_lines, bigmem_targets, cgroup_unavailable
+    from benchmarks.report import _judge
+
+    assert cgroup_unavailable(tmp_path) == f"no cgroup v1 memory controller at {tmp_path}"
+    not_here = _tiny_bigmem(tmp_path, cgroup=tmp_path)
+    assert not_here["unavailable"] == f"no cgroup v1 memory controller at {tmp_path}"
+    assert [t["met"] for t in _judge(bigmem_targets(not_here))] == [False]
+    assert "not measured (no cgroup v1 memory controller" in "\n".join(bigmem_lines(not_here))
+    if not cgroup_unavailable():
+        bm = _tiny_bigmem(tmp_path, limit=40 << 20)
+        assert "shard_iter: killed (SIGKILL: out of memory?)" in bm["shard_iter"]["failed"] and "rate_ratio" not in bm
+        assert not list(CGROUP_V1.glob(f"shardgen-bench-{os.getpid()}-*"))  # every cgroup made was removed
+        assert [t["met"] for t in _judge(bigmem_targets(bm))] == [False]
+        assert "not measured" in bigmem_targets(bm)[0][0] and "failed" in "\n".join(bigmem_lines(bm))
