@@ -167,3 +167,13 @@ def test_the_feeds_one_pass_mapping_matches_a_record_by_record_walk():
         assert np.array_equal(codes, want_codes) and recs == want_recs, (pieces, slot, pack)
     codes, recs = group_items([], [], 7, 64)
     assert len(codes) == 0 and recs == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stripes_spread_each_pieces_extra_records_so_blocks_stay_equal(seed):
+    """Ten pieces of 7 records over 4 blocks: each gives 1 or 2 records to a block (3 blocks get the
+    extra one); the extras of each piece start where the last piece's ended, so the blocks hold 17
+    or 18 records, never 16 beside 19."""
+    order = EpochOrder([7] * 10, OrderSpec(seed, True, 1, 18), 0)
+    sizes = np.diff(order.canonical(0)[2])
+    assert len(sizes) == 4 and sorted(set(sizes.tolist())) == [17, 18], sizes
