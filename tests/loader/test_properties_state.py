@@ -156,7 +156,8 @@ def expected(state: dict) -> list:
     skip = 0
     if phases and phases[-1][:2] == (PARTS, B):
         phases, skip = phases[:-1], phases[-1].batches
-    spec = OrderSpec(state["seed"], state["shuffle"], state["canonical_parts"], state["block"], 4)  # the state's
+    spec = OrderSpec(state["seed"], state["shuffle"], state["canonical_parts"], state["block"], 4,
+                     state.get("stripes") is True)  # the state's
     # own, and the store's pack (its schema's fingerprint is in the state)
     order = EpochOrder([s.samples for s in shards], spec, state["epoch"])
     rest = remainder(order.total, phases)
@@ -225,7 +226,7 @@ def _sign(state: dict) -> dict:
 
 
 FIELDS = sorted(["version", "generation", "fingerprint", "shards", "dates", "epoch", "seed", "shuffle",
-                 "canonical_parts", "block", "phases", "pinned"])  # what state_dict() writes (checked against it)
+                 "canonical_parts", "block", "stripes", "phases", "pinned"])  # what state_dict() writes (checked)
 SHARD_FIELDS = sorted(["date", "rec", "idx", "records", "bytes", "sha256", "windows", "distinct", "checksum"])
 
 
