@@ -40,11 +40,11 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _shard_iter(source: str, cache: Optional[str], batch_size: int, stop: threading.Event):
+def _shard_iter(source: str, cache: Optional[str], batch_size: int, stop: threading.Event, **knobs):
     """(construction seconds are measured around this) -> epoch(e) yielding (arrays, n, day or None)."""
     from loader.shard_iter import ShardIter
 
-    it = ShardIter(source, batch_size, shuffle=True, cache_dir=cache)
+    it = ShardIter(source, batch_size, shuffle=True, cache_dir=cache, **knobs)
 
     def epoch(e: int) -> Iterator:
         if e:
@@ -97,8 +97,9 @@ def measure(kind: str, source: str, cache: Optional[str], batch_size: int = 512,
     import loader.shard_iter  # noqa: F401
 
     stop = threading.Event()
+    kind, _, knobs = kind.partition(":")  # "shard_iter:{json}": ShardIter's keyword arguments
     t0 = time.perf_counter()
-    epoch, close = LOOPS[kind](source, cache, batch_size, stop)
+    epoch, close = LOOPS[kind](source, cache, batch_size, stop, **(json.loads(knobs) if knobs else {}))
     constructed = time.perf_counter() - t0
     first, n, dates, done = None, 0, [[] for _ in range(epochs)], 0
     try:

@@ -159,7 +159,8 @@ class EpochStream:
         try:
             return open_record_iter(source, record_floats=p.schema.record_floats,
                                     batch_size=min(p.native_batch, read.records), shuffle=False, seed=0,
-                                    preprocess_threads=p.preprocess_threads, prefetch_buffer=1)
+                                    preprocess_threads=p.preprocess_threads,
+                                    prefetch_buffer=1)  # 8: +500 MB of RSS at ten years, no faster
         finally:
             shutil.rmtree(source.index.parent, ignore_errors=True)  # read at open
 
