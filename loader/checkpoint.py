@@ -103,7 +103,7 @@ def _check_fields(state: dict) -> None:
     pinned = state.get("pinned")
     want(pinned is None or (isinstance(pinned, int) and not isinstance(pinned, bool) and pinned >= 0), "pinned",
          "null or a generation number")
-    want(state.get("stripes", False) in (True, False), "stripes", "true or false")
+    want(isinstance(state.get("stripes", False), bool), "stripes", "true or false")
     shards = state.get("shards")
     want(isinstance(shards, list) and len(shards) > 0, "shards", "the non-empty list of the epoch's shards")
     try:

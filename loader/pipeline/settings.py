@@ -43,7 +43,7 @@ def check_arguments(*, batch_size: object, num_parts: object, part_index: object
                           f"{num_parts if canonical_parts is None else canonical_parts:,}")
     if not isinstance(part_index, (int, np.integer)) or not 0 <= part_index < num_parts:
         raise LoaderError(f"part_index must be in [0, {num_parts}), got {part_index!r}")
-    if stripes not in (None, True, False) or isinstance(stripes, (int, np.integer)) and not isinstance(stripes, bool):
+    if stripes is not None and not isinstance(stripes, (bool, np.bool_)):
         raise LoaderError(f"stripes must be True, False or None (the store's default), got {stripes!r}")
     if last_batch not in ("pad", "discard"):
         raise LoaderError(f"last_batch must be 'pad' or 'discard', got {last_batch!r}")

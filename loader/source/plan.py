@@ -9,9 +9,9 @@ its records copied by the kernel (``sendfile``) from the checked files into a pr
 in the read's order, with an index of their offsets there (:func:`reader_source`). Any pieces of
 any shards then make one native read.
 
-Files are opened, checked and linked into the plan's folder once (``PlanFiles.ensure``): all of
-them when the plan is made for a store read in place, shard by shard as reads need them for one
-read through a cache, whose files a bounded cache lets go of once read (``PlanFiles.let_go``).
+A store read in place has every file opened when the plan is made (``PlanFiles.hold``); each file
+is checked once, when the first block that reads it comes (``PlanFiles.ensure``), and one read
+through a cache is fetched then too; a bounded cache lets go of it once read (``PlanFiles.let_go``).
 
 Everything the loader writes locally lives under ONE root, ``cache_dir`` (default
 ``$XDG_CACHE_HOME/shardgen``, else ``~/.cache/shardgen``): the plan folders of this host's
@@ -101,8 +101,7 @@ class Read:
 @dataclass(frozen=True)
 class ReaderSource:
     """What one native iterator is opened on: ``path_imgrec``, ``path_imgidx`` and dmlc's part, and
-    the tape it reads (``tape``: its descriptor, closed with the native iterator; ``tape_dir``: the
-    folder of its link, removed then)."""
+    the tape it reads (closed, with the folder of its link, once the native iterator is freed)."""
 
     rec_paths: str
     index: Path

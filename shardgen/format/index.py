@@ -9,8 +9,6 @@ record by the next offset, the last by the file's end; the loader's per-reader i
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from shardgen.format.errors import ShardError
@@ -38,19 +36,10 @@ def _fixed_width_text(offsets: np.ndarray) -> bytes:
     return lines.tobytes()
 
 
-def reader_index(offsets: np.ndarray, end: Optional[int] = None) -> tuple[bytes, int]:
-    """An index that makes one dmlc reader read exactly the records at ``offsets`` (relative to
-    the first of the joined files), and the ``num_parts`` to open it with (read part 0).
-
-    When the range stops inside a file, ``end`` is the next record's offset: the index then adds
-    as many sentinel entries at ``end`` as it has records and asks for part 0 of 2. The sentinels
-    bound the last record's size, and dmlc's part 0 stops at part 1's first offset, so nothing
-    past the range is read.
-    """
-    offsets = np.asarray(offsets, np.int64)
-    if end is None:
-        return _fixed_width_text(offsets), 1
-    return _fixed_width_text(np.concatenate((offsets, np.full(len(offsets), end, np.int64)))), 2
+def reader_index(offsets: np.ndarray) -> tuple[bytes, int]:
+    """An index that makes one dmlc reader read exactly the records at ``offsets`` of a file that
+    holds them and nothing after (a read's tape), and the ``num_parts`` to open it with (read part 0)."""
+    return _fixed_width_text(np.asarray(offsets, np.int64)), 1
 
 
 def parse_index(text: bytes) -> tuple[np.ndarray, np.ndarray]:
