@@ -102,7 +102,7 @@ def _resume(server, store: Path, prefix: str, workdir: Path, batch_size: int, at
     up to the epoch's end, against the shards the rest of the epoch reads plus one feed group (the
     next epoch's feed fetches once this one's has fetched its last)."""
     from loader.pipeline.order import EpochOrder, Phase, remainder
-    from loader.pipeline.stream import order_spec
+    from loader.pipeline.job import order_spec
 
     shards = Manifest.load(store / MANIFEST_NAME).shards
     total = sum(s.bytes for s in shards)
@@ -113,7 +113,7 @@ def _resume(server, store: Path, prefix: str, workdir: Path, batch_size: int, at
             it.next()
         state = it.state_dict()
         order = EpochOrder([s.samples for s in shards], order_spec(it.reader.params), 0)
-        group = it.reader.epochs.cap
+        group = it.reader.pipeline.cap
     rest = sum(shards[i].bytes for i in order.shards_of(remainder(order.total, [Phase(1, batch_size, k)])))
     t0 = time.perf_counter()
     with ShardIter(server.url(prefix), batch_size, cache_dir=workdir / "resume-b", **kw) as it:

@@ -77,7 +77,7 @@ def close_all() -> None:
     """Stop every live iterator's threads before the interpreter (and MXNet's engine) shuts down."""
     for it in list(_LIVE):
         it.close()
-    from loader.pipeline.epochs import join_closing  # dropped iterators' close threads (their finalizer ran already)
+    from loader.pipeline.pipeline import join_closing  # dropped iterators' close threads (their finalizer ran already)
 
     join_closing(EXIT_WAIT_S)
 

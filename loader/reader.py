@@ -1,5 +1,5 @@
 """``Reader``: what a ``ShardIter`` reads and where it is. It owns the store it reads, the
-generation choice, the epoch's plan and streams (``Epochs``), the cursor, ``reset()`` and the saved
+generation choice, the reading core (``Pipeline``: the epoch's plan and threads), the cursor, ``reset()`` and the saved
 state; the ``ShardIter`` around it is only MXNet's ``DataIter`` face.
 
 Epochs are exact: every sample of this part once, with ``pad`` counted here. The order is a
@@ -21,12 +21,12 @@ from typing import Callable, Optional
 from loader.checkpoint import check_origin, check_state, state_of
 from loader.errors import LoaderError, StoreUnreachableError, as_loader_errors
 from loader.pipeline.batches import StreamParams, batch_floats
-from loader.pipeline.epochs import Epochs, join_closing
+from loader.pipeline.job import order_spec
 from loader.pipeline.memory import Arena, caller_batches_held
 from loader.pipeline.order import EpochOrder, Phase, slice_of
 from loader.pipeline.parts import split_phase
 from loader.pipeline.settings import buffers_alive, check_label_names, check_memory, stream_params
-from loader.pipeline.stream import order_spec
+from loader.pipeline.pipeline import Pipeline, join_closing
 from loader.source.generations import Choice, held_again, newest
 from loader.source.plan import EpochPlan, make_plan
 from loader.source.selection import DateRange, normalize_dates, select_shards
@@ -62,12 +62,12 @@ class Reader:
         with as_loader_errors():
             store.claim(who)  # a bounded cache is one iterator's alone
         # The lease tells gc which generation we read.
-        self.epochs = Epochs(Lease(store), cap, release_claim=functools.partial(store.let_go, who), who=who)
-        me = weakref.ref(self)  # threads reach the epochs, never the reader (its finalizer must run)
-        self.epochs.on_ahead = lambda: (me() or _Gone)._ahead_opened()
-        self._finalizer = weakref.finalize(self, self.epochs.close_when_free)  # dropped: shutdown.STEPS
-        # Batch buffers: the caller's queue and a few held by MXNet, for this and the next epoch's stream.
-        self.epochs.arena = Arena(self.schema, batch_floats(params), keep=caller_batches_held(params.prefetch_buffer),
+        self.pipeline = Pipeline(Lease(store), cap, release_claim=functools.partial(store.let_go, who), who=who)
+        me = weakref.ref(self)  # threads reach the pipeline, never the reader (its finalizer must run)
+        self.pipeline.on_ahead = lambda: (me() or _Gone)._ahead_opened()
+        self._finalizer = weakref.finalize(self, self.pipeline.close_when_free)  # dropped: shutdown.STEPS
+        # Batch buffers: the caller's queue and a few held by MXNet.
+        self.pipeline.arena = Arena(self.schema, batch_floats(params), keep=caller_batches_held(params.prefetch_buffer),
                                   buffers=buffers_alive(params, selected))
         try:
             self._start(self._plan_for(manifest, selected))
@@ -105,33 +105,33 @@ class Reader:
 
     @property
     def plan(self) -> Optional[EpochPlan]:
-        return self.epochs.plan
+        return self.pipeline.plan
 
     @property
     def readers(self) -> int:
-        """Native iterators reading this part (fewer than asked when the plan is small)."""
-        return self.epochs.stream.readers if self.epochs.stream else 0
+        """Native iterators reading this part."""
+        return self.params.readers if self.running else 0
 
     @property
     def dates_per_block(self) -> Optional[int]:
         """The fewest shards (dates) a block of this epoch's order that this part reads spans."""
-        stream = self.epochs.stream
-        return stream.dates_per_block if stream is not None else None
+        job = self.pipeline.current
+        return job.dates_per_block if job is not None else None
 
     @property
     def running(self) -> bool:
-        """An epoch's stream is open (``reset()`` did not fail, ``close()`` was not called)."""
-        return self.epochs.stream is not None
+        """An epoch is being read (``reset()`` did not fail, ``close()`` was not called)."""
+        job = self.pipeline.current
+        return job is not None and not job.halt.is_set() and not self.pipeline.closed
 
     # -- epochs -----------------------------------------------------------------------------------
 
     def take(self) -> tuple[list, int]:
         """The next batch's arrays and pad (the caller checked that the epoch has one left)."""
-        stream = self.epochs.stream
-        if stream is None:
+        if not self.running:
             raise LoaderError(f"{self.where}: no epoch to read: the last reset() failed; fix the "
                               "cause (e.g. the date selection) and call reset() again")
-        arrays, valid = stream.get()
+        arrays, valid = self.pipeline.get()
         self.cursor += 1
         return arrays, self.params.batch_size - valid if self.params.last_batch == "pad" else 0
 
@@ -160,7 +160,7 @@ class Reader:
 
     def _start_next(self, plan: EpochPlan, current: EpochPlan) -> None:
         if plan.folder == current.folder:
-            self.epochs.recheck(plan, self.schema, self.verify)
+            self.pipeline.recheck(plan, self.schema, self.verify)
         self._start(plan, epoch=self.epoch + 1, wait=False)
 
     def _next_plan(self, manifest: Manifest, current: EpochPlan) -> EpochPlan:
@@ -176,8 +176,8 @@ class Reader:
         return current
 
     def end_epoch(self) -> None:
-        """Stop this epoch's stream (a ``reset()`` or ``load()`` starts the next one)."""
-        self.epochs.end_current()
+        """End this epoch: no batch of it is handed out any more (a ``reset()`` or ``load()`` starts the next one)."""
+        self.pipeline.end_current()
 
     def _plan_for(self, manifest: Manifest, shards: tuple) -> EpochPlan:
         with as_loader_errors():
@@ -201,18 +201,18 @@ class Reader:
         here. ``reset()`` waits so for an object store only (out of reach, it goes on with the
         generation held); a folder's shard refused then is raised by ``next()``."""
         epoch = self.epoch if epoch is None else epoch
-        stream = self.epochs.start(plan, epoch, self.params, phases, skip,
-                                   wait=wait or not (plan.files.eager or self.store.in_place))
+        job = self.pipeline.start(plan, epoch, self.params, phases, skip,
+                                  wait=wait or not (plan.files.eager or self.store.in_place))
         self.epoch, self.phases = epoch, tuple(phases)
-        self.part_samples, self.batches = stream.samples, stream.batches
+        self.part_samples, self.batches = job.samples, job.batches
         self.cursor = skip
 
     def _ahead_opened(self) -> None:
-        """The next epoch's stream opened (``Epochs``, half way through this one): a cache fetches
-        the newest generation ahead too, once this epoch has fetched its own shards, unless pinned."""
-        stream = self.epochs.stream
-        if self.choice.pin is None and stream is not None:
-            self.store.fetch_ahead(self._part_of, after=stream.feed.done_fetching)
+        """The loader filled this epoch's last block (``Pipeline``): a cache fetches the newest
+        generation's part ahead too, unless pinned."""
+        job = self.pipeline.current
+        if self.choice.pin is None and job is not None:
+            self.store.fetch_ahead(self._part_of, after=job.done_fetching)
 
     # -- resumption -------------------------------------------------------------------------------
 
@@ -260,13 +260,13 @@ class Reader:
                                   "damaged after state_dict() saved it")
         if shards == self.plan.shards:  # the files read now: checked again if they changed (found by review:
             plan = self.plan  # the block kept whole from before a rewrite was served)
-            self.epochs.recheck(plan, self.schema, self.verify)
+            self.pipeline.recheck(plan, self.schema, self.verify)
         else:
             plan = self._plan_for(manifest, shards)
         before_end()
         self.end_epoch()
         if params.block != p.block:
-            self.epochs.arena.new_blocks(buffers_alive(params, shards))
+            self.pipeline.arena.new_blocks(buffers_alive(params, shards))
         self.dates, self.memory, self.params = dates, memory, params
         if state.get("pinned") is not None:
             self.choice = Choice(pin=state["pinned"])
@@ -281,7 +281,7 @@ class Reader:
         """``shutdown.STEPS``: stop the native threads, let go of the files and the store's claim,
         drop the reader lease."""
         self._finalizer.detach()
-        self.epochs.close()
+        self.pipeline.close()
 
 
 class _Gone:

@@ -1,9 +1,9 @@
 """``ShardIter``: an ``mx.io.DataIter`` over a shardgen manifest, read by MXNet's native C++
-``ImageRecordIter`` (``preprocess_threads`` decode threads and a ``prefetch_buffer`` of batches,
-none of them holding the GIL). Records carry a pack of windows or a run of rows; a producer
-thread mixes them in a shuffle buffer and cuts the caller's batches (:mod:`loader.pipeline.stream`),
-so ``next()`` only takes a ready batch. The next epoch's stream starts before this one ends, so
-``reset()`` is nearly free. Every shard is checked (:mod:`shardgen.format.check`) before MXNet reads it.
+``ImageRecordIter`` (with ``preprocess_threads`` decode threads, none of them holding the GIL).
+Records carry a pack of windows or a run of rows; a loader thread fills the order's blocks into
+shuffle buffers and a producer thread cuts the caller's batches from them
+(:mod:`loader.pipeline.pipeline`), so ``next()`` only takes a ready batch. The loader fills the
+next epoch's first block before this one ends, so ``reset()`` is nearly free. Every shard is checked (:mod:`shardgen.format.check`) before MXNet reads it.
 
 This class is MXNet's face of it (the contract, named arrays, statistics); what is read and where
 the iterator is belongs to its :class:`loader.reader.Reader`.

@@ -5,7 +5,7 @@ exit hook runs its finalizers after threading's shutdown (the main thread is no 
 and before it sets its own ``_shutdown`` flag, and Python 3.12 starts no thread at that point.
 
 Users: a dropped reader lease's removal (:mod:`shardgen.store.lease`), a dropped iterator's close
-(:mod:`loader.pipeline.epochs`).
+(:mod:`loader.pipeline.pipeline`).
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ def s3(request, tmp_path, monkeypatch):
     from fake_objects import FakeServer
     from s3server import S3Server
 
-    from loader.pipeline.epochs import join_closing
+    from loader.pipeline.pipeline import join_closing
     from shardgen.store import objstore
 
     def settle():  # dropped iterators close in threads of their own (leases in the bucket): let them end first

@@ -2,21 +2,21 @@
 (the ``shuffle_buffer`` setting read as records or bytes), and kept by an ``Arena`` from epoch to
 epoch instead of allocated anew.
 
-Two epoch streams are alive at once near an epoch's end (this one and the next one, which starts
-filling half way through), so the per-stream parts count twice:
+One loader thread fills blocks into one slot, one producer thread gathers batches from them
+(:mod:`loader.pipeline.pipeline`):
 
-- shuffle buffers of one block each (kept compact: a run's rows, not its windows): a stream holds
-  the block it hands out and the next one, loading at the pace this one is handed out
-  (``Blocks.pace`` reads no block past it); the next epoch's stream as many while this epoch ends;
-  one more while a block that outgrew its buffer is copied into a larger one: 5 in all. When every
-  canonical part is one block (the default wherever the part fits, ``settings.buffer_records``) a
-  stream holds one: 3 in all. A buffer holds the most records a block can
-  (``settings.block_records``: a block of the sparsest shards), an eighth more than the average
-  block at least; kept buffers count in: the arena lets them go before the total would exceed that;
-- MXNet's native iterators: ``readers`` being read and ``readers`` opened ahead per stream, each
-  queueing up to 16 record batches of ``native_batch`` records in its own thread (fixed in MXNet
-  1.9.1, whatever ``prefetch_buffer``);
-- caller batches: ``prefetch_buffer`` ready ones per stream, plus a few MXNet still holds.
+- shuffle buffers of one block each (kept compact: a run's rows, not its windows): the producer
+  holds the block it hands out and, for a batch that spans two, the next; the slot holds one and
+  the loader fills one; one more while a block that outgrew its buffer is copied into a larger
+  one: 5 in all. When every canonical part is one block (the default wherever the part fits,
+  ``settings.buffer_records``) the producer holds one, the slot the next epoch's, and the loader
+  waits: 3 in all. A buffer holds the most records a block can (``settings.block_records``: a
+  block of the sparsest shards), an eighth more than the average block at least; kept buffers
+  count in: the arena lets them go before the total would exceed that;
+- MXNet's native iterators: the one being read and the next, opened ahead, each queueing up to
+  16 record batches of ``native_batch`` records in its own thread (fixed in MXNet 1.9.1, whatever
+  ``prefetch_buffer``), and each read's tape;
+- caller batches: ``prefetch_buffer`` ready ones, plus a few MXNet still holds.
 
 The process's allocator is left as it was found (no ``mallopt``): a process-wide policy is paid by
 the trainer's own code. What glibc keeps of the native iterators' freed memory is bounded, not a
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import threading
 from typing import Optional
 
@@ -50,10 +49,9 @@ __all__ = ["Arena", "malloc_stats", "TAPE_BYTES", "NATIVE_QUEUE", "MEMORY_SHARE"
 TAPE_BYTES = 16 << 20  # a read's tape at most: opening a native read costs ~3 ms, reading 16 MB ~10 ms
 NATIVE_QUEUE = 16  # record batches MXNet 1.9.1's ImageRecordIter queues ahead (kMaxPrefetchBuffer)
 KEEP_BUFFERS = 4  # shuffle buffers an arena keeps for later blocks
-STREAMS = 2  # epoch streams alive at once: this epoch's and the next one's, filling while this one ends
-BLOCKS = 2  # a stream's blocks alive at once: the one handed out and the next, loading
-BUFFERS = STREAMS * BLOCKS + 1  # and one more while a block outgrowing its buffer is copied into a larger one
-ONE_BLOCK_BUFFERS = STREAMS + 1  # when an epoch's part is one block
+NATIVES = 2  # native reads alive at once: the one read and the next, opened ahead
+BUFFERS = 4 + 1  # blocks alive (the producer's two, the slot's, the loader's) and one outgrowing its buffer
+ONE_BLOCK_BUFFERS = 2 + 1  # when an epoch's part is one block: the producer's and the slot's
 MEMORY_SHARE = 0.5  # a ShardIter may plan to hold at most this share of physical memory
 
 class _MallInfo2(ctypes.Structure):
@@ -90,10 +88,9 @@ def format_bytes(n: float) -> str:
 
 
 def caller_batches_held(prefetch_buffer: int) -> int:
-    """Caller batches an iterator may hold at once: this epoch's ready queue and the next one's,
-    and those MXNet still holds. The one count: the memory check's, and the batch buffers the
-    ``Arena`` keeps."""
-    return 2 * (prefetch_buffer + 4)
+    """Caller batches an iterator may hold at once: the ready queue and those MXNet still holds.
+    The one count: the memory check's, and the batch buffers the ``Arena`` keeps."""
+    return prefetch_buffer + 4
 
 
 def footprint(schema: Schema, *, buffer_records: int, block_records: int, native_batch: int, readers: int,
@@ -104,8 +101,8 @@ def footprint(schema: Schema, *, buffer_records: int, block_records: int, native
     capacity = max(size_class(buffer_records, buffer_records), block_records)
     parts = {
         "shuffle buffers": buffers * buffer_bytes(schema, capacity),
-        "native queues": 2 * 2 * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
-        "read tapes": STREAMS * 2 * readers * min(TAPE_BYTES, block_records * schema.record_bytes),
+        "native queues": NATIVES * readers * NATIVE_QUEUE * native_batch * 4 * (schema.record_floats + 1),
+        "read tapes": NATIVES * readers * min(TAPE_BYTES, block_records * schema.record_bytes),
         "batch buffers": caller_batches_held(prefetch_buffer) * 4 * batch_floats,
     }
     parts["total"] = sum(parts.values())
@@ -217,17 +214,20 @@ class Arena:
         lent to MXNet without a copy (``loader.pipeline.zerocopy``: dropping them runs no Python)."""
         with self._lock:
             loan, arrays = lend(flat, views, self._loans.get(flat.ctypes.data))
-            if loan is not None and any(b is flat for b in self._batches):
-                self._loans[flat.ctypes.data] = loan
+            if any(b is flat for b in self._batches):
+                if loan is not None:
+                    self._loans[flat.ctypes.data] = loan
+                else:  # lent by from_numpy: when MXNet gives it back is not known, so it is not kept
+                    self._batches = [b for b in self._batches if b is not flat]
         return arrays
 
     def batch(self) -> np.ndarray:
-        """A free batch buffer: one MXNet gave back and no stream holds, or a new one."""
+        """A free batch buffer: one never lent or one MXNet gave back, or a new one. The one
+        producer hands out (or drops) each buffer before it asks for another."""
         with self._lock:
             for a in self._batches:
                 loan = self._loans.get(a.ctypes.data)
-                # References: the list, this loop, the call and the loan: no stream holds it.
-                if (loan is None or not loan.out) and sys.getrefcount(a) <= 3 + (loan is not None):
+                if loan is None or not loan.out:
                     a.flags.writeable = True  # from_numpy (the rare fallback) leaves it read-only
                     return a
             a = np.empty(self.batch_floats, np.float32)

@@ -318,74 +318,53 @@ def test_new_generations_mid_epoch_let_the_old_plans_go_once_their_readers_end(t
                 if t.name.startswith("shardgen-") and t.name != "shardgen-lease"]
 
 
-def test_the_next_epoch_is_started_by_the_producer_thread_not_in_next(tmp_path, monkeypatch):
-    """Half way through an epoch the next epoch's stream starts from the current stream's producer
-    thread (creating it in the caller's next() held that next() 0.5-2.5 ms); an epoch too short for
-    that (its producer gets half way before the stream is current) still gets one from next()."""
-    import loader.pipeline.epochs
+def _wound_down(pipeline) -> bool:
+    """Everything a pipeline held is let go: its threads ended, no plan, no batch or block queued."""
+    return (pipeline.shut and pipeline.plan is None and not pipeline._plans and not pipeline._ready
+            and pipeline._slot is None and not any(t.is_alive() for t in pipeline._threads))
 
-    started = []
-    real = loader.pipeline.epochs.EpochStream
 
-    def recording(*args, **kwargs):
-        stream = real(*args, **kwargs)
-        started.append((stream.epoch, threading.current_thread().name))
-        return stream
+def test_the_next_epoch_is_made_and_filled_by_the_loader_thread_and_reset_takes_it(tmp_path, monkeypatch):
+    """One loader thread walks the epochs: once this epoch's blocks are filled it makes the next
+    epoch's job (off the caller's thread) and fills its first block, and ``reset()`` takes that job
+    as it is, batches and all; blocks are filled in order, epoch after epoch, never two at once."""
+    from loader.pipeline.fill import Reading
+    from loader.pipeline.job import EpochJob
 
-    monkeypatch.setattr(loader.pipeline.epochs, "EpochStream", recording)
+    made, filled, busy = [], [], []
+    real_successor, real_fill = EpochJob.successor, Reading.fill
+
+    def successor(self):
+        made.append((self.epoch + 1, threading.current_thread().name))
+        return real_successor(self)
+
+    def fill(self, v):
+        busy.append(1)
+        try:
+            assert len(busy) == 1, "two blocks filled at once"
+            filled.append((self.job.epoch, v))
+            return real_fill(self, v)
+        finally:
+            busy.pop()
+
+    monkeypatch.setattr(EpochJob, "successor", successor)
+    monkeypatch.setattr(Reading, "fill", fill)
     store, cache = tmp_path / "s", tmp_path / "c"
     make_store(store, {"2024-01-02": 400, "2024-01-03": 400})
-    with ShardIter(store, 8, cache_dir=cache, prefetch_buffer=2) as it:
-        for _ in range(3):
+    with ShardIter(store, 8, cache_dir=cache, shuffle_buffer=200, prefetch_buffer=2) as it:
+        pipeline = it.reader.pipeline
+        for epoch in range(3):
             assert sorted(i for b in it for i in batch_ids(b)) == list(range(800))
+            ahead = pipeline.ahead
+            assert ahead is not None and ahead.epoch == epoch + 1, "the next epoch's job was not made ahead"
             it.reset()
-    assert started[0] == (0, "MainThread")  # the first, from the constructor
-    assert started[1:4] == [(1, "shardgen-batches"), (2, "shardgen-batches"), (3, "shardgen-batches")]
-    started.clear()
-    with ShardIter(store, 400, cache_dir=cache) as it:  # 4 batches: the next epoch's producer is half way at once
-        for _ in range(3):
-            assert sorted(i for b in it for i in batch_ids(b)) == list(range(800))
-            it.reset()
-    # epoch 3's own producer may be half way before close(), starting epoch 4's (its block is kept whole:
-    # nothing to read, so it gets there fast)
-    assert [e for e, _ in started][:4] == [0, 1, 2, 3] and len(started) <= 5
-
-
-def test_the_next_epoch_fills_only_while_the_current_one_is_not_short(tmp_path, monkeypatch):
-    """The next epoch's stream naps before each native read while the current stream is short of
-    batches (``EpochStream.short``), and never once it is the current one itself."""
-    from loader.pipeline.stream import EpochStream
-
-    short, asked = [True], []
-
-    def is_short(self) -> bool:  # only the next epoch's stream asks the current one
-        asked.append(1)
-        return short[0]
-
-    monkeypatch.setattr(EpochStream, "short", is_short)
-    store, cache = tmp_path / "s", tmp_path / "c"
-    make_store(store, {"2024-01-02": 400, "2024-01-03": 400})
-    # blocks smaller than the part: the next epoch reads natively (a one-block part's next epoch
-    # gathers from the block kept whole and reads nothing)
-    with ShardIter(store, 8, cache_dir=cache, shuffle_buffer=200) as it:
-        seen = [i for _, b in zip(range(it.batches_per_epoch // 2 + 2), it) for i in batch_ids(b)]
-        ahead = it.reader.epochs.ahead
-        assert ahead is not None
-        deadline = time.monotonic() + 30
-        while len(asked) < 50 and time.monotonic() < deadline:  # it came to read 50 times, and napped each time
-            time.sleep(0.01)
-        assert len(asked) >= 50, "the next epoch's stream never asked whether the current one is short"
-        assert not sum(ahead._blocks.loaded.values()), "filled while the current stream was short"
-        short[0] = False
-        deadline = time.monotonic() + 10
-        while not ahead._ready and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert ahead._ready, "did not fill once the current stream had batches"
-        assert sorted(seen + [i for b in it for i in batch_ids(b)]) == list(range(800))
-        short[0] = True  # the stream now current must not wait for itself
-        it.reset()
-        assert it.reader.epochs.stream is ahead
-        assert sorted(i for b in it for i in batch_ids(b)) == list(range(800))
+            assert pipeline.current is ahead, "reset() did not take the job the loader made"
+    assert {name for _, name in made} == {"shardgen-loader"}
+    assert [e for e, _ in made][:3] == [1, 2, 3]
+    epochs = [e for e, _ in filled]
+    assert epochs == sorted(epochs), f"blocks filled out of epoch order: {filled}"
+    for e in range(3):
+        assert [v for f, v in filled if f == e] == list(range(len([1 for f, _ in filled if f == e])))
 
 
 def test_the_finalizer_run_by_a_thread_holding_the_epochs_lock_closes_later(tmp_path):
@@ -395,17 +374,17 @@ def test_the_finalizer_run_by_a_thread_holding_the_epochs_lock_closes_later(tmp_
     make_store(tmp_path / "s", {"2024-01-02": 100})
     it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
     next(it)
-    epochs = it.reader.epochs
-    with epochs.lock:  # held here; the finalizer runs in another thread so a wrong wait fails in 5 s, not never
-        finalizer = threading.Thread(target=epochs.close_when_free, daemon=True)
+    pipeline = it.reader.pipeline
+    with pipeline.lock:  # held here; the finalizer runs in another thread so a wrong wait fails in 5 s, not never
+        finalizer = threading.Thread(target=pipeline.close_when_free, daemon=True)
         finalizer.start()
         finalizer.join(5)
-        assert not finalizer.is_alive(), "close_when_free() waited for the epochs' lock"
-        assert epochs.plan is not None
+        assert not finalizer.is_alive(), "close_when_free() waited for the pipeline's lock"
+        assert pipeline.plan is not None
     deadline = time.monotonic() + 10
-    while (epochs.plan is not None or epochs.stream is not None) and time.monotonic() < deadline:
+    while not _wound_down(pipeline) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert epochs.plan is None and epochs.stream is None and epochs.ahead is None
+    assert _wound_down(pipeline)
     it.close()
 
 
@@ -433,10 +412,9 @@ def test_the_finalizer_run_by_gc_in_a_producer_holding_the_arena_lock_does_not_d
     monkeypatch.setattr(memory.Arena, "hand_out", hand_out)
     before = set(threading.enumerate())  # an earlier test's iterator may still be alive
     it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", prefetch_buffer=2)
-    for _ in range(it.batches_per_epoch // 2 + 10):  # past half way: the next epoch's stream runs too
+    for _ in range(it.batches_per_epoch // 2 + 10):  # past half way: both threads run
         next(it)
-    epochs = it.reader.epochs
-    assert epochs.ahead is not None
+    pipeline = it.reader.pipeline
     it.cycle = it  # only the cyclic collector can free it
     del it
     gc.disable()
@@ -445,19 +423,18 @@ def test_the_finalizer_run_by_gc_in_a_producer_holding_the_arena_lock_does_not_d
         # Take batches at a consumer's pace (from the stream: no reference to the iterator) so that a
         # producer refills: with both queues full before armed.set(), none assembled a batch again and
         # the trigger never ran (1 run in 6 beside two CPU hogs).
-        stream = epochs.stream
         for _ in range(20):
             if collected.wait(0.2):
                 break
             with contextlib.suppress(LoaderError):
-                stream.get()
+                pipeline.get()
         assert collected.wait(10), "no producer thread assembled a batch"
         deadline = time.monotonic() + 10
-        while (epochs.plan is not None or epochs.stream is not None) and time.monotonic() < deadline:
+        while not _wound_down(pipeline) and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         gc.enable()
-    assert epochs.plan is None and epochs.stream is None and epochs.ahead is None, "deadlocked"
+    assert _wound_down(pipeline), "deadlocked"
     assert not [t for t in set(threading.enumerate()) - before if t.name == "shardgen-batches"]
 
 
@@ -471,10 +448,10 @@ def test_the_exit_hook_waits_for_a_dropped_iterators_close_thread(tmp_path):
     before = set(threading.enumerate())
     it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", readers=4)
     next(it)
-    epochs = it.reader.epochs
+    pipeline = it.reader.pipeline
     del it  # no cycle: the finalizer runs here and starts the close thread
     lifecycle.close_all()
-    assert epochs.plan is None and epochs.stream is None, "close_all() returned before the close thread ended"
+    assert _wound_down(pipeline), "close_all() returned before the close thread ended"
     assert not [t for t in set(threading.enumerate()) - before if t.name in ("shardgen-batches", "shardgen-close")]
 
 
@@ -513,8 +490,7 @@ def test_close_from_another_thread_racing_reset_leaves_nothing_running(tmp_path)
             assert "closed" in str(exc)
         timer.join()
         it.close()
-        epochs = it.reader.epochs
-        assert epochs.plan is None and epochs.stream is None and epochs.ahead is None
+        assert _wound_down(it.reader.pipeline)
         assert not list(store.glob("leases/*")), "a lease outlived close()"
     def mine():
         return [t for t in set(threading.enumerate()) - before if t.name == "shardgen-batches"]

@@ -180,7 +180,7 @@ def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache,
     per native batch keeps the consumer waiting most of the time."""
     import time
 
-    import loader.pipeline.loading as module
+    import loader.pipeline.fill as module
 
     with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
         _wait_until_parked(it)  # the native iterator started and the producer filled its queue
@@ -393,15 +393,16 @@ def _wait_until_parked(it, error=False):
     import sys
     import time
 
-    stream = it.reader.epochs.stream
+    pipeline = it.reader.pipeline
+    producer = next(t for t in pipeline._threads if t.name == "shardgen-batches")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        frame, calls = sys._current_frames().get(stream._thread.ident), []
+        frame, calls = sys._current_frames().get(producer.ident), []
         while frame is not None:
             calls.append(frame.f_code.co_name)
             frame = frame.f_back
-        with stream._cond:
-            ready = list(stream._ready)
+        with pipeline.lock:
+            ready = [item for _, item in pipeline._ready]
         if calls[:2] == ["wait", "_offer"] and (not error or isinstance(ready[-1], BaseException)):
             return
         time.sleep(0.01)
@@ -413,7 +414,7 @@ def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, mo
     and next() raises it once the batches before it are taken."""
     import time
 
-    import loader.pipeline.loading as module
+    import loader.pipeline.fill as module
 
     # One record per native batch and per block, in order: every batch of 1 is one next_label() call.
     it = ShardIter(store, 1, shuffle=False, native_batch=1, prefetch_buffer=2, shuffle_buffer=1, cache_dir=cache)

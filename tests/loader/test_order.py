@@ -1,5 +1,5 @@
 """The order as a value (loader.pipeline.order) and how the feed cuts it into reads
-(loader.pipeline.feed): pure functions, checked on many shapes."""
+(loader.pipeline.fill): pure functions, checked on many shapes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from loader import LoaderError
-from loader.pipeline.feed import _cut_reads, _group
+from loader.pipeline.fill import _cut_reads, _group
 from loader.pipeline.order import EpochOrder, OrderSpec
 
 
@@ -100,7 +100,7 @@ def test_groups_hold_at_most_the_cap_of_files():
     groups = _group(pieces, sizes, 10)
     assert [p for g in groups for p in g] == list(pieces)
     assert all(sum(sizes[k] for k, _, _ in g) <= 10 for g in groups)
-    assert _group(pieces, sizes, None) == [list(pieces)]
+    assert _group(pieces, sizes, sum(sizes)) == [list(pieces)]
 
 
 def test_a_record_of_another_date_than_the_order_expects_is_refused():
@@ -147,7 +147,7 @@ def test_the_feeds_one_pass_mapping_matches_a_record_by_record_walk():
     every item its code exactly as walking the pieces record by record does: random shards of
     packed records (full, partial, some with no samples), random pieces (a shard twice in a group
     too), packs of 1, 4 and 64; and an empty group is empty."""
-    from loader.pipeline.feed import group_items
+    from loader.pipeline.fill import group_items
 
     rng = np.random.default_rng(0)
     for _ in range(2000):

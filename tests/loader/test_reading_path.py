@@ -171,15 +171,15 @@ def test_a_new_generation_lets_the_old_plans_kept_block_go(tmp_path):
     with ShardIter(tmp_path / "s", 8, seed=1, cache_dir=tmp_path / "c") as it:
         _epoch(it)
         old = it.plan.folder
-        assert it.reader.epochs.arena._whole[0][0] == old
+        assert it.reader.pipeline.arena._whole[0][0] == old
         make_store(tmp_path / "s", {**four, "2024-01-08": 40})
         it.reset()
         assert it.plan.folder != old
-        whole = it.reader.epochs.arena._whole
+        whole = it.reader.pipeline.arena._whole
         assert whole is None or whole[0][0] == it.plan.folder
         assert sorted(_epoch(it)) == list(range(200))
         assert it.stats["dates_per_block"] == 5
-        assert it.reader.epochs.arena._whole[0][0] == it.plan.folder
+        assert it.reader.pipeline.arena._whole[0][0] == it.plan.folder
 
 
 def test_a_state_loaded_after_a_shard_changed_in_place_reads_the_files_as_they_are(tmp_path):

@@ -73,7 +73,7 @@ def test_reads_every_window_the_local_store_reads_and_caches_it(s3, tmp_path):
     with ShardIter(url + "/manifest.json", 8, seed=5, cache_dir=cache) as it:
         got = [read_epoch(it), (it.reset(), read_epoch(it))[1]]
         downloads = it.reader.store.downloads
-    # Streamed block by block (loader.pipeline.feed), in the folder's order: the order is a value.
+    # Streamed block by block (loader.pipeline.fill), in the folder's order: the order is a value.
     assert got == want
     for g in got:
         assert sorted(i for ids, _ in g for i in ids) == list(range(131))

@@ -14,7 +14,7 @@ from conftest import ROOT, make_store
 
 from loader import ShardIter
 from loader.pipeline import shutdown
-from loader.pipeline.epochs import join_closing
+from loader.pipeline.pipeline import join_closing
 from shardgen.store.naming import LEASE_DIR
 
 DATES = {f"2024-01-{d:02d}": 20 for d in range(2, 6)}
@@ -37,7 +37,7 @@ def _reading(tmp_path, caplog) -> tuple:
     make_store(tmp_path / "s", DATES)
     it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
     it.next()
-    return it, it.reader.epochs.who, it.reader.plan.folder
+    return it, it.reader.pipeline.who, it.reader.plan.folder
 
 
 def _threads() -> list:
@@ -67,7 +67,7 @@ def test_reset_stops_only_the_current_stream(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="loader.pipeline.shutdown")
     make_store(tmp_path / "s", DATES)
     with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c") as it:
-        who = it.reader.epochs.who
+        who = it.reader.pipeline.who
         sum(1 for _ in it)
         it.reset()
         assert _steps(caplog, who) == ["stop_streams"]
@@ -91,7 +91,7 @@ def test_interpreter_exit_runs_the_same_order(tmp_path):
             "from loader import ShardIter\n"
             f"it = ShardIter({str(tmp_path / 's')!r}, 8, cache_dir={str(tmp_path / 'c')!r})\n"
             "it.next()\n"
-            "print(it.reader.epochs.who, flush=True)\n")  # exits with the iterator open
+            "print(it.reader.pipeline.who, flush=True)\n")  # exits with the iterator open
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     who = out.stdout.strip()
@@ -127,10 +127,10 @@ def test_an_interrupt_stops_the_order_and_the_next_close_runs_it_all(tmp_path, c
     """Ctrl-C while the streams are being stopped: nothing after ``stop_streams`` runs while a
     stream may still read (review: the files were closed under live stream threads 28 times in 60);
     the next ``close()`` runs every step."""
-    from loader.pipeline.epochs import Epochs
+    from loader.pipeline.pipeline import Pipeline
 
     it, who, folder = _reading(tmp_path, caplog)
-    real, calls = Epochs.close_streams, []
+    real, calls = Pipeline._join, []
 
     def interrupted(self):
         calls.append(1)
@@ -138,7 +138,7 @@ def test_an_interrupt_stops_the_order_and_the_next_close_runs_it_all(tmp_path, c
             raise KeyboardInterrupt
         real(self)
 
-    monkeypatch.setattr(Epochs, "close_streams", interrupted)
+    monkeypatch.setattr(Pipeline, "_join", interrupted)
     with pytest.raises(KeyboardInterrupt):
         it.close()
     assert _steps(caplog, who) == ["stop_streams"] and folder.exists() and _leases(tmp_path / "s")
