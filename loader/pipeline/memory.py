@@ -88,9 +88,10 @@ def format_bytes(n: float) -> str:
 
 
 def caller_batches_held(prefetch_buffer: int) -> int:
-    """Caller batches an iterator may hold at once: the ready queue and those MXNet still holds.
-    The one count: the memory check's, and the batch buffers the ``Arena`` keeps."""
-    return prefetch_buffer + 4
+    """Caller batches an iterator may hold at once: the ready queue, the one the producer
+    assembles, and those MXNet still holds. The one count: the memory check's, and the batch
+    buffers the ``Arena`` keeps."""
+    return prefetch_buffer + 5
 
 
 def footprint(schema: Schema, *, buffer_records: int, block_records: int, native_batch: int, readers: int,
@@ -192,6 +193,12 @@ class Arena:
         with self._lock:
             self._shuffle, self._largest = [], 0
             self.buffers = self.buffers if buffers is None else buffers
+
+    def close(self) -> None:
+        """The iterator's end: every buffer kept goes (those MXNet holds stay alive with their loans)."""
+        self.new_blocks()
+        with self._lock:
+            self._batches, self._loans = [], {}
 
     def give_back(self, buffer: ShuffleBuffer) -> None:
         """Keep ``buffer`` for a later block while the buffers in use and kept hold at most

@@ -382,7 +382,7 @@ class Pipeline:
 
     def _free_arrays(self) -> None:
         if self.arena is not None:
-            self.arena.new_blocks()  # the shuffle buffers it kept go now, not when the iterator is collected
+            self.arena.close()  # the buffers it kept go now, not when the iterator is collected
         sweep()  # arrays the caller dropped since the producer's last lend: freed, loans given back let go
 
     def _close_files(self) -> None:

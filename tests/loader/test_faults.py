@@ -36,7 +36,7 @@ def test_a_flip_with_the_mtime_set_back_is_still_caught(tmp_path):
 def test_close_from_another_thread_wakes_a_blocked_next(tmp_path, monkeypatch):
     """The producer is stalled inside MXNet's reader; close() must still wake the caller's next()
     with a LoaderError (not a normal end of epoch), before the producer comes back."""
-    import loader.pipeline.loading as module
+    import loader.pipeline.fill as module
 
     make_store(tmp_path / "s", {"2024-01-02": 300})
     entered, release = threading.Event(), threading.Event()
@@ -209,7 +209,7 @@ def test_an_mxnet_error_in_the_reader_is_named_by_its_reason(tmp_path, monkeypat
     the LoaderError says the reason (the last line), not that first line."""
     import mxnet as mx
 
-    import loader.pipeline.stream as module
+    import loader.pipeline.fill as module
 
     def failing(*_a, **_k):
         raise mx.base.MXNetError('Traceback (most recent call last):\n  File "../src/io/iter_image_recordio_2.cc", '
@@ -236,7 +236,7 @@ it = ShardIter(store, 8, shuffle=False, readers=1, native_batch=1, prefetch_buff
 print("epoch", it.epoch, sum(8 - b.pad for b in it), flush=True)
 it.reset()  # a first recheck: every file is checked once; the next one only those changed since
 print("epoch", it.epoch, sum(8 - b.pad for b in it), flush=True)
-print("ahead:", it.reader.epochs.ahead is not None, flush=True)
+print("ahead:", it.reader.pipeline.ahead is not None, flush=True)
 with open(os.path.join(store, last.rec), "r+b") as fh:  # in place: the descriptor the plan holds sees it
     for r in range(last.records):
         fh.seek(r * m.schema.record_bytes)
@@ -247,7 +247,7 @@ try:
 except LoaderError as exc:
     print("LoaderError:", exc, flush=True)
     # the next epoch's stream, begun while this one was short, may hold what changed: it went
-    print("kept ahead:", it.reader.epochs.ahead is not None, flush=True)
+    print("kept ahead:", it.reader.pipeline.ahead is not None, flush=True)
 it.close()
 """
 

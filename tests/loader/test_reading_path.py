@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from conftest import batch_ids, make_store
 
-import loader.pipeline.loading as loading
-import loader.pipeline.stream as stream
+import loader.pipeline.fill as fill
 from loader import ShardIter
 from loader.pipeline.shuffle_buffer import buffer_bytes
 
@@ -21,7 +20,7 @@ DATES = {f"2024-02-{d:02d}": 30 + d for d in range(1, 29)}  # 28 dates, 1,246 wi
 def counted(monkeypatch):
     """Native opens and native batches read, counted."""
     seen = {"opens": 0, "batches": 0}
-    real_open, real_next = stream.open_record_iter, loading.next_label
+    real_open, real_next = fill.open_record_iter, fill.next_label
 
     def open_record_iter(*a, **kw):
         seen["opens"] += 1
@@ -32,8 +31,8 @@ def counted(monkeypatch):
         seen["batches"] += label is not None
         return label
 
-    monkeypatch.setattr(stream, "open_record_iter", open_record_iter)
-    monkeypatch.setattr(loading, "next_label", next_label)
+    monkeypatch.setattr(fill, "open_record_iter", open_record_iter)
+    monkeypatch.setattr(fill, "next_label", next_label)
     return seen
 
 
@@ -244,35 +243,6 @@ def test_a_file_damaged_in_place_is_caught_by_the_next_generations_plan_too(tmp_
             _epoch(it)
 
 
-def test_the_next_epoch_gathers_from_the_kept_block_only_while_this_one_is_not_short(tmp_path, monkeypatch):
-    """With the block kept whole the next epoch's stream reads nothing natively: it naps before
-    each batch it gathers while the current stream is short (at 90% load its gathers took the GIL
-    from the current stream's refills)."""
-    import time
-
-    from loader.pipeline.stream import EpochStream
-
-    short = [True]
-    monkeypatch.setattr(EpochStream, "short", lambda self: short[0])
-    make_store(tmp_path / "s", DATES)
-    with ShardIter(tmp_path / "s", 8, seed=3, cache_dir=tmp_path / "c") as it:
-        seen = [i for _, b in zip(range(it.batches_per_epoch // 2 + 2), it) for i in batch_ids(b)]
-        ahead = it.reader.epochs.ahead
-        assert ahead is not None
-        time.sleep(0.3)
-        assert not ahead._ready, "gathered while the current stream was short"
-        short[0] = False
-        deadline = time.monotonic() + 10
-        while not ahead._ready and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert ahead._ready
-        rest = [i for b in it for i in batch_ids(b)]
-        assert sorted(seen + rest) == list(range(sum(DATES.values())))
-        it.reset()
-        assert it.reader.epochs.stream is ahead
-        assert sorted(_epoch(it)) == list(range(sum(DATES.values())))
-
-
 def test_a_native_open_failing_after_a_new_generation_is_raised_by_the_next_next(tmp_path, monkeypatch):
     """reset() onto a store folder's new plan does not wait for its first native read to open
     (docs/internals.md, "Plan"): an MXNet error there is a LoaderError naming its reason, from the
@@ -285,27 +255,17 @@ def test_a_native_open_failing_after_a_new_generation_is_raised_by_the_next_next
     with ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c") as it:
         _epoch(it)
         make_store(tmp_path / "s", {"2024-01-02": 40, "2024-01-03": 40, "2024-01-04": 40})
-        real = stream.open_record_iter
+        real = fill.open_record_iter
 
         def failing(*_a, **_k):
             raise mx.base.MXNetError("Traceback (most recent call last):\nMXNetError: Check failed: injected")
 
-        monkeypatch.setattr(stream, "open_record_iter", failing)
+        monkeypatch.setattr(fill, "open_record_iter", failing)
         it.reset()  # returns: the plan's files were all checked
         with pytest.raises(LoaderError, match="Check failed: injected"):
             it.next()
-        # The failed stream may have begun the next epoch's (it "ended" before half way): that one
-        # fails too, and a reset() must not take it (it would not wait to see). Made sure of here.
-        import time
-
-        epochs = it.reader.epochs
-        with epochs.lock:
-            epochs._open_ahead(epochs.stream.epoch + 1, epochs.stream.params, behind=False)
-        assert epochs.ahead is not None
-        deadline = time.monotonic() + 20
-        while (ahead := it.reader.epochs.ahead) is not None and not ahead.failed and time.monotonic() < deadline:
-            time.sleep(0.01)
-        monkeypatch.setattr(stream, "open_record_iter", real)
+        assert it.reader.pipeline.ahead is None, "the loader went on to the next epoch after a failure"
+        monkeypatch.setattr(fill, "open_record_iter", real)
         it.reset()
         assert sorted(_epoch(it)) == list(range(120))
 
@@ -343,18 +303,20 @@ def test_a_buffer_grown_while_its_block_loads_keeps_every_window(tmp_path, monke
 
     want = epochs()
     grown = []
-    real = loading.Blocks._buffer
+    real_init, real_room = fill._Block.__init__, fill._Block.room
 
-    def buffer(self, v, records):
-        before = self.buffers.get(v)
-        out = real(self, v, records)
+    def init(self, arena, estimate, nominal):
+        real_init(self, arena, 1, nominal)  # every block estimated at one record
+
+    def room(self, records):
+        before = self.buffer
+        out = real_room(self, records)
         if before is not None and out is not before:
-            grown.append(v)
+            grown.append(records)
         return out
 
-    monkeypatch.setattr(loading.Blocks, "_activate", lambda self, item: (self.estimate.setdefault(item.visit, 1),
-                                                                         self.active.append(loading._Active(item))))
-    monkeypatch.setattr(loading.Blocks, "_buffer", buffer)
+    monkeypatch.setattr(fill._Block, "__init__", init)
+    monkeypatch.setattr(fill._Block, "room", room)
     got = epochs()
     assert grown, "no buffer grew"
     assert len(got) == len(want) == 2
@@ -367,16 +329,15 @@ def test_a_buffer_grown_while_its_block_loads_keeps_every_window(tmp_path, monke
                 np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("readers", [1, 2])
-def test_no_more_native_reads_are_open_than_it_memory_counts(tmp_path, monkeypatch, readers):
-    """``it.memory`` counts ``readers`` native reads being read and ``readers`` opened ahead, for each
-    of the two streams (this epoch's and the next's): never more are open at once (issue 56: one
-    read more queued ahead survived)."""
-    import loader.pipeline.feed as feed
+def test_no_more_native_reads_are_open_than_it_memory_counts(tmp_path, monkeypatch):
+    """``it.memory`` counts two native reads (``memory.NATIVES``): the one being read and the next,
+    opened ahead; never more are open at once (issue 56: one read more queued ahead survived), and
+    with many reads a block the next one is open while one is read."""
+    from loader.pipeline.memory import NATIVES
 
     make_store(tmp_path / "s", {f"2024-01-{d:02d}": 30 + d for d in range(2, 22)})
     live, most = [0], [0]
-    real_open, real_free = stream.open_record_iter, feed.free
+    real_open, real_free = fill.open_record_iter, fill.free
 
     def opened(*args, **kw):
         native = real_open(*args, **kw)
@@ -388,21 +349,19 @@ def test_no_more_native_reads_are_open_than_it_memory_counts(tmp_path, monkeypat
         live[0] -= 1
         return real_free(native)
 
-    being_read, real_activate = [0], loading.Blocks._activate
+    monkeypatch.setattr(fill, "open_record_iter", opened)
+    monkeypatch.setattr(fill, "free", freed)
+    real_reading = fill.Reading.__init__
 
-    def activate(self, item):  # reads a stream's producer has taken from its feed: at most ``readers``
-        real_activate(self, item)
-        being_read[0] = max(being_read[0], len(self.active))
+    def small_tapes(self, *a, **k):
+        real_reading(self, *a, **k)
+        self.tape_records = 3
 
-    monkeypatch.setattr(stream, "open_record_iter", opened)
-    monkeypatch.setattr(feed, "free", freed)
-    monkeypatch.setattr(loading, "free", freed)
-    monkeypatch.setattr(loading.Blocks, "_activate", activate)
-    with ShardIter(tmp_path / "s", 8, seed=1, readers=readers, native_batch=4, shuffle_buffer=40,
-                   cache_dir=tmp_path / "c") as it:
+    monkeypatch.setattr(fill.Reading, "__init__", small_tapes)
+    with ShardIter(tmp_path / "s", 8, seed=1, shuffle_buffer=40, cache_dir=tmp_path / "c") as it:
         assert it.reader.params.block * 3 < sum(30 + d for d in range(2, 22))  # many blocks, many reads
         for _ in range(3):
             assert sum(8 - b.pad for b in it) == sum(30 + d for d in range(2, 22))
             it.reset()
-    assert 0 < most[0] <= 2 * 2 * readers, most[0]
-    assert being_read[0] == readers
+    assert most[0] == NATIVES, most[0]
+    assert live[0] == 0

@@ -146,26 +146,27 @@ def test_a_resume_with_another_batch_size_splits_what_is_left(store, tmp_path):
 
 def test_a_resume_reads_only_from_the_block_it_resumes_in(store, tmp_path, monkeypatch):
     """Reaching batch k reads the block holding it and the ones after, never a consumed block."""
-    import loader.pipeline.feed as feed
+    import loader.pipeline.fill as fill
 
     with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
         n = it.batches_per_epoch
         [it.next() for _ in range(int(n * 0.9))]
         state = it.state_dict()
     blocks = []
-    real = feed.Feed._block
+    real = fill.Reading.fill
 
-    def recording(self, v, visit):
-        blocks.append((self, visit.c, visit.b))
-        return real(self, v, visit)
+    def recording(self, v):
+        visit = self.job.visits[v]
+        blocks.append((self.job, visit.c, visit.b))
+        return real(self, v)
 
-    monkeypatch.setattr(feed.Feed, "_block", recording)
+    monkeypatch.setattr(fill.Reading, "fill", recording)
     with ShardIter(store, B, cache_dir=tmp_path / "c", **KW) as it:
         it.load_state_dict(state)
-        feed = it.reader.epochs.stream.feed  # the resumed epoch's (not the first one's, nor the next one's)
+        job = it.reader.pipeline.current  # the resumed epoch's (not the first one's, nor the next one's)
         shards = it.reader.plan.shards
         list(it)
-    blocks = [(c, b) for who, c, b in blocks if who is feed]
+    blocks = [(c, b) for who, c, b in blocks if who is job]
     order = EpochOrder([s.samples for s in shards], OrderSpec(KW["seed"], True, 1, state["block"], 4), 0)
     first = next(order.visits(remainder(TOTAL, [Phase(1, B, int(n * 0.9))])))
     assert blocks and blocks[0] == (first.c, first.b)

@@ -177,33 +177,31 @@ def test_epochs_at_the_least_limit_never_wait_for_room_the_next_epoch_holds(s3, 
 
 
 @pytest.mark.timeout(120)
-def test_the_next_epochs_feed_starts_only_once_this_epochs_has_fetched_all(s3, tmp_path, monkeypatch):
+def test_the_next_epochs_job_starts_only_once_this_epochs_has_fetched_all(s3, tmp_path, monkeypatch):
     """The rule the test above depends on, checked at the moment it matters rather than through a wait
-    it causes (which load can hide): when a feed begins its first block, every feed made before it
-    (the epochs before) has fetched its last group, over three epochs at a limit; and no feed says it
-    has fetched all (``done_fetching``) while it still begins a block. A wait that would follow from
-    either is bounded here in seconds (issue 56: it ran into this test's 120 s)."""
+    it causes (which load can hide): when the loader begins a job's first block, every job begun
+    before it (the epochs before) has fetched its last group, over three epochs at a limit; and no
+    job says it has fetched all (``done_fetching``) while it still begins a block. A wait that would
+    follow from either is bounded here in seconds (issue 56: it ran into this test's 120 s)."""
     import threading
     import time
 
-    from loader.pipeline import feed as feed_module
+    from loader.pipeline import fill
 
-    feeds, early, premature = [], [], []
-    real_init, real_block = feed_module.Feed.__init__, feed_module.Feed._block
+    jobs, early, premature = [], [], []
+    real_fill = fill.Reading.fill
 
-    def init(self, *a, **kw):
-        feeds.append(self)
-        real_init(self, *a, **kw)
-
-    def block(self, v, visit):
-        if self.done_fetching.is_set():
-            premature.append((feeds.index(self), v))
+    def block(self, v):
+        job = self.job
+        if job not in jobs:
+            jobs.append(job)
+        if job.done_fetching.is_set():
+            premature.append((jobs.index(job), v))
         if v == 0:
-            early.extend(i for i, f in enumerate(feeds[:feeds.index(self)]) if not f.done_fetching.is_set())
-        return real_block(self, v, visit)
+            early.extend(i for i, j in enumerate(jobs[:jobs.index(job)]) if not j.done_fetching.is_set())
+        return real_fill(self, v)
 
-    monkeypatch.setattr(feed_module.Feed, "__init__", init)
-    monkeypatch.setattr(feed_module.Feed, "_block", block)
+    monkeypatch.setattr(fill.Reading, "fill", block)
     url, limit = _store(s3, tmp_path)
     it = ShardIter(url, 8, cache_dir=tmp_path / "cache", cache_limit=limit, seed=3, native_batch=4, shuffle_buffer=160)
     seen = []
@@ -220,6 +218,6 @@ def test_the_next_epochs_feed_starts_only_once_this_epochs_has_fetched_all(s3, t
         time.sleep(0.05)
     it.close()  # also ends a read stuck waiting for room
     reader.join(30)
-    assert early == [], f"feeds {early} had not fetched all when a later one began"
-    assert premature == [], f"(feed, block) {premature} began after its feed said it had fetched all"
+    assert early == [], f"jobs {early} had not fetched all when a later one began"
+    assert premature == [], f"(job, block) {premature} began after its job said it had fetched all"
     assert seen == [list(range(sum(COUNTS.values())))] * 3, f"{len(seen)} of 3 epochs within 40 s"
