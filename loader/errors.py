@@ -8,11 +8,18 @@ from typing import Iterator
 from shardgen.errors import ShardgenError
 from shardgen.store.objurl import StoreUnreachable
 
-__all__ = ["LoaderError", "StoreUnreachableError", "mxnet_reason", "as_loader_error", "as_loader_errors"]
+__all__ = ["LoaderError", "IteratorClosed", "StoreUnreachableError", "mxnet_reason", "as_loader_error", "as_loader_errors"]
 
 
 class LoaderError(Exception):
     """Bad manifest, missing or truncated shard, bad argument: the message names which."""
+
+
+class IteratorClosed(LoaderError, StopIteration):
+    """``next()`` on a closed ``ShardIter`` (or one closed while ``next()`` waited). A LoaderError;
+    also a StopIteration, which is what a thread that reads ahead through ``next()`` (MXNet's
+    ``PrefetchingIter``) takes as the end of the data, so it ends without a traceback. Iterating
+    (``for``, ``next(it)``, ``Module.fit``) raises a plain LoaderError: a loop never ends silently."""
 
 
 class StoreUnreachableError(LoaderError):

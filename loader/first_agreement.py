@@ -4,8 +4,8 @@ Nothing goes through the kvstore when the iterator is made: its first keys are t
 refuses integer and string keys in one kvstore, and the model's kind is not known yet (``Module.fit``
 puts string keys in at ``init_optimizer``, before its first batch; a Gluon ``Trainer`` integer keys at
 its first ``step()``, after it). So every worker takes rank 0's generation at its first ``next()`` (a
-collective call, as ``reset()`` is). A worker built on another generation is built again on rank 0's;
-after ``load_state_dict`` the loaded state must be of rank 0's generation.
+collective call, as ``reset()`` is). A worker built on another generation reads rank 0's instead
+(``Reader.move_to``); after ``load_state_dict`` the loaded state must be of rank 0's generation.
 """
 
 from __future__ import annotations
@@ -14,21 +14,20 @@ from typing import Any
 
 from loader.errors import LoaderError
 from loader.source.generations import Choice, agree
-from shardgen.store import Store
 
 __all__ = ["FirstAgreement"]
 
 
 class FirstAgreement:
-    """What ``for_kvstore`` needs to agree at the first batch and build the iterator again."""
+    """What ``for_kvstore`` needs to agree at the first batch."""
 
-    def __init__(self, kv: Any, store: Store, kwargs: dict):
-        self.kv, self.store, self.kwargs = kv, store, kwargs
+    def __init__(self, kv: Any):
+        self.kv = kv
         self.loaded = False  # load_state_dict() ran before the first batch
 
     def settle(self, it: Any) -> None:
-        """Agree on rank 0's generation for the ``ShardIter`` ``it``; build its reader again on it if
-        it differs from the one ``it`` was built on."""
+        """Agree on rank 0's generation for the ``ShardIter`` ``it``; its reader reads this epoch on
+        it from its start if it differs from the one ``it`` was built on."""
         held = it.generation
         agreed = agree(self.kv, held)
         if agreed == held:
@@ -36,14 +35,10 @@ class FirstAgreement:
         if self.loaded:
             raise LoaderError(f"{it.manifest_path}: this worker resumed a state of generation {held}, rank 0 one of "
                               f"generation {agreed}: load the same state on every worker")
-        fresh = type(it)(self.store, it.batch_size, generation=agreed, **self.kwargs)
-        if fresh.schema.fingerprint != it.schema.fingerprint:
-            fresh.close()
+        reader = it.reader
+        manifest = Choice(pin=agreed).manifest(reader.store)
+        if manifest.schema.fingerprint != it.schema.fingerprint:
             raise LoaderError(f"{it.manifest_path}: the store's schema changed (fingerprint {it.schema.fingerprint}"
-                              f" -> {fresh.schema.fingerprint}) between this worker's generation {held} and rank 0's "
-                              f"{agreed}; make the iterators again")
-        old, it.reader = it.reader, fresh.reader
-        fresh._closed = True  # its reader is ``it``'s now
-        it.reader.choice = Choice(kv=self.kv)
-        it.reader.dates = old.dates  # a selection set before the first batch
-        old.close()
+                              f" -> {manifest.schema.fingerprint}) between this worker's generation {held} and rank "
+                              f"0's {agreed}; make the iterators again")
+        reader.move_to(manifest)

@@ -25,7 +25,7 @@ from loader.pipeline.job import order_spec
 from loader.pipeline.memory import Arena, caller_batches_held
 from loader.pipeline.order import EpochOrder, Phase, slice_of
 from loader.pipeline.parts import split_phase
-from loader.pipeline.settings import buffers_alive, check_label_names, check_memory, stream_params
+from loader.pipeline.settings import buffers_alive, check_label_names, check_memory, sized
 from loader.pipeline.pipeline import Pipeline, join_closing
 from loader.source.generations import Choice, held_again, newest
 from loader.source.plan import EpochPlan, make_plan
@@ -45,9 +45,12 @@ class Reader:
     epoch on the generation ``choice`` picks, ``state()``/``load()`` to resume."""
 
     def __init__(self, store: Store, root, manifest: Manifest, params: StreamParams, *, choice: Choice,
-                 dates: DateRange, selected: tuple, verify: str, memory: dict):
-        """``selected``: the shards of ``manifest`` that ``dates`` (normalized) select."""
+                 dates: DateRange, selected: tuple, verify: str, memory: dict,
+                 sizing: Optional[Callable[[tuple], tuple]] = None):
+        """``selected``: the shards of ``manifest`` that ``dates`` (normalized) select; ``sizing(shards)``:
+        the settings (and memory) another generation's shards are read with (``settings.sized``)."""
         self.store, self.root, self.params, self.choice = store, root, params, choice
+        self.sizing = sizing
         self.manifest = manifest  # the generation read now: reset() goes on with it if the store is out of reach
         self.schema = manifest.schema
         self.verify, self.memory = verify, memory
@@ -90,11 +93,23 @@ class Reader:
         # An object store fetches whole files: its blocks hold consecutive shard pieces (stripes would
         # fetch every file for every block), so its part is one block wherever that fits (settings).
         stripes = knobs.pop("stripes", None)
-        params = stream_params(schema, selected, shuffle_buffer, labels,
-                               stripes=store.in_place if stripes is None else stripes, **knobs)
-        memory = check_memory(params, shuffle_buffer, selected)
+        sizing = functools.partial(sized, schema, shuffle_buffer=shuffle_buffer, label_names=labels,
+                                   knobs={**knobs, "stripes": store.in_place if stripes is None else stripes})
+        params, memory = sizing(selected)
         return cls(store, root, manifest, params, choice=choice, dates=dates, selected=selected, verify=verify,
-                   memory=memory)
+                   memory=memory, sizing=sizing)
+
+    def move_to(self, manifest: Manifest) -> None:
+        """This epoch from its start on ``manifest``'s generation instead (``ShardIter.for_kvstore``'s
+        first agreement): the shards it selects, the settings they size, a plan of them."""
+        selected = select_shards(manifest, self.dates)
+        params, memory = self.sizing(selected)
+        plan = self._plan_for(manifest, selected)
+        self.end_epoch()
+        self.pipeline.arena.new_blocks(buffers_alive(params, selected))
+        self.params, self.memory = params, memory
+        self._start(plan)
+        self.manifest = manifest
 
     # -- where it is ------------------------------------------------------------------------------
 

@@ -12,7 +12,6 @@ the iterator is belongs to its :class:`loader.reader.Reader`.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -20,7 +19,7 @@ import mxnet as mx
 
 from loader.checkpoint import at_end, ends_epoch, rewound
 from loader.epoch_clock import EpochClock
-from loader.errors import LoaderError
+from loader.errors import IteratorClosed, LoaderError
 from loader.first_agreement import FirstAgreement
 from loader.fit_resume import fit_checkpoint
 from loader.lifecycle import report_rank, start, track
@@ -35,13 +34,6 @@ from shardgen.store import Store
 from shardgen.store.naming import MANIFEST_NAME
 
 __all__ = ["ShardIter"]
-
-
-def _prefetching() -> bool:
-    """Whether ``next()`` was called by MXNet's ``PrefetchingIter`` thread (its ``prefetch_func``, which
-    takes only StopIteration as an end: anything else kills the thread and leaves the wrapper waiting)."""
-    caller = sys._getframe(2).f_code  # prefetch_func -> ShardIter.next -> here
-    return caller.co_name == "prefetch_func" and caller.co_filename.endswith(os.path.join("mxnet", "io", "io.py"))
 
 
 def _setting(name: str) -> property:
@@ -111,9 +103,8 @@ class ShardIter(mx.io.DataIter):
         it = cls(manifest, batch_size, **parts, **kwargs)  # unpinned: its newest, until the first batch
         if kwargs.get("generation") is None:
             it.reader.choice = Choice(kv=kv)  # every reset() agrees
-            if kv.num_workers > 1:  # built again on the store it opened (a limit is the store's already)
-                again = {k: v for k, v in kwargs.items() if k not in ("generation", "cache_limit")}
-                it._first_agreement = FirstAgreement(kv, it.reader.store, {**parts, **again})
+            if kv.num_workers > 1:
+                it._first_agreement = FirstAgreement(kv)
         report_rank(kv.rank)  # loader.tools.launch labels this worker's lines with it
         return it
 
@@ -158,18 +149,27 @@ class ShardIter(mx.io.DataIter):
         self._loaded_end = False  # the epoch a loaded epoch-end state starts is being read: reset() ends it
         t0 = time.perf_counter()
         self._clock.begin(t0)
-        if self._closed and _prefetching():
-            raise StopIteration  # MXNet's PrefetchingIter asks a batch ahead from its own thread: close() ends it
-        self._check_open()
+        if self._closed:
+            raise self._closed_error()
         try:
             arrays, pad = reader.take()
         except LoaderError:
-            if self._closed and _prefetching():  # closed while its thread waited for this batch
-                raise StopIteration from None
+            if self._closed:  # closed while this next() waited
+                raise self._closed_error() from None
             raise
         self._clock.took(t0, self.batch_size - pad)  # pad is 0 with last_batch="discard"
         return mx.io.DataBatch(data=arrays[:1], label=arrays[1:], pad=pad,
                                provide_data=self._provide_data, provide_label=self._provide_label)
+
+    def __next__(self) -> mx.io.DataBatch:
+        """``next(it)`` and ``for``: a closed iterator is a plain LoaderError here (``IteratorClosed``)."""
+        try:
+            return self.next()
+        except IteratorClosed as exc:
+            raise LoaderError(str(exc)) from None
+
+    def _closed_error(self) -> IteratorClosed:
+        return IteratorClosed(f"{self.manifest_path}: this ShardIter is closed")
 
     def iter_next(self) -> bool:  # what PrefetchingIter and friends call
         try:
@@ -282,9 +282,10 @@ class ShardIter(mx.io.DataIter):
     def close(self) -> None:
         """Stop the native threads, let go of the files and drop the reader lease now rather than
         at garbage collection. Safe to call more than once, and after an error. A ``next()`` waiting
-        in another thread, or called afterwards, is a LoaderError (an epoch is never cut short
-        silently), except from MXNet's ``PrefetchingIter``, whose thread asks for a batch ahead: there
-        it is the end of the data, so that thread ends without a traceback and the wrapper stops."""
+        in another thread, or called afterwards, raises ``IteratorClosed``: a LoaderError (an epoch
+        is never cut short silently: ``for`` and ``next(it)`` raise it as one), which MXNet's
+        ``PrefetchingIter``, whose thread asks for a batch ahead through ``next()``, takes as the end
+        of the data (a StopIteration too), so that thread ends without a traceback and the wrapper stops."""
         reader = getattr(self, "reader", None)
         if reader is not None and not self._closed:
             self._keep_stats()

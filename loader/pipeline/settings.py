@@ -19,7 +19,7 @@ from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema
 
 __all__ = ["check_arguments", "check_label_names", "default_readers", "default_native_batch", "buffer_records",
-           "block_samples", "stream_params", "check_memory", "BLOCK_BYTES", "SHUFFLE_BYTES", "buffers_alive"]
+           "block_samples", "stream_params", "sized", "check_memory", "BLOCK_BYTES", "SHUFFLE_BYTES", "buffers_alive"]
 
 SHUFFLE_BYTES = 1 << 30  # what an object store's iterator's shuffle buffers hold together by default
 BLOCK_BYTES = 128 << 20  # a default block: read in ~0.1-0.3 s here, a piece of every date when the part is larger
@@ -129,6 +129,13 @@ def stream_params(schema: Schema, shards: tuple, shuffle_buffer: Optional[int | 
         label_names=label_names,
         canonical_parts=canonical,
         block=block_samples(records, shards, schema), stripes=bool(stripes))
+
+
+def sized(schema: Schema, shards: tuple, *, shuffle_buffer: object, label_names: tuple, knobs: dict
+          ) -> tuple[StreamParams, dict]:
+    """The settings a reader of ``shards`` reads with (``stream_params``) and what they hold (``check_memory``)."""
+    params = stream_params(schema, shards, shuffle_buffer, label_names, **knobs)
+    return params, check_memory(params, shuffle_buffer, shards)
 
 
 def buffers_alive(params: StreamParams, shards: tuple) -> int:
