@@ -23,6 +23,7 @@ from conftest import batch_ids, make_store
 from test_s3_loader import upload_store
 
 from loader import LoaderError, ShardIter
+from shardgen.errors import ShardgenError
 from shardgen.store import open_store, room
 from shardgen.store.cached import CachedStore
 from shardgen.store.manifest import Manifest
@@ -106,20 +107,43 @@ class _Waits:
         return False
 
 
-def _full(s3, tmp_path, monkeypatch):
-    """An iterator at the least limit whose cache holds another reader's files first (two of the
-    largest shards, never let go): it reads a group of files at a time, and once nothing consumes
-    its batches, its next fetch waits for room."""
+def _full(s3, tmp_path, monkeypatch, third: bool = True):
+    """An iterator at the least limit whose cache holds another reader's files (the two largest
+    shards, never let go). ``third``: once its first block is read, before the loader goes on, the
+    other reader takes what room is left, file after file until one would wait: the loader's next
+    fetch of a file it does not hold waits for room."""
+    from loader.pipeline import fill
+
     _, url = _remote(s3, tmp_path)
     limit = _least(url, tmp_path / "probe")
     waits = _Waits(monkeypatch)
     monkeypatch.setattr(room, "ROOM_WAIT_S", 600.0)
     cache = CachedStore.of(open_store(url), tmp_path / "c", limit)  # the one the iterator will read through
     manifest = open_store(url).require_manifest()
-    cache.make_local(sorted(manifest.shards, key=lambda s: -s.bytes)[:2], who="another-reader",
-                     schema=manifest.schema)
+    largest = sorted(manifest.shards, key=lambda s: -s.bytes)
+    cache.make_local(largest[:2], who="another-reader", schema=manifest.schema)
+    gate, real_fill = threading.Event(), fill.Reading.fill
+
+    def gated(self, v):
+        if third and (v or self.job.epoch):
+            gate.wait(BOUND_S)
+        return real_fill(self, v)
+
+    monkeypatch.setattr(fill.Reading, "fill", gated)
     it = ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=limit, shuffle_buffer=40, native_batch=4, readers=1,
                    prefetch_buffer=2)
+    if third:
+        for shard in largest[2:]:
+            halt = threading.Timer(1.0, lambda: None)
+            halt.start()  # (its ``finished`` event is set after a second: a wait for room ends then)
+            try:
+                cache.make_local([shard], who=f"another-reader-{shard.date}", schema=manifest.schema,
+                                 halt=halt.finished)
+            except ShardgenError:
+                break  # no room left
+            finally:
+                halt.cancel()
+    gate.set()
     return it, cache, waits
 
 
@@ -230,7 +254,7 @@ def test_close_from_another_thread_ends_a_reset_whose_first_fetch_waits_for_room
     """The other reader takes the whole room the moment reset() lets this epoch's files go, so the
     next epoch's first fetch (which reset() waits for) waits for room: close() from another thread
     ends it within seconds."""
-    it, cache, waits = _full(s3, tmp_path, monkeypatch)
+    it, cache, waits = _full(s3, tmp_path, monkeypatch, third=False)
     manifest = open_store(it.manifest_path.rsplit("/", 1)[0]).require_manifest()
     third = sorted(manifest.shards, key=lambda s: -s.bytes)[2:3]
     try:
