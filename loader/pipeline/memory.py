@@ -13,9 +13,9 @@ filling half way through), so the per-stream parts count twice:
   stream holds one: 3 in all. A buffer holds the most records a block can
   (``settings.block_records``: a block of the sparsest shards), an eighth more than the average
   block at least; kept buffers count in: the arena lets them go before the total would exceed that;
-- MXNet's native iterators: ``readers`` being read and ``readers`` opened ahead per stream, each
-  queueing up to 16 record batches of ``native_batch`` records in its own thread (fixed in MXNet
-  1.9.1, whatever ``prefetch_buffer``);
+- MXNet's native iterators: ``readers`` being read and ``readers`` opened ahead per stream (one:
+  ``settings.default_readers``), each queueing up to 16 record batches of ``native_batch`` records
+  (``settings.default_native_batch``) in its own thread (fixed in MXNet 1.9.1, whatever ``prefetch_buffer``);
 - caller batches: ``prefetch_buffer`` ready ones per stream, plus a few MXNet still holds.
 
 The process's allocator is left as it was found (no ``mallopt``): a process-wide policy is paid by
@@ -120,7 +120,7 @@ def check_footprint(parts: dict, settings: str, *, share: float = MEMORY_SHARE) 
     detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if k != "total")
     raise LoaderError(f"{settings} would hold {format_bytes(total)} ({detail}); this machine has "
                       f"{format_bytes(ram)} and an iterator may take {share:.0%} of it. Lower shuffle_buffer "
-                      "(records, or a size such as '256MB'), native_batch, readers or prefetch_buffer")
+                      "(records, or a size such as '256MB'), prefetch_buffer or batch_size")
 
 
 class Arena:
