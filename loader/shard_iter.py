@@ -64,11 +64,12 @@ class ShardIter(mx.io.DataIter):
     reads it (once per file version), ``"frame"`` the framing only, ``"sha256"`` also the whole
     file against the manifest, ``"none"`` trusts the files.
     ``shuffle_buffer``: the block mixed in memory, in *records* (an int) or bytes (``"256MB"``).
-    ``prefetch_buffer``: caller batches assembled ahead. ``stripes``: every block a piece of every date (default: for a folder). ``canonical_parts``: the
-    order's part count (default ``num_parts``; :mod:`loader.pipeline.order`): a state resumes on any.
-    What these hold in memory is computed at construction (:mod:`loader.pipeline.memory`);
-    more than half the machine's memory is a LoaderError. ``readers`` and ``native_batch`` were
-    removed (no measured effect): passing either is a LoaderError saying so (``settings.REMOVED``).
+    ``prefetch_buffer``: caller batches assembled ahead. ``stripes``: every block a piece of every
+    date (default: for a folder). ``canonical_parts``: the order's part count (default
+    ``num_parts``; :mod:`loader.pipeline.order`): a state resumes on any. What these hold in memory
+    is computed at construction (:mod:`loader.pipeline.memory`); more than half the machine's memory
+    is a LoaderError. ``readers`` and ``native_batch`` were removed (no measured effect): passing
+    either is a LoaderError saying so (``settings.REMOVED``).
     """
 
     def __init__(self, manifest: os.PathLike | str | Store, batch_size: int, *, shuffle: bool = True,

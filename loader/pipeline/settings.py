@@ -19,7 +19,8 @@ from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema
 
 __all__ = ["check_arguments", "check_removed", "REMOVED", "check_label_names", "default_readers",
-           "default_native_batch", "buffer_records", "block_samples", "stream_params", "check_memory", "BLOCK_BYTES", "SHUFFLE_BYTES", "buffers_alive"]
+           "default_native_batch", "buffer_records", "block_samples", "stream_params", "check_memory",
+           "BLOCK_BYTES", "SHUFFLE_BYTES", "buffers_alive"]
 
 SHUFFLE_BYTES = 1 << 30  # what an object store's iterator's shuffle buffers hold together by default
 BLOCK_BYTES = 128 << 20  # a default block: read in ~0.1-0.3 s here, a piece of every date when the part is larger
@@ -131,7 +132,8 @@ def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], shards: 
 
 def stream_params(schema: Schema, shards: tuple, shuffle_buffer: Optional[int | str], label_names: tuple, *,
                   batch_size: int, shuffle: bool, seed: int, num_parts: int, part_index: int, last_batch: str,
-                  preprocess_threads: int, prefetch_buffer: int, canonical_parts: Optional[int], stripes: bool = True) -> StreamParams:
+                  preprocess_threads: int, prefetch_buffer: int, canonical_parts: Optional[int],
+                  stripes: bool = True) -> StreamParams:
     """The settings of a stream reading ``shards``: the arguments (``check_arguments`` checked them),
     their defaults filled in, the shuffle buffer sized (``buffer_records``) and the block it makes."""
     canonical = int(num_parts if canonical_parts is None else canonical_parts)

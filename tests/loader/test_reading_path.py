@@ -44,7 +44,7 @@ def _epoch(it) -> list:
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_a_one_block_part_is_read_once_and_later_epochs_gather_from_the_block_kept(tmp_path, counted, shuffle):
     make_store(tmp_path / "s", DATES)
-    with ShardIter(tmp_path / "s", 16, shuffle=shuffle, seed=3, cache_dir=tmp_path / "c", native_batch=8) as it:
+    with ShardIter(tmp_path / "s", 16, shuffle=shuffle, seed=3, cache_dir=tmp_path / "c") as it:
         first = _epoch(it)
         assert counted["opens"] >= 1 and counted["batches"] >= sum(DATES.values()) // 8
         counted.update(opens=0, batches=0)
@@ -59,7 +59,7 @@ def test_a_one_block_part_is_read_once_and_later_epochs_gather_from_the_block_ke
     if shuffle:
         assert len({tuple(ids) for ids in [first] + later}) == 4, "a new order every epoch"
     # the same batches as an iterator that read every epoch natively (a state resumed at epoch 3's start)
-    with ShardIter(tmp_path / "s", 16, shuffle=shuffle, seed=3, cache_dir=tmp_path / "d", native_batch=8) as it:
+    with ShardIter(tmp_path / "s", 16, shuffle=shuffle, seed=3, cache_dir=tmp_path / "d") as it:
         for _ in range(3):
             it.reset()
         assert _epoch(it) == later[-1]
@@ -334,7 +334,7 @@ def test_a_buffer_grown_while_its_block_loads_keeps_every_window(tmp_path, monke
     grown buffer that lost the window starts gave other batches). With every estimate at one record
     the buffer grows at every native batch: the batches are those of an ordinary read."""
     _runs_store(tmp_path / "s")
-    kw = dict(seed=5, native_batch=16, readers=1, cache_dir=tmp_path / "c")
+    kw = dict(seed=5, cache_dir=tmp_path / "c")
 
     def epochs():
         with ShardIter(tmp_path / "s", 64, **kw) as it:
@@ -367,11 +367,10 @@ def test_a_buffer_grown_while_its_block_loads_keeps_every_window(tmp_path, monke
                 np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("readers", [1, 2])
-def test_no_more_native_reads_are_open_than_it_memory_counts(tmp_path, monkeypatch, readers):
-    """``it.memory`` counts ``readers`` native reads being read and ``readers`` opened ahead, for each
-    of the two streams (this epoch's and the next's): never more are open at once (issue 56: one
-    read more queued ahead survived)."""
+def test_no_more_native_reads_are_open_than_it_memory_counts(tmp_path, monkeypatch):
+    """``it.memory`` counts one native read being read and one opened ahead (``readers`` is no longer
+    a setting: ``settings.default_readers``), for each of the two streams (this epoch's and the
+    next's): never more are open at once (issue 56: one read more queued ahead survived)."""
     import loader.pipeline.feed as feed
 
     make_store(tmp_path / "s", {f"2024-01-{d:02d}": 30 + d for d in range(2, 22)})
@@ -390,7 +389,7 @@ def test_no_more_native_reads_are_open_than_it_memory_counts(tmp_path, monkeypat
 
     being_read, real_activate = [0], loading.Blocks._activate
 
-    def activate(self, item):  # reads a stream's producer has taken from its feed: at most ``readers``
+    def activate(self, item):  # reads a stream's producer has taken from its feed: at most one
         real_activate(self, item)
         being_read[0] = max(being_read[0], len(self.active))
 
@@ -398,11 +397,10 @@ def test_no_more_native_reads_are_open_than_it_memory_counts(tmp_path, monkeypat
     monkeypatch.setattr(feed, "free", freed)
     monkeypatch.setattr(loading, "free", freed)
     monkeypatch.setattr(loading.Blocks, "_activate", activate)
-    with ShardIter(tmp_path / "s", 8, seed=1, readers=readers, native_batch=4, shuffle_buffer=40,
-                   cache_dir=tmp_path / "c") as it:
+    with ShardIter(tmp_path / "s", 8, seed=1, shuffle_buffer=40, cache_dir=tmp_path / "c") as it:
         assert it.reader.params.block * 3 < sum(30 + d for d in range(2, 22))  # many blocks, many reads
         for _ in range(3):
             assert sum(8 - b.pad for b in it) == sum(30 + d for d in range(2, 22))
             it.reset()
-    assert 0 < most[0] <= 2 * 2 * readers, most[0]
-    assert being_read[0] == readers
+    assert 0 < most[0] <= 2 * 2, most[0]
+    assert being_read[0] == 1
