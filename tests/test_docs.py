@@ -248,7 +248,7 @@ MADE_UP = """\
 
 The order is seeded in `loader/pipeline/seeding.py` by `loader.pipeline.order.seed_of(epoch)`.
 The plug-in is `shardgen.process:no_such_processor`; reads are parked (`PlanFiles.park`).
-`ShardIter(m, batch_size=8, producers=2, readers=2)`, then `shardgen frobnicate -c x` and `shardgen build --no-such-flag`.
+`ShardIter(m, batch_size=8, readers=2)`, then `shardgen frobnicate -c x` and `shardgen build --no-such-flag`.
 A test: `tests/test_cli.py::test_exit_codes_follow_the_table`, `::test_no_such_test`.
 | folder | what |
 | `loader/source/` | downloads (`nocache.py`) |
@@ -282,7 +282,6 @@ def test_the_checker_names_each_made_up_name_with_its_line():
         (3, "loader.pipeline.order has no 'seed_of'"),
         (4, "shardgen.process has no 'no_such_processor'"),
         (4, "PlanFiles (loader.source.files) has no 'park'"),
-        (5, "ShardIter has no parameter 'producers'"),
         (5, "ShardIter has no parameter 'readers'"),
         (5, "no command 'shardgen frobnicate'"),
         (5, "shardgen build has no flag --no-such-flag"),
