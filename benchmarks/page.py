@@ -47,10 +47,10 @@ HOW_TO_READ = """\
   whose generator costs CPU time per date reports its **floor**: the first batch cannot come before
   the first date is generated, cut, written and published, and each later epoch (one per batch of
   arrivals) first fills its shuffle buffer.
-* **layouts / shards / readers**: bytes per window, build time and warm and cold rates of each record
+* **layouts / shards**: bytes per window, build time and warm and cold rates of each record
   layout; shuffled rates from 4 to 400 per-date shards against stock `ImageRecordIter` shuffling one
   file of one-sample records (each rate the mean of two passes, the second in reverse order, so a
-  drift of the machine's speed does not tilt the ratios); 1 and 2 native readers; how many dates a
+  drift of the machine's speed does not tilt the ratios); how many dates a
   batch spans against an exact per-window shuffle.
 * **resume / open**: resuming from a `state_dict` saved at 90% of an epoch against reading to there;
   opening and resetting a `ShardIter` over 2M records against stock MXNet's open of the same files.

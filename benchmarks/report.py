@@ -209,7 +209,6 @@ def results_table(res: dict) -> str:
         lines.append("shuffled samples/s by shards (runs): " + ", ".join(
             f"{n}: {v:,.0f}" for n, v in sc["shards"].items())
             + f"; stock ImageRecordIter, one file: {sc['stock_one_file']['samples_per_s']:,.0f}")
-        lines.append("readers: " + ", ".join(f"{n}: {v:,.0f}/s" for n, v in sc["readers"].items()))
         r = sc["randomness"]
         for m in sc.get("mixing", {}).values():
             lines.append(f"mixing, {m['dates']} dates / {m['windows']:,} windows: dates per batch / exact "

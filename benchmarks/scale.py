@@ -1,5 +1,5 @@
 """``python -m benchmarks`` at scale: record layouts, many shards, stock MXNet on one file, randomness of
-the shuffle buffer, parallel readers, resumption, and open/reset at 2M records. Every figure is
+the shuffle buffer, resumption, and open/reset at 2M records. Every figure is
 measured in the same run as the baseline it is compared with."""
 
 from __future__ import annotations
@@ -230,8 +230,7 @@ def scale_suite(workdir: Path, *, quick: bool, seconds: float, log: Callable[[st
         out["shards"][str(n)] = sum(rates[n]) / len(rates[n])
     out["stock_one_file"] = {"open_s": min(r["open_s"] for r in stock_runs),
                              "samples_per_s": sum(r["samples_per_s"] for r in stock_runs) / len(stock_runs)}
-    log("bench: readers, randomness, resume, open/reset")
-    out["readers"] = {str(r): shuffled_rate(workdir / "shards_200", cache, seconds, readers=r) for r in (1, 2)}
+    log("bench: randomness, resume, open/reset")
     out["randomness"] = randomness(workdir / "shards_200", cache, total // 200)
     log("bench: dates per batch over the first batches of each epoch (200 dates; 2M and 12.5M windows)")
     out["mixing"] = {"200": mixing(workdir / "shards_200", cache)}

@@ -3,7 +3,7 @@ iterator is, and when a saved state can be continued (of a :class:`loader.reader
 
 A state holds what shapes the order (the shards and selection, seed, shuffle, the order's
 ``canonical_parts`` and ``block``) and the phases read so far (``num_parts``, ``batch_size``,
-batches each part read), and nothing that depends on the cache, the readers, the prefetch
+batches each part read), and nothing that depends on the cache, the prefetch and decode
 settings or the store's kind: those may all change between saving and loading. Nor the loading
 iterator's own settings: which part it reads, its batch size, its part count and ``last_batch``
 (what is left of the order after the phases does not depend on it: a padded batch counts as a

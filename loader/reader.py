@@ -5,7 +5,7 @@ state; the ``ShardIter`` around it is only MXNet's ``DataIter`` face.
 Epochs are exact: every sample of this part once, with ``pad`` counted here. The order is a
 value (:mod:`loader.pipeline.order`): a function of seed, epoch, the selected shards and the order's
 own settings alone. A state says where in it the iterator is (the phases read so far), so it
-resumes with any cache, readers or store, on any number of parts, without re-reading what was
+resumes with any cache, ``prefetch_buffer`` or store, on any number of parts, without re-reading what was
 consumed.
 """
 
@@ -121,11 +121,6 @@ class Reader:
     @property
     def plan(self) -> Optional[EpochPlan]:
         return self.pipeline.plan
-
-    @property
-    def readers(self) -> int:
-        """Native iterators reading this part."""
-        return self.params.readers if self.running else 0
 
     @property
     def dates_per_block(self) -> Optional[int]:

@@ -24,7 +24,7 @@ from loader.first_agreement import FirstAgreement
 from loader.fit_resume import fit_checkpoint
 from loader.lifecycle import report_rank, start, track
 from loader.pipeline.batches import asked_labels
-from loader.pipeline.settings import check_arguments
+from loader.pipeline.settings import check_arguments, check_removed
 from loader.reader import Reader
 from loader.source.generations import Choice
 from loader.source.opening import open_store
@@ -55,28 +55,27 @@ class ShardIter(mx.io.DataIter):
     ``verify``: ``"crc"`` (default) checks every record's framing and payload CRC32 before MXNet
     reads it (once per file version), ``"frame"`` the framing only, ``"sha256"`` also the whole
     file against the manifest, ``"none"`` trusts the files.
-    ``readers``: native iterators per part (each with its own I/O thread; default 2).
     ``shuffle_buffer``: the block mixed in memory, in *records* (an int) or bytes (``"256MB"``).
-    ``native_batch``: records per native batch. ``prefetch_buffer``: caller batches assembled
-    ahead. ``stripes``: every block a piece of every date (default: for a folder). ``canonical_parts``: the
-    order's part count (default ``num_parts``; :mod:`loader.pipeline.order`): a state resumes on any.
-    What these hold in memory is computed at construction (:mod:`loader.pipeline.memory`);
-    more than half the machine's memory is a LoaderError.
+    ``prefetch_buffer``: caller batches assembled ahead. ``stripes``: every block a piece of every
+    date (default: for a folder). ``canonical_parts``: the order's part count (default
+    ``num_parts``; :mod:`loader.pipeline.order`): a state resumes on any. What these hold in memory
+    is computed at construction (:mod:`loader.pipeline.memory`); more than half the machine's memory
+    is a LoaderError. ``readers`` and ``native_batch`` were removed (no measured effect): passing
+    either is a LoaderError saying so (``settings.REMOVED``).
     """
 
     def __init__(self, manifest: os.PathLike | str | Store, batch_size: int, *, shuffle: bool = True,
                  seed: int = 0, preprocess_threads: int = 4, prefetch_buffer: int = 8, num_parts: int = 1,
                  part_index: int = 0, last_batch: str = "pad", dates: DateRange = None,
                  label_names: Optional[Sequence[str]] = None, cache_dir: Optional[os.PathLike] = None,
-                 verify: str = "crc", readers: Optional[int] = None, shuffle_buffer: Optional[int | str] = None,
-                 native_batch: Optional[int] = None, generation: Optional[int] = None,
+                 verify: str = "crc", shuffle_buffer: Optional[int | str] = None, generation: Optional[int] = None,
                  cache_limit: Optional[int | str] = None, canonical_parts: Optional[int] = None,
-                 stripes: Optional[bool] = None):
+                 stripes: Optional[bool] = None, **removed: object):
+        check_removed(removed)  # readers=, native_batch=: gone, saying why
         start()  # the process's exit hooks, with the first iterator (loader.lifecycle)
         knobs = dict(batch_size=batch_size, num_parts=num_parts, part_index=part_index, seed=seed,
-                     preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer, readers=readers,
-                     native_batch=native_batch, last_batch=last_batch, canonical_parts=canonical_parts,
-                     stripes=stripes)
+                     preprocess_threads=preprocess_threads, prefetch_buffer=prefetch_buffer,
+                     last_batch=last_batch, canonical_parts=canonical_parts, stripes=stripes)
         check_arguments(**knobs, verify=verify)
         super().__init__(int(batch_size))
         self._closed = False
@@ -207,7 +206,6 @@ class ShardIter(mx.io.DataIter):
     epoch = _of_reader("epoch", "The epoch being read (0 first).")
     plan = _of_reader("plan", "The epoch's :class:`loader.source.plan.EpochPlan` (None once closed).")
     batches_per_epoch = _of_reader("batches", "Batches this part yields this epoch.")
-    readers = _of_reader("readers", "Native iterators reading this part (fewer than asked when the plan is small).")
 
     @property
     def dates(self) -> Optional[tuple]:

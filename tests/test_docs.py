@@ -80,7 +80,8 @@ def cli_flags() -> dict:
 def shard_iter_parameters() -> frozenset:
     from loader import ShardIter
 
-    return frozenset(inspect.signature(ShardIter.__init__).parameters) - {"self"}
+    params = inspect.signature(ShardIter.__init__).parameters.values()  # not **removed: what it refuses
+    return frozenset(p.name for p in params if p.kind is not p.VAR_KEYWORD) - {"self"}
 
 
 @lru_cache(maxsize=1)
@@ -247,7 +248,7 @@ MADE_UP = """\
 
 The order is seeded in `loader/pipeline/seeding.py` by `loader.pipeline.order.seed_of(epoch)`.
 The plug-in is `shardgen.process:no_such_processor`; reads are parked (`PlanFiles.park`).
-`ShardIter(m, batch_size=8, producers=2)`, then `shardgen frobnicate -c x` and `shardgen build --no-such-flag`.
+`ShardIter(m, batch_size=8, readers=2)`, then `shardgen frobnicate -c x` and `shardgen build --no-such-flag`.
 A test: `tests/test_cli.py::test_exit_codes_follow_the_table`, `::test_no_such_test`.
 | folder | what |
 | `loader/source/` | downloads (`nocache.py`) |
@@ -255,6 +256,7 @@ A test: `tests/test_cli.py::test_exit_codes_follow_the_table`, `::test_no_such_t
 | argument | default | meaning |
 | --- | --- | --- |
 | `batch_size` / `no_such_argument` | required | ... |
+| `native_batch` | 8-256 | ... |
 
 ```sh
 python -m loader.tools.train --no-such-train-flag
@@ -263,7 +265,7 @@ python -m loader.tools.train --no-such-train-flag
 
 TRUE = """\
 The order (`loader/pipeline/order.py`, `loader.pipeline.order.remainder`, `order.py` in `loader/pipeline/`),
-`shardgen.process:sliding_windows`, `Arena.keep_whole`, `ShardIter(m, batch_size=8, seed=0, readers=1)`.
+`shardgen.process:sliding_windows`, `Arena.keep_whole`, `ShardIter(m, batch_size=8, seed=0, prefetch_buffer=1)`.
 `shardgen build -c shardgen.toml --force`, `--stop-after N --checkpoint DIR`, `unshare --pid`, `loader.ShardIter`.
 `tests/test_cli.py::test_exit_codes_follow_the_table`, `::test_build_status_verify`; `pip install 'shardgen[s3]'`.
 
@@ -280,13 +282,14 @@ def test_the_checker_names_each_made_up_name_with_its_line():
         (3, "loader.pipeline.order has no 'seed_of'"),
         (4, "shardgen.process has no 'no_such_processor'"),
         (4, "PlanFiles (loader.source.files) has no 'park'"),
-        (5, "ShardIter has no parameter 'producers'"),
+        (5, "ShardIter has no parameter 'readers'"),
         (5, "no command 'shardgen frobnicate'"),
         (5, "shardgen build has no flag --no-such-flag"),
         (6, "tests/test_cli.py has no test test_no_such_test"),
         (8, "no nocache.py in loader/source/"),
         (12, "ShardIter has no parameter 'no_such_argument'"),
-        (15, "train has no flag --no-such-train-flag"),
+        (13, "ShardIter has no parameter 'native_batch'"),
+        (16, "train has no flag --no-such-train-flag"),
     ]
 
 

@@ -24,8 +24,8 @@ class StreamParams:
     num_parts: int
     part_index: int
     last_batch: str
-    readers: int
-    native_batch: int
+    readers: int  # native reads at a time: ``settings.default_readers``, not a setting (issue 65)
+    native_batch: int  # records per native batch: ``settings.default_native_batch``, not a setting
     buffer_records: int  # records of a full block's shuffle buffer
     preprocess_threads: int
     prefetch_buffer: int

@@ -14,7 +14,7 @@ One loader thread fills blocks into one slot, one producer thread gathers batche
   block of the sparsest shards), an eighth more than the average block at least; kept buffers
   count in: the arena lets them go before the total would exceed that;
 - MXNet's native iterators: the one being read and the next, opened ahead, each queueing up to
-  16 record batches of ``native_batch`` records in its own thread (fixed in MXNet 1.9.1, whatever
+  16 record batches of ``native_batch`` records (``settings.default_native_batch``) in its own thread (fixed in MXNet 1.9.1, whatever
   ``prefetch_buffer``), and each read's tape;
 - caller batches: ``prefetch_buffer`` ready ones, plus a few MXNet still holds.
 
@@ -118,7 +118,7 @@ def check_footprint(parts: dict, settings: str, *, share: float = MEMORY_SHARE) 
     detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if k != "total")
     raise LoaderError(f"{settings} would hold {format_bytes(total)} ({detail}); this machine has "
                       f"{format_bytes(ram)} and an iterator may take {share:.0%} of it. Lower shuffle_buffer "
-                      "(records, or a size such as '256MB'), native_batch, readers or prefetch_buffer")
+                      "(records, or a size such as '256MB'), prefetch_buffer or batch_size")
 
 
 class Arena:

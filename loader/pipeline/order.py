@@ -3,9 +3,9 @@ which of those positions each part reads (MosaicML Streaming's idea, ``streaming
 made exact across packed records and the same for every store).
 
 The order is a pure function of ``(seed, epoch, the selected shards' sample counts in store order,
-canonical_parts, block, the layout's pack)`` and of nothing else: not the cache's size, ``readers``,
-``native_batch``, ``prefetch_buffer``, ``preprocess_threads``, the store's kind, nor the number
-of workers reading it.
+canonical_parts, block, the layout's pack)`` and of nothing else: not the cache's size, how many
+native reads are open or how large their batches are, ``prefetch_buffer``, ``preprocess_threads``,
+the store's kind, nor the number of workers reading it.
 
 1. **Canonical parts.** The epoch's ``N`` samples, in store order, are split into
    ``K = canonical_parts`` ranges ``[c*N//K, (c+1)*N//K)``; a bound may fall inside a shard or a

@@ -18,23 +18,42 @@ from loader.sizes import parse_size
 from shardgen.format.check import VERIFY_MODES
 from shardgen.format.schema import Schema
 
-__all__ = ["check_arguments", "check_label_names", "default_readers", "default_native_batch", "buffer_records",
-           "block_samples", "stream_params", "sized", "check_memory", "BLOCK_BYTES", "SHUFFLE_BYTES", "buffers_alive"]
+__all__ = ["check_arguments", "check_removed", "REMOVED", "check_label_names", "default_readers",
+           "default_native_batch", "buffer_records", "block_samples", "stream_params", "sized", "check_memory",
+           "BLOCK_BYTES", "SHUFFLE_BYTES", "buffers_alive"]
 
 SHUFFLE_BYTES = 1 << 30  # what an object store's iterator's shuffle buffers hold together by default
 BLOCK_BYTES = 128 << 20  # a default block: read in ~0.1-0.3 s here, a piece of every date when the part is larger
 HEADROOM = 1.25  # a part chosen to be one block stays one while a rolling window grows by a quarter
 
+# Keywords ShardIter took once and no longer does (issue 65): what replaced each. ``make bench`` measured
+# neither doing anything here (ten years: readers=1 read 1.06x the defaults' samples/s, native_batch=64
+# 1.11x, both within a shared 2-core machine's noise).
+REMOVED = {
+    "readers": "the loader reads one native read at a time, sized by bytes (tapes of up to 16 MB)",
+    "native_batch": "the records of a native batch follow the layout's pack (about 2,048 windows)",
+}
+
+
+def check_removed(removed: dict) -> None:
+    """LoaderError for a removed keyword (``REMOVED``) passed a value, saying why it went and what to
+    do; None (what asked for the default) is accepted, so code that forwarded an unset option runs
+    on. Any other keyword is a TypeError, as Python's own for a keyword ShardIter never took."""
+    for name, value in removed.items():
+        if name not in REMOVED:
+            raise TypeError(f"ShardIter() got an unexpected keyword argument {name!r}")
+        if value is not None:
+            raise LoaderError(f"{name}={value!r}: ShardIter no longer takes {name} (removed in issue 65): "
+                              f"{REMOVED[name]}, and make bench measured no effect of it. Drop the argument")
+
 
 def check_arguments(*, batch_size: object, num_parts: object, part_index: object, preprocess_threads: object,
-                    prefetch_buffer: object, readers: object, native_batch: object, last_batch: object,
-                    seed: object, verify: object, canonical_parts: object = None, stripes: object = None) -> None:
+                    prefetch_buffer: object, last_batch: object, seed: object, verify: object,
+                    canonical_parts: object = None, stripes: object = None) -> None:
     """LoaderError naming the first argument that is out of range."""
     for name, value, low in (("batch_size", batch_size, 1), ("num_parts", num_parts, 1),
                              ("preprocess_threads", preprocess_threads, 1),
                              ("prefetch_buffer", prefetch_buffer, 1),
-                             ("readers", 1 if readers is None else readers, 1),
-                             ("native_batch", 1 if native_batch is None else native_batch, 1),
                              ("canonical_parts", 1 if canonical_parts is None else canonical_parts, 1)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
             raise LoaderError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -75,13 +94,13 @@ def check_label_names(label_names: object, known: Sequence[str]) -> tuple[str, .
 
 
 def default_readers() -> int:
-    """Native reads open at once per stream: 2. ``make bench`` on 2 cores measures 1 reader within
-    a few percent of 2 (noise on a shared machine). The order never depends on it."""
-    return 2
+    """Native reads open at once per stream: 1, not a setting (``REMOVED``: ``make bench`` measured
+    1 within noise of 2 on 2 cores). The order never depends on it."""
+    return 1
 
 
 def default_native_batch(pack: int) -> int:
-    """Records per native batch: about 2048 samples, within [8, 256] records."""
+    """Records per native batch, not a setting (``REMOVED``): about 2048 samples, within [8, 256] records."""
     return max(8, min(256, math.ceil(2048 / pack)))
 
 
@@ -113,18 +132,16 @@ def buffer_records(schema: Schema, shuffle_buffer: Optional[int | str], shards: 
 
 def stream_params(schema: Schema, shards: tuple, shuffle_buffer: Optional[int | str], label_names: tuple, *,
                   batch_size: int, shuffle: bool, seed: int, num_parts: int, part_index: int, last_batch: str,
-                  readers: Optional[int], native_batch: Optional[int], preprocess_threads: int,
-                  prefetch_buffer: int, canonical_parts: Optional[int], stripes: bool = True) -> StreamParams:
+                  preprocess_threads: int, prefetch_buffer: int, canonical_parts: Optional[int],
+                  stripes: bool = True) -> StreamParams:
     """The settings of a stream reading ``shards``: the arguments (``check_arguments`` checked them),
     their defaults filled in, the shuffle buffer sized (``buffer_records``) and the block it makes."""
     canonical = int(num_parts if canonical_parts is None else canonical_parts)
-    nb = int(native_batch) if native_batch is not None else default_native_batch(schema.pack)
     records = buffer_records(schema, shuffle_buffer, shards, canonical, stripes)
     return StreamParams(
         schema=schema, batch_size=int(batch_size), shuffle=bool(shuffle), seed=int(seed),
         num_parts=int(num_parts), part_index=int(part_index), last_batch=last_batch,
-        readers=default_readers() if readers is None else int(readers),
-        native_batch=nb, buffer_records=records,
+        readers=default_readers(), native_batch=default_native_batch(schema.pack), buffer_records=records,
         preprocess_threads=int(preprocess_threads), prefetch_buffer=int(prefetch_buffer),
         label_names=label_names,
         canonical_parts=canonical,
@@ -177,6 +194,5 @@ def check_memory(params: StreamParams, shuffle_buffer: object, shards: tuple) ->
                      readers=params.readers, prefetch_buffer=params.prefetch_buffer,
                      batch_floats=batch_floats(params))
     check_footprint(held, f"shuffle_buffer={shuffle_buffer!r} ({records:,} records), "
-                          f"native_batch={params.native_batch}, readers={params.readers}, "
                           f"prefetch_buffer={params.prefetch_buffer}, batch_size={params.batch_size}")
     return held

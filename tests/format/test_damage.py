@@ -216,8 +216,8 @@ def test_a_wrong_sha256_in_the_manifest_is_said_to_be_the_manifests(store, tmp_p
 
 
 # Mid-epoch faults need an epoch that is still reading when they strike: 40 dates of 7 records,
-# one record per native batch, a 16-record shuffle buffer (MXNet has read a few records ahead).
-SLOW_READ = dict(seed=3, native_batch=1, shuffle_buffer=16, prefetch_buffer=1)
+# a 16-record shuffle buffer (blocks of 16 records, read no more than a block ahead).
+SLOW_READ = dict(seed=3, shuffle_buffer=16, prefetch_buffer=1)
 
 
 def rows_of(batch):

@@ -81,7 +81,7 @@ def test_every_window_once_per_epoch_bit_identical(stores, tmp_path, name, batch
     want = expected(stride=2 if name.endswith("stride2") else 1, dates=dates)
     n = sum(want.values())
     iters = [ShardIter(stores[name], batch_size, seed=3, num_parts=parts, part_index=p, dates=dates,
-                       cache_dir=tmp_path, shuffle_buffer=8, native_batch=2, readers=2) for p in range(parts)]
+                       cache_dir=tmp_path, shuffle_buffer=8) for p in range(parts)]
     for _ in range(2):
         seen = Counter()
         for p, it in enumerate(iters):
@@ -149,7 +149,7 @@ def test_the_shuffle_buffer_separates_a_runs_neighbours_like_an_exact_shuffle(st
 
 def test_same_order_for_the_same_seed_and_a_new_one_per_epoch(stores, tmp_path):
     def epochs(seed):
-        with ShardIter(stores["runs"], 16, seed=seed, cache_dir=tmp_path, shuffle_buffer=8, native_batch=2) as it:
+        with ShardIter(stores["runs"], 16, seed=seed, cache_dir=tmp_path, shuffle_buffer=8) as it:
             first = [k for b in it for k in keys(b)]
             it.reset()
             second = [k for b in it for k in keys(b)]
@@ -162,7 +162,7 @@ def test_same_order_for_the_same_seed_and_a_new_one_per_epoch(stores, tmp_path):
 
 @pytest.mark.parametrize("name", ["samples", "runs"])
 def test_resume_continues_with_the_same_batches(stores, tmp_path, name):
-    kw = dict(seed=4, num_parts=2, part_index=1, cache_dir=tmp_path, shuffle_buffer=8, native_batch=2)
+    kw = dict(seed=4, num_parts=2, part_index=1, cache_dir=tmp_path, shuffle_buffer=8)
     it = ShardIter(stores[name], 8, **kw)
     it.reset()  # epoch 1
     full = [keys(b) for b in it]
@@ -238,7 +238,7 @@ def test_processors_written_for_the_windows_form_still_unpack_sliding_windows():
 
 @pytest.mark.parametrize("at", [0, 1, 7, -1])
 def test_resume_in_the_first_epoch_skips_inside_the_running_stream(stores, tmp_path, at):
-    kw = dict(seed=9, cache_dir=tmp_path, shuffle_buffer=8, native_batch=2, prefetch_buffer=2)
+    kw = dict(seed=9, cache_dir=tmp_path, shuffle_buffer=8, prefetch_buffer=2)
     with ShardIter(stores["runs"], 8, **kw) as it:
         full = [keys(b) for b in it]
     at = len(full) + at if at < 0 else at
@@ -275,8 +275,7 @@ def test_records_sharing_a_key_are_still_split_exactly(tmp_path):
     for parts, bs in ((3, 5), (5, 7)):
         seen = Counter()
         for p in range(parts):
-            with ShardIter(tmp_path / "s", bs, seed=1, num_parts=parts, part_index=p, cache_dir=tmp_path,
-                           readers=2) as it:
+            with ShardIter(tmp_path / "s", bs, seed=1, num_parts=parts, part_index=p, cache_dir=tmp_path) as it:
                 batches = list(it)
                 assert [b.pad for b in batches] == expected_pads(n, parts, bs, p)
                 seen.update(k for b in real_batches(batches, n, parts, p) for k in keys(b))

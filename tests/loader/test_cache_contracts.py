@@ -26,7 +26,7 @@ def test_an_iterator_whose_first_files_cannot_be_fetched_fails_when_it_is_made(s
     for name in [n for n in remote.list() if n.endswith(".rec")]:
         remote.delete(name)
     with pytest.raises(LoaderError, match=r"\.rec"):
-        ShardIter(url, 8, cache_dir=tmp_path / "cache", seed=1, readers=1, native_batch=4, shuffle_buffer=16)
+        ShardIter(url, 8, cache_dir=tmp_path / "cache", seed=1, shuffle_buffer=16)
 
 
 @pytest.mark.timeout(120)
@@ -44,7 +44,7 @@ def test_files_read_and_closed_make_room_for_the_next_under_a_limit(s3, tmp_path
     url = upload_store(s3, local)
     limit = sum(s.bytes for s in Manifest.load(local / "manifest.json").shards) // 3
     cache = tmp_path / "cache"
-    with ShardIter(url, 8, cache_dir=cache, cache_limit=limit, seed=4, readers=1, native_batch=4,
+    with ShardIter(url, 8, cache_dir=cache, cache_limit=limit, seed=4,
                    shuffle_buffer=16) as it:
         for _ in range(2):
             assert sorted(i for b in it for i in batch_ids(b)) == list(range(sum(counts.values())))
@@ -86,11 +86,11 @@ def _measure() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_the_cache_never_holds_more_than_its_limit_while_two_readers_fetch(tmp_path, monkeypatch):
+def test_the_cache_never_holds_more_than_its_limit_while_two_fetches_run(tmp_path, monkeypatch):
     """``cache_limit`` bounds what the cache holds on disk at every moment, downloads under way
-    included: with the default two readers, one fetch makes room while the other's downloads are
-    still coming in, and must count them. Measured by the store itself, at every piece it hands
-    out, over epochs of a part 3 times the limit."""
+    included: with a read and the one opened ahead fetching side by side, one fetch makes room
+    while the other's downloads are still coming in, and must count them. Measured by the store
+    itself, at every piece it hands out, over epochs of a part 3 times the limit."""
     from shardgen.store import objstore
 
     server = FakeServer(tmp_path / "objects").start()
@@ -104,7 +104,7 @@ def test_the_cache_never_holds_more_than_its_limit_while_two_readers_fetch(tmp_p
     limit = 40_000
     WATCH.update(cache=tmp_path / "cache", peak=0)
     try:
-        with ShardIter(url, 8, cache_dir=tmp_path / "cache", seed=1, native_batch=4, shuffle_buffer=16,
+        with ShardIter(url, 8, cache_dir=tmp_path / "cache", seed=1, shuffle_buffer=16,
                        cache_limit=limit) as it:
             for _ in range(3):
                 assert sum(len(batch_ids(b)) for b in it) == 800

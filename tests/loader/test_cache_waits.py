@@ -58,8 +58,7 @@ def test_a_limit_without_room_for_the_manifest_beside_three_shards_is_refused_at
         f"a limit of {least} leaves no room for the manifest twice beside three shards of {big}"
     with pytest.raises(LoaderError, match=f"cache_limit .* is too small .* at least {least:,} bytes"):
         ShardIter(url, 8, cache_dir=tmp_path / "less", cache_limit=least - 1)
-    with ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=least, shuffle_buffer=16, native_batch=4,
-                   readers=1) as it:
+    with ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=least, shuffle_buffer=16) as it:
         for _ in range(2):
             assert sorted(i for b in it for i in batch_ids(b)) == list(range(manifest.samples))
             it.reset()
@@ -130,7 +129,7 @@ def _full(s3, tmp_path, monkeypatch, third: bool = True):
         return real_fill(self, v)
 
     monkeypatch.setattr(fill.Reading, "fill", gated)
-    it = ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=limit, shuffle_buffer=40, native_batch=4, readers=1,
+    it = ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=limit, shuffle_buffer=40,
                    prefetch_buffer=2)
     if third:
         for shard in largest[2:]:
@@ -235,8 +234,7 @@ def test_a_pinned_reader_at_its_least_limit_resumes_and_reads_on(s3, tmp_path, m
     local, url = _remote(s3, tmp_path, generations=2)
     least = _least(url, tmp_path / "probe", generation=1)
     total = Manifest.load(local / "generations" / "1.json").samples
-    with ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=least, generation=1, shuffle_buffer=16,
-                   native_batch=4, readers=1) as it:
+    with ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=least, generation=1, shuffle_buffer=16) as it:
         first = [i for _, b in zip(range(3), it) for i in batch_ids(b)]
         state = it.state_dict()
         try:

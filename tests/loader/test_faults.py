@@ -48,7 +48,7 @@ def test_close_from_another_thread_wakes_a_blocked_next(tmp_path, monkeypatch):
         return real(native)
 
     monkeypatch.setattr(module, "next_label", stalled)
-    it = ShardIter(tmp_path / "s", 4, readers=1, cache_dir=tmp_path / "c")
+    it = ShardIter(tmp_path / "s", 4, cache_dir=tmp_path / "c")
     t, outcome = consume_in_thread(it)
     assert entered.wait(10), "the producer never reached the reader"
     time.sleep(0.2)
@@ -232,7 +232,7 @@ store, cache = sys.argv[1], sys.argv[2]
 m = Manifest.load(os.path.join(store, "manifest.json"))
 last = m.shards[-1]
 # In order, one reader: the next epoch's stream (filling ahead) reads from the first shard, never the last.
-it = ShardIter(store, 8, shuffle=False, readers=1, native_batch=1, prefetch_buffer=1, cache_dir=cache)
+it = ShardIter(store, 8, shuffle=False, prefetch_buffer=1, cache_dir=cache)
 print("epoch", it.epoch, sum(8 - b.pad for b in it), flush=True)
 it.reset()  # a first recheck: every file is checked once; the next one only those changed since
 print("epoch", it.epoch, sum(8 - b.pad for b in it), flush=True)

@@ -446,7 +446,7 @@ def test_the_exit_hook_waits_for_a_dropped_iterators_close_thread(tmp_path):
 
     make_store(tmp_path / "s", {f"2024-01-{d:02d}": 500 for d in range(2, 10)})
     before = set(threading.enumerate())
-    it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c", readers=4)
+    it = ShardIter(tmp_path / "s", 8, cache_dir=tmp_path / "c")
     next(it)
     pipeline = it.reader.pipeline
     del it  # no cycle: the finalizer runs here and starts the close thread
@@ -459,7 +459,7 @@ def test_a_process_that_drops_an_iterator_and_exits_ends_cleanly(tmp_path):
     store = tmp_path / "s"
     make_store(store, {f"2024-01-{d:02d}": 500 for d in range(2, 10)})
     script = ("import sys\nfrom loader import ShardIter\n"
-              f"it = ShardIter({str(store)!r}, 8, cache_dir={str(tmp_path / 'c')!r}, readers=4)\n"
+              f"it = ShardIter({str(store)!r}, 8, cache_dir={str(tmp_path / 'c')!r})\n"
               "b = it.next()\ndel it\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for _ in range(4):
@@ -512,7 +512,7 @@ def test_a_reset_that_fails_after_the_next_epoch_was_halted_keeps_its_files_unti
     make_store(store, counts)
     threads_before = set(threading.enumerate())
     for _ in range(5):
-        with ShardIter(store, 8, cache_dir=cache, dates=("2024-01-02", "2024-01-04"), readers=4,
+        with ShardIter(store, 8, cache_dir=cache, dates=("2024-01-02", "2024-01-04"),
                        last_batch="discard") as it:
             for _, _b in zip(range(it.batches_per_epoch // 2 + 2), it):  # the next epoch is filling
                 pass

@@ -79,7 +79,7 @@ def test_exact_once_every_epoch_every_part(store, cache, shuffle, batch_size, da
     first = sum(v for d, v in COUNTS.items() if dates is not None and d < dates[0])
     for parts in range(1, 9):  # parts of 1-41 samples: some smaller than a batch (one padded batch)
         iters = [ShardIter(store, batch_size, shuffle=shuffle, seed=5, num_parts=parts, part_index=p,
-                           dates=dates, cache_dir=cache, readers=1 + parts % 2) for p in range(parts)]
+                           dates=dates, cache_dir=cache) for p in range(parts)]
         for _ in range(3):
             seen = Counter()
             for p, it in enumerate(iters):
@@ -177,12 +177,12 @@ def test_stats_report_rates(store, cache):
 
 def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache, monkeypatch):
     """A consumer that works 50 ms per batch finds its batches ready; a producer that takes 50 ms
-    per native batch keeps the consumer waiting most of the time."""
+    per native batch (one per block of 5 records) keeps the consumer waiting most of the time."""
     import time
 
     import loader.pipeline.fill as module
 
-    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
+    with ShardIter(store, 5, shuffle=False, prefetch_buffer=2, shuffle_buffer=5, cache_dir=cache) as it:
         _wait_until_parked(it)  # the native iterator started and the producer filled its queue
         for _ in it:
             time.sleep(0.05)
@@ -194,7 +194,7 @@ def test_stall_fraction_tells_a_slow_consumer_from_a_slow_producer(store, cache,
         return real(native)
 
     monkeypatch.setattr(module, "next_label", slow)
-    with ShardIter(store, 5, shuffle=False, native_batch=5, prefetch_buffer=2, cache_dir=cache) as it:
+    with ShardIter(store, 5, shuffle=False, prefetch_buffer=2, shuffle_buffer=5, cache_dir=cache) as it:
         assert sum(5 - b.pad for b in it) == 41
         assert it.stats["stall_fraction"] > 0.8, it.stats
 
@@ -416,8 +416,8 @@ def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, mo
 
     import loader.pipeline.fill as module
 
-    # One record per native batch and per block, in order: every batch of 1 is one next_label() call.
-    it = ShardIter(store, 1, shuffle=False, native_batch=1, prefetch_buffer=2, shuffle_buffer=1, cache_dir=cache)
+    # One record per block (so per native batch), in order: every batch of 1 is one next_label() call.
+    it = ShardIter(store, 1, shuffle=False, prefetch_buffer=2, shuffle_buffer=1, cache_dir=cache)
     it.next()
     _wait_until_parked(it)
     _within(10, it.reset, "reset() with the producer parked on a full queue")

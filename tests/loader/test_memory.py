@@ -60,7 +60,7 @@ def _rss_over_epochs(store, cache, epochs: int = 300) -> list:
     """RSS and memory in use after every one of ``epochs`` epochs (with ``reset()``); every epoch
     yields as many samples."""
     rss = []
-    with ShardIter(store, 256, cache_dir=cache, native_batch=64) as it:
+    with ShardIter(store, 256, cache_dir=cache) as it:
         samples = set()
         for _ in range(epochs):
             samples.add(sum(256 - b.pad for b in it))
@@ -134,7 +134,7 @@ def test_the_trainers_own_large_allocations_stay_as_fast_after_an_iterator_ran(s
     numpy code a fresh mapping, faulted in and zeroed at each step (4.9x the CPU of its gather;
     measured: [1, 1, 1, 1, 1] below). glibc's own dynamic threshold maps the first one at most."""
     assert sum(_mapped_temporaries()[1:]) == 0, "glibc's dynamic threshold: from the heap once one was freed"
-    with ShardIter(store, 256, cache_dir=tmp_path, native_batch=64) as it:
+    with ShardIter(store, 256, cache_dir=tmp_path) as it:
         for _ in it:
             pass
     mapped = _mapped_temporaries()
@@ -150,10 +150,14 @@ def test_a_shuffle_buffer_larger_than_memory_is_refused_at_construction(store, t
     assert not [n for n in started if n.startswith("shardgen-batches")], "nothing allocated in a thread"
 
 
-@pytest.mark.parametrize("kw", [dict(native_batch=10**6), dict(prefetch_buffer=10**6), dict(readers=10**5)])
+@pytest.mark.parametrize("kw", [dict(prefetch_buffer=10**6), dict(batch_size=10**8)])
 def test_other_sizes_are_checked_at_construction(store, tmp_path, kw):
-    with pytest.raises(LoaderError, match=f"{next(iter(kw))}={next(iter(kw.values()))}.*would hold"):
-        ShardIter(store, 64, cache_dir=tmp_path, **kw)
+    """Refused saying what to lower: only settings a user has (``readers`` and ``native_batch`` went)."""
+    (name, value), = kw.items()
+    with pytest.raises(LoaderError, match=f"{name}={value}.*would hold") as caught:
+        ShardIter(store, **{"batch_size": 64, **kw}, cache_dir=tmp_path)
+    assert str(caught.value).endswith("Lower shuffle_buffer (records, or a size such as '256MB'), prefetch_buffer "
+                                      "or batch_size"), caught.value
 
 
 def test_shuffle_buffer_in_bytes_or_records(store, tmp_path):
@@ -197,15 +201,15 @@ def _sparse_date(store, day: dt.date) -> None:
     publish(store, m.schema, 0, list(m.shards) + [write_shard(store, day, spec, None, m.schema, fsync=False).entry()])
 
 
-@pytest.mark.parametrize("case", ["slow-32", "fast-64", "readers-4", "sparse-date", "resume-smaller-block-64"])
+@pytest.mark.parametrize("case", ["slow-32", "fast-64", "sparse-date", "resume-smaller-block-64"])
 def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch, case):
     """``it.memory``'s shuffle and batch buffers bound those alive at once (each counted whenever one
     is made, alive until the last reference goes), over epochs read with ``reset()`` by a caller that
     keeps its last four batches as MXNet's engine may (4 dates of 94 records): a slow caller (loading
-    gets ahead), 4 readers, a date of one window per record (a block of it holds 64x the records of
+    gets ahead), a date of one window per record (a block of it holds 64x the records of
     the average one), a state with a smaller block loaded mid-epoch. And the producer holds no more
     than 2 blocks (the one handed out, the next). Found by review (2026-12-06): pace pumped
-    any open read (up to v + 7 with 4 readers: 9 buffers alive), a sparse date's block needed 5.6x
+    any open read (up to v + 7 with 4 readers, a setting then: 9 buffers alive), a sparse date's block needed 5.6x
     the buffer counted, and a smaller state's block kept the old, larger buffers."""
     import weakref
 
@@ -244,9 +248,8 @@ def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch
     monkeypatch.setattr(memory.Arena, "batch", counted_batch)
     monkeypatch.setattr(pipeline, "produce", counted_produce)
     held, store = [], _store(tmp_path / "s", 4, rows=6000)
-    kw = dict(cache_dir=tmp_path, native_batch=8, prefetch_buffer=2, shuffle_buffer=64 if "64" in case else 32,
-              readers=4 if case == "readers-4" else 2)
-    step = 0.005 if case in ("slow-32", "readers-4") else 0
+    kw = dict(cache_dir=tmp_path, prefetch_buffer=2, shuffle_buffer=64 if "64" in case else 32)
+    step = 0.005 if case == "slow-32" else 0
     if case == "sparse-date":
         _sparse_date(store, dt.date(2024, 2, 1))
     with ShardIter(store, 64, **kw) as it:
@@ -310,7 +313,7 @@ def test_a_closed_iterator_keeps_no_shuffle_buffers(store, tmp_path, monkeypatch
             alive.add(self)
 
     monkeypatch.setattr(memory, "ShuffleBuffer", Counted)
-    with ShardIter(store, 64, cache_dir=tmp_path, shuffle_buffer=32, native_batch=8) as it:
+    with ShardIter(store, 64, cache_dir=tmp_path, shuffle_buffer=32) as it:
         for _ in range(2):
             for _ in it:
                 pass

@@ -123,7 +123,7 @@ def test_under_a_limit_a_feed_group_holds_at_most_a_third_of_the_room(remote, tm
         return groups
 
     monkeypatch.setattr(feed, "_group", group)
-    it = ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=limit, shuffle_buffer=64, native_batch=4, readers=1)
+    it = ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=limit, shuffle_buffer=64)
     with it:
         read = []
         for epoch in range(2):

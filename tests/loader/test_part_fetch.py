@@ -43,7 +43,7 @@ def test_a_part_fetches_only_its_own_shards_and_reads_the_folder_s_batches(tmp_p
         for s in manifest["shards"]:
             s["distinct"] = True
         path.write_text(json.dumps(manifest))
-    kw = dict(seed=3, cache_dir=tmp_path / "cache", readers=2, shuffle_buffer=16, native_batch=4, stripes=False)
+    kw = dict(seed=3, cache_dir=tmp_path / "cache", shuffle_buffer=16, stripes=False)
     fetched: set = set()
     real_fetch = FolderStore.make_local
 

@@ -43,9 +43,10 @@ def _epoch(it) -> list:
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_a_one_block_part_is_read_once_and_later_epochs_gather_from_the_block_kept(tmp_path, counted, shuffle):
     make_store(tmp_path / "s", DATES)
-    with ShardIter(tmp_path / "s", 16, shuffle=shuffle, seed=3, cache_dir=tmp_path / "c", native_batch=8) as it:
+    with ShardIter(tmp_path / "s", 16, shuffle=shuffle, seed=3, cache_dir=tmp_path / "c") as it:
         first = _epoch(it)
-        assert counted["opens"] >= 1 and counted["batches"] >= sum(DATES.values()) // 8
+        natively = -(-sum(DATES.values()) // it.reader.params.native_batch)  # native batches of every record
+        assert counted["opens"] >= 1 and counted["batches"] >= natively
         counted.update(opens=0, batches=0)
         later = []
         for _ in range(3):
@@ -58,7 +59,7 @@ def test_a_one_block_part_is_read_once_and_later_epochs_gather_from_the_block_ke
     if shuffle:
         assert len({tuple(ids) for ids in [first] + later}) == 4, "a new order every epoch"
     # the same batches as an iterator that read every epoch natively (a state resumed at epoch 3's start)
-    with ShardIter(tmp_path / "s", 16, shuffle=shuffle, seed=3, cache_dir=tmp_path / "d", native_batch=8) as it:
+    with ShardIter(tmp_path / "s", 16, shuffle=shuffle, seed=3, cache_dir=tmp_path / "d") as it:
         for _ in range(3):
             it.reset()
         assert _epoch(it) == later[-1]
@@ -294,7 +295,7 @@ def test_a_buffer_grown_while_its_block_loads_keeps_every_window(tmp_path, monke
     grown buffer that lost the window starts gave other batches). With every estimate at one record
     the buffer grows at every native batch: the batches are those of an ordinary read."""
     _runs_store(tmp_path / "s")
-    kw = dict(seed=5, native_batch=16, readers=1, cache_dir=tmp_path / "c")
+    kw = dict(seed=5, cache_dir=tmp_path / "c")
 
     def epochs():
         with ShardIter(tmp_path / "s", 64, **kw) as it:

@@ -1,5 +1,5 @@
 """A saved state continues its epoch exactly in a new process, whatever changed that does not shape
-the order (issue 42): readers, native_batch, prefetch_buffer, cache_limit, the store's kind, and
+the order (issue 42): prefetch_buffer, preprocess_threads, cache_limit, the store's kind, and
 the number of parts. Every window is read exactly once over the old and the new processes (pads
 and the repeated batch of a part that ran out early excluded); with the same parts and batch size
 the new process reads exactly the batches the old one would have."""
@@ -92,10 +92,10 @@ def store(tmp_path_factory):
 def test_every_window_once_over_old_and_new_processes_whatever_changed(store, tmp_path):
     cases = []  # (old parts, new parts, frac or k, old settings, new settings)
     for frac in (0.1, 0.6, 0.99, "last"):
-        cases += [(1, 1, frac, dict(readers=1), dict(readers=3, native_batch=3, prefetch_buffer=2)),
-                  (1, 2, frac, dict(readers=2), dict(readers=1)),
-                  (2, 1, frac, dict(readers=3, native_batch=5), dict(readers=2)),
-                  (2, 4, frac, dict(), dict(readers=1, native_batch=7))]
+        cases += [(1, 1, frac, dict(preprocess_threads=1), dict(preprocess_threads=3, prefetch_buffer=2)),
+                  (1, 2, frac, dict(prefetch_buffer=1), dict(preprocess_threads=2)),
+                  (2, 1, frac, dict(preprocess_threads=3, prefetch_buffer=3), dict(prefetch_buffer=1)),
+                  (2, 4, frac, dict(), dict(preprocess_threads=1))]
     olds, jobs = [], []
     for parts, new_parts, frac, old_kw, new_kw in cases:
         k = None
@@ -124,8 +124,8 @@ def test_the_same_parts_and_batch_size_read_exactly_the_batches_left(store, tmp_
                 it.reset()
                 [it.next() for _ in range(3)]
                 state = it.state_dict()
-            with ShardIter(store, B, num_parts=parts, part_index=p, cache_dir=tmp_path / "c", readers=3,
-                           native_batch=2, prefetch_buffer=1, **KW) as again:
+            with ShardIter(store, B, num_parts=parts, part_index=p, cache_dir=tmp_path / "c", prefetch_buffer=1,
+                           preprocess_threads=2, **KW) as again:
                 again.load_state_dict(state)
                 assert again.epoch == 1
                 got = [[b.label[0].asnumpy().astype(int).tolist(), b.pad] for b in again]
@@ -140,7 +140,7 @@ def test_a_resume_with_another_batch_size_splits_what_is_left(store, tmp_path):
     another size), what is left is split again: every window once."""
     ids, state, k, _ = _old_job(store, tmp_path / "c", 2, 0.5)
     (new,) = _new_jobs([dict(store=str(store), cache=str(tmp_path / "c2"), parts=2, batch=5, state=state,
-                             kw={**KW, "native_batch": 2})])
+                             kw={**KW, "prefetch_buffer": 2})])
     assert sorted(ids + [i for got in new for i in _real(got, 5)]) == list(range(TOTAL))
 
 
@@ -230,7 +230,7 @@ def test_a_state_moves_between_a_folder_and_s3_and_any_cache_limit(s3, tmp_path)
     cases = [  # (old store, old settings, new store, new settings, old parts, new parts, fraction)
         (str(store), {}, url, dict(cache_limit=part * 25 // 100), 1, 1, 0.6),
         (url, dict(cache_limit=part * 40 // 100), str(store), {}, 1, 2, 0.6),
-        (url, {}, url, dict(cache_limit=part * 25 // 100, readers=1), 2, 1, 0.1),
+        (url, {}, url, dict(cache_limit=part * 25 // 100), 2, 1, 0.1),
         (url, dict(cache_limit=part * 25 // 100), url, {}, 2, 4, 0.99),
     ]
     olds, jobs = [], []

@@ -28,7 +28,7 @@ def test_a_second_iterator_of_one_process_on_a_limited_cache_is_refused_at_once(
     ahead. A second iterator on it is refused when it is made (not mid-epoch), saying what to do;
     the first reads its epochs; once it is closed, the cache can be used again."""
     url, limit = _store(s3, tmp_path)
-    kw = dict(cache_dir=tmp_path / "cache", cache_limit=limit, shuffle_buffer=16, native_batch=4, readers=1)
+    kw = dict(cache_dir=tmp_path / "cache", cache_limit=limit, shuffle_buffer=16)
     total = sum(COUNTS.values())
     with ShardIter(url, 8, seed=1, **kw) as a:
         with pytest.raises(LoaderError, match=r"another ShardIter of this process streams into this cache under "
@@ -44,7 +44,7 @@ import sys
 from loader import LoaderError, ShardIter
 try:
     it = ShardIter(sys.argv[1], 8, cache_dir=sys.argv[2], cache_limit=int(sys.argv[3]) or None, seed=int(sys.argv[4]),
-                   shuffle_buffer=16, native_batch=4, readers=1)
+                   shuffle_buffer=16)
 except LoaderError as exc:
     sys.exit(f"error: {exc}")
 with it:
@@ -91,7 +91,7 @@ def test_a_part_of_two_under_a_limit_below_it_reads_its_epochs(s3, tmp_path):
     url = upload_store(s3, local)
     limit = sum(s.bytes for s in Manifest.load(local / "manifest.json").shards) // 2
     seen = []
-    with ShardIter(url, 8, cache_dir=tmp_path / "cache", seed=5, readers=1, native_batch=4, shuffle_buffer=16,
+    with ShardIter(url, 8, cache_dir=tmp_path / "cache", seed=5, shuffle_buffer=16,
                    num_parts=2, part_index=0, cache_limit=limit) as it:
         for _ in range(4):
             seen.append(sum(len(batch_ids(b)) for b in it))
@@ -99,18 +99,17 @@ def test_a_part_of_two_under_a_limit_below_it_reads_its_epochs(s3, tmp_path):
     assert len(set(seen)) == 1 and seen[0] > 0
 
 
-def test_the_default_two_readers_stream_a_part_under_a_limit_below_it(s3, tmp_path):
-    """One process, one part, the default readers=2, cache_limit 40 kB for a 112 kB part (it holds
-    7 of the 5.6 kB shards; 6 are needed): the feed's two fetches run side by side and one's
-    ``_make_room`` counts a file of the other both on disk and in ``_inflight`` (between its rename
-    and the decrement in ``_download_all.one``), so it fails 'cache_limit ... is full of files other
-    processes are using' within a few epochs (seen at epoch 0, 2 and 4). The suite's streaming test
-    uses readers=1 only."""
+def test_one_part_streams_under_a_limit_below_it_epoch_after_epoch(s3, tmp_path):
+    """One process, one part, cache_limit 40 kB for a 112 kB part (it holds 7 of the 5.6 kB shards;
+    6 are needed), 8 epochs. Found with two readers (a setting then): the feed's two fetches ran side
+    by side and one's ``_make_room`` counted a file of the other both on disk and in ``_inflight``
+    (between its rename and the decrement in ``_download_all.one``), so it failed 'cache_limit ... is
+    full of files other processes are using' within a few epochs (seen at epoch 0, 2 and 4)."""
     local = tmp_path / "local"
     make_store(local, {f"2024-03-{d:02d}": 40 for d in range(1, 21)})
     url = upload_store(s3, local)
     seen = []
-    with ShardIter(url, 8, cache_dir=tmp_path / "cache", seed=1, native_batch=4, shuffle_buffer=16,
+    with ShardIter(url, 8, cache_dir=tmp_path / "cache", seed=1, shuffle_buffer=16,
                    cache_limit=40_000) as it:
         assert it.reader.store.cache_limit == 40_000
         for _ in range(8):
@@ -123,7 +122,7 @@ def test_a_dropped_iterator_lets_go_of_its_claim_on_a_limited_cache(s3, tmp_path
     import gc
 
     url, limit = _store(s3, tmp_path)
-    kw = dict(cache_dir=tmp_path / "cache", cache_limit=limit, shuffle_buffer=16, native_batch=4, readers=1)
+    kw = dict(cache_dir=tmp_path / "cache", cache_limit=limit, shuffle_buffer=16)
     it = ShardIter(url, 8, seed=1, **kw)
     it.next()
     del it  # never closed
@@ -150,7 +149,7 @@ def test_epochs_at_the_least_limit_never_wait_for_room_the_next_epoch_holds(s3, 
     probe.close()
     # Blocks of about 5 shards: more than the limit holds, so they come in groups it caps; while a slow
     # consumer reads one block, the next one's reads stay open and the feed waits for room.
-    it = ShardIter(url, 8, cache_dir=tmp_path / "cache", cache_limit=least + 512, seed=3, native_batch=4,
+    it = ShardIter(url, 8, cache_dir=tmp_path / "cache", cache_limit=least + 512, seed=3,
                    shuffle_buffer=160)
     seen, done = [], threading.Event()
 
@@ -203,7 +202,7 @@ def test_the_next_epochs_job_starts_only_once_this_epochs_has_fetched_all(s3, tm
 
     monkeypatch.setattr(fill.Reading, "fill", block)
     url, limit = _store(s3, tmp_path)
-    it = ShardIter(url, 8, cache_dir=tmp_path / "cache", cache_limit=limit, seed=3, native_batch=4, shuffle_buffer=160)
+    it = ShardIter(url, 8, cache_dir=tmp_path / "cache", cache_limit=limit, seed=3, shuffle_buffer=160)
     seen = []
 
     def read() -> None:

@@ -274,7 +274,7 @@ def test_the_server_dying_mid_epoch_names_the_object_and_a_saved_state_resumes_o
     monkeypatch.setenv("SHARDGEN_OUTAGE_WAIT_S", "2")  # mid-epoch, an outage is waited out this long
     objstore.forget_clients()
     local, url = store_with(s3, tmp_path, MANY)
-    KW = dict(seed=5, shuffle_buffer=16, native_batch=4)  # a small buffer: the first batches need the first segments
+    KW = dict(seed=5, shuffle_buffer=16)  # a small buffer: the first batches need the first segments
     with ShardIter(url, 8, **KW, cache_dir=tmp_path / "ref") as ref:
         want = [arrays(b) for b in ref]  # the uninterrupted run
     cache = tmp_path / "cache"
@@ -339,11 +339,11 @@ def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_r
     with pytest.raises(LoaderError, match=rf"^{re.escape(url)}: cache_limit .* kB is too small to stream this part: "
                                           r"it must hold 3 of its largest shard .*raise cache_limit to at least "
                                           r"[\d,]+ bytes \(.* kB\)") as refused:
-        read_all(url, cache, cache_limit=3 * max(s.bytes for s in shards) - 1, readers=1)
+        read_all(url, cache, cache_limit=3 * max(s.bytes for s in shards) - 1)
     least = int(re.search(r"at least ([\d,]+) bytes", str(refused.value)).group(1).replace(",", ""))
     with pytest.raises(LoaderError, match="too small"):
-        ShardIter(url, 8, cache_dir=tmp_path / "least", cache_limit=least - 1, readers=1).close()
-    ShardIter(url, 8, cache_dir=tmp_path / "least", cache_limit=least, readers=1).close()  # the least it said works
+        ShardIter(url, 8, cache_dir=tmp_path / "least", cache_limit=least - 1).close()
+    ShardIter(url, 8, cache_dir=tmp_path / "least", cache_limit=least).close()  # the least it said works
     assert not list(mirror.glob("*.rec"))
     peak, stop = [0], threading.Event()
 
@@ -361,7 +361,7 @@ def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_r
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    kw = dict(seed=2, cache_limit=limit, shuffle_buffer=16, native_batch=4, readers=1)
+    kw = dict(seed=2, cache_limit=limit, shuffle_buffer=16)
     try:
         with ShardIter(url, 8, cache_dir=cache, **kw) as it:
             epochs = [read_epoch(it), (it.reset(), read_epoch(it))[1]]
@@ -372,8 +372,8 @@ def test_a_cache_smaller_than_the_part_streams_it_exactly_within_the_limit_and_r
     for epoch in epochs:
         assert sorted(i for ids, _ in epoch for i in ids) == list(range(sum(counts.values())))
     assert epochs[0] != epochs[1]
-    with ShardIter(local, 8, seed=2, shuffle_buffer=16, native_batch=4, stripes=False) as it:  # the folder,
-        # readers=2, no limit, blocks of whole files as an object store's
+    with ShardIter(local, 8, seed=2, shuffle_buffer=16, stripes=False) as it:  # the folder,
+        # no limit, blocks of whole files as an object store's
         assert [read_epoch(it), (it.reset(), read_epoch(it))[1]] == epochs  # the same order (docs/s3.md, "Order")
     assert 0 < peak[0] <= limit, (peak, snap)
     # The second epoch fetched again what the first evicted, each file about once an epoch (blocks of a
@@ -822,7 +822,7 @@ def test_the_first_batch_comes_while_the_rest_of_the_epoch_is_still_downloading(
         return real(store, name)
 
     monkeypatch.setattr(kind, "chunks", chunks)
-    kw = dict(seed=4, native_batch=4, readers=2, shuffle_buffer=32)  # blocks of 30 windows: 2 shards at most
+    kw = dict(seed=4, shuffle_buffer=32)  # blocks of 30 windows: 2 shards at most
     try:
         with ShardIter(url, 8, cache_dir=tmp_path / "cache", **kw) as it:
             first = [batch_ids(it.next()) for _ in range(2)]
@@ -874,7 +874,7 @@ def test_an_outage_mid_epoch_is_waited_out_and_the_epoch_stays_exact(s3, tmp_pat
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
     objstore.forget_clients()
     local, url = store_with(s3, tmp_path, MANY)
-    KW = dict(seed=5, shuffle_buffer=16, native_batch=4)
+    KW = dict(seed=5, shuffle_buffer=16)
     with ShardIter(url, 8, **KW, cache_dir=tmp_path / "ref") as ref:
         want = [arrays(b) for b in ref]
     killer = KillAtGet(s3, monkeypatch)
@@ -949,7 +949,7 @@ def test_close_during_an_outage_wait_is_prompt(s3, tmp_path, monkeypatch):
     _, url = store_with(s3, tmp_path, MANY)
     killer = KillAtGet(s3, monkeypatch)
     killer.arm(nth=7)
-    it = ShardIter(url, 8, seed=5, shuffle_buffer=16, native_batch=4, cache_dir=tmp_path / "cache")
+    it = ShardIter(url, 8, seed=5, shuffle_buffer=16, cache_dir=tmp_path / "cache")
     raised = []
 
     def read():

@@ -55,7 +55,7 @@ def test_a_tape_joins_pieces_of_every_shard_and_every_tape_is_closed(tmp_path):
             assert sorted(ids) == list(range(total)), "every window once, read through tapes of stripes"
             blocks = -(-total // it.reader.params.block)
             assert blocks > 3 and it.stats["dates_per_block"] >= sum(-(-n // 4) >= blocks for n in counts.values())
-        assert _tapes() - before <= 2 * it.reader.readers + 2, "tapes are let go once read"
+        assert _tapes() - before <= 2 * it.reader.params.readers + 2, "tapes are let go once read"
     assert _tapes() == before, "close() closes every tape"
 
 
@@ -66,7 +66,7 @@ def test_a_damaged_shard_of_a_later_block_is_named_when_its_block_comes(tmp_path
     m = Manifest.load(tmp_path / "s" / "manifest.json")
     flip(tmp_path / "s" / m.shards[6].rec, m.schema.record_bytes * 3 + 1)
     per = m.shards[0].records
-    it = ShardIter(tmp_path / "s", 8, shuffle=False, shuffle_buffer=per, native_batch=4, cache_dir=tmp_path / "c")
+    it = ShardIter(tmp_path / "s", 8, shuffle=False, shuffle_buffer=per, cache_dir=tmp_path / "c")
     try:
         assert _checked(it) < 6, "the later blocks' shards are not checked yet"
         assert _shards_open(tmp_path / "s") == 8, "but held open: a shard replaced now is not the one read"
