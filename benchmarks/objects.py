@@ -101,8 +101,8 @@ def _resume(server, store: Path, prefix: str, workdir: Path, batch_size: int, at
     the least it may be)
     up to the epoch's end, against the shards the rest of the epoch reads plus one feed group (the
     next epoch's feed fetches once this one's has fetched its last)."""
-    from loader.pipeline.order import EpochOrder, Phase, remainder
     from loader.pipeline.job import order_spec
+    from loader.pipeline.order import EpochOrder, Phase, remainder
 
     shards = Manifest.load(store / MANIFEST_NAME).shards
     total = sum(s.bytes for s in shards)

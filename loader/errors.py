@@ -8,7 +8,8 @@ from typing import Iterator
 from shardgen.errors import ShardgenError
 from shardgen.store.objurl import StoreUnreachable
 
-__all__ = ["LoaderError", "IteratorClosed", "StoreUnreachableError", "mxnet_reason", "as_loader_error", "as_loader_errors"]
+__all__ = ["LoaderError", "IteratorClosed", "StoreUnreachableError", "mxnet_reason", "as_loader_error",
+           "as_loader_errors"]
 
 
 class LoaderError(Exception):

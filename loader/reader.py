@@ -1,12 +1,11 @@
 """``Reader``: what a ``ShardIter`` reads and where it is. It owns the store it reads, the
-generation choice, the reading core (``Pipeline``: the epoch's plan and threads), the cursor, ``reset()`` and the saved
-state; the ``ShardIter`` around it is only MXNet's ``DataIter`` face.
+generation choice, the reading core (``Pipeline``: the plan and the threads), the cursor,
+``reset()`` and the saved state; the ``ShardIter`` around it is only MXNet's ``DataIter`` face.
 
-Epochs are exact: every sample of this part once, with ``pad`` counted here. The order is a
-value (:mod:`loader.pipeline.order`): a function of seed, epoch, the selected shards and the order's
-own settings alone. A state says where in it the iterator is (the phases read so far), so it
-resumes with any cache, ``prefetch_buffer`` or store, on any number of parts, without re-reading what was
-consumed.
+Epochs are exact: every sample of this part once, with ``pad`` counted here. The order is a value
+(:mod:`loader.pipeline.order`): a function of seed, epoch, the selected shards and the order's own
+settings alone. A state says where in it the iterator is (the phases read so far), so it resumes
+with any cache, ``prefetch_buffer`` or store, on any number of parts, reading nothing consumed.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ from loader.pipeline.job import order_spec
 from loader.pipeline.memory import Arena, caller_batches_held
 from loader.pipeline.order import EpochOrder, Phase, slice_of
 from loader.pipeline.parts import split_phase
-from loader.pipeline.settings import buffers_alive, check_label_names, check_memory, sized
 from loader.pipeline.pipeline import Pipeline, join_closing
+from loader.pipeline.settings import buffers_alive, check_label_names, check_memory, sized
 from loader.source.generations import Choice, held_again, newest
 from loader.source.plan import EpochPlan, make_plan
 from loader.source.selection import DateRange, normalize_dates, select_shards

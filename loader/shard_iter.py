@@ -3,7 +3,8 @@
 Records carry a pack of windows or a run of rows; a loader thread fills the order's blocks into
 shuffle buffers and a producer thread cuts the caller's batches from them
 (:mod:`loader.pipeline.pipeline`), so ``next()`` only takes a ready batch. The loader fills the
-next epoch's first block before this one ends, so ``reset()`` is nearly free. Every shard is checked (:mod:`shardgen.format.check`) before MXNet reads it.
+next epoch's first block before this one ends, so ``reset()`` is nearly free. Every shard is
+checked (:mod:`shardgen.format.check`) before MXNet reads it.
 
 This class is MXNet's face of it (the contract, named arrays, statistics); what is read and where
 the iterator is belongs to its :class:`loader.reader.Reader`.

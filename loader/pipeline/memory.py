@@ -14,8 +14,8 @@ One loader thread fills blocks into one slot, one producer thread gathers batche
   block of the sparsest shards), an eighth more than the average block at least; kept buffers
   count in: the arena lets them go before the total would exceed that;
 - MXNet's native iterators: the one being read and the next, opened ahead, each queueing up to
-  16 record batches of ``native_batch`` records (``settings.default_native_batch``) in its own thread (fixed in MXNet 1.9.1, whatever
-  ``prefetch_buffer``), and each read's tape;
+  16 record batches of ``native_batch`` records (``settings.default_native_batch``) in its own
+  thread (fixed in MXNet 1.9.1, whatever ``prefetch_buffer``), and each read's tape;
 - caller batches: ``prefetch_buffer`` ready ones, plus a few MXNet still holds.
 
 The process's allocator is left as it was found (no ``mallopt``): a process-wide policy is paid by
