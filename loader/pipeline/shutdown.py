@@ -5,20 +5,20 @@ the way it ends                       who runs the steps                        
 ====================================  ==========================================  =====================
 ``close()``                           the caller's thread                         ``STEPS``
 dropped without ``close()``           its finalizer hands them to a thread of     ``STEPS``
-                                      their own (``Epochs.close_when_free``)
+                                      their own (``Pipeline.close_when_free``)
 interpreter exit                      ``loader.lifecycle``'s hook: ``close()`` of  ``STEPS``
                                       every live iterator, then it waits for the
                                       dropped ones' threads
 ``reset()``, ``load_state_dict()``    the caller's thread                         ``RESET_STEPS``, then
                                                                                   the old plan's
-                                                                                  ``close_files`` in a
-                                                                                  thread of its own
+                                                                                  ``close_files`` by the
+                                                                                  loader thread
 ====================================  ==========================================  =====================
 
 ``STEPS``, in order, and why that order:
 
-1. ``stop_streams``: every stream's producer, feed and native readers stop and are joined
-   (``EpochStream._shutdown``); nothing reads a file after this.
+1. ``stop_streams``: the loader and producer threads stop and are joined (the loader frees its
+   native readers first: ``loader.pipeline.threads``); nothing reads a file after this.
 2. ``free_arrays``: the shuffle buffers kept whole, and the arrays the caller dropped; loans MXNet
    gave back are let go.
 3. ``close_files``: the plans' descriptors closed and their folders removed (plans left at a
@@ -31,7 +31,7 @@ interpreter exit                      ``loader.lifecycle``'s hook: ``close()`` o
 
 Every step runs even if one before it failed (an ``Exception``); the first failure is raised after
 the last step. An interrupt (Ctrl-C, ``SystemExit``) stops the order where it is and is raised: the
-later steps must not run while a stream may still read (``Epochs.close`` then runs all of it again
+later steps must not run while a thread may still read (``Pipeline.close`` then runs all of it again
 at the next ``close()`` or at exit). Each step is logged at DEBUG by ``loader.pipeline.shutdown``.
 """
 
@@ -45,7 +45,7 @@ __all__ = ["STEPS", "RESET_STEPS", "run"]
 log = logging.getLogger(__name__)
 
 STEPS = ("stop_streams", "free_arrays", "close_files", "release_claim", "drop_lease")
-RESET_STEPS = ("stop_streams",)  # the current stream; its plan's files close once the next plan is current
+RESET_STEPS = ("stop_streams",)  # the current job halted; its plan's files close once no job reads them
 
 
 def run(steps: Mapping[str, Callable[[], object]], order: Sequence[str] = STEPS, *, who: str = "") -> None:
