@@ -217,8 +217,8 @@ class Reader:
         self.cursor = skip
 
     def _ahead_opened(self) -> None:
-        """The loader filled this epoch's last block (``Pipeline``): a cache fetches the newest
-        generation's part ahead too, unless pinned."""
+        """Half way through this epoch (``Pipeline``): a cache fetches the newest generation's part
+        ahead too, once this epoch's files are fetched (``done_fetching``), unless pinned."""
         job = self.pipeline.current
         if self.choice.pin is None and job is not None:
             self.store.fetch_ahead(self._part_of, after=job.done_fetching)

@@ -19,10 +19,11 @@ __all__ = ["produce"]
 
 
 def produce(job: EpochJob, arena: Arena, take: Callable[[int], Filled], offer: Callable[[object], bool],
-            held: dict) -> None:
+            held: dict, half: Callable[[], object] = lambda: None) -> None:
     """Every batch of ``job`` from its first (``job.first``) handed to ``offer((arrays, valid))``
     (False: the job was halted); ``take(v)``: visit ``v``'s filled block, in visit order. ``held``:
-    visit -> the blocks taken and not handed back yet (the caller gives back what is left)."""
+    visit -> the blocks taken and not handed back yet (the caller gives back what is left).
+    ``half()``: once, at the first batch of the job's second half."""
     p = job.params
     bs, sc = p.batch_size, p.schema
     x_shape = (bs, sc.time_steps, sc.num_inputs)
@@ -34,6 +35,8 @@ def produce(job: EpochJob, arena: Arena, take: Callable[[int], Filled], offer: C
     for index in range(job.first, job.batches):
         if job.halt.is_set():
             raise Halted
+        if index == max(job.first, job.batches // 2):
+            half()
         valid = min(bs, job.samples - index * bs)
         if valid <= 0:
             # Parts differ by one sample, so a shorter part can run out a batch early (docs/distributed.md,

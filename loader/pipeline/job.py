@@ -52,6 +52,7 @@ class EpochJob:
         self.loading = self.producing = False  # a thread took it
         self.loaded = self.produced = False  # a thread finished it (loaded: not when it failed or was halted)
         self.followed = False  # the loader asked for its successor
+        self.past_half = False  # the producer handed out half its batches
 
     def successor(self) -> EpochJob:
         """The next epoch of the same plan and settings, from its start: what ``reset()`` most often asks."""

@@ -101,6 +101,8 @@ class Pipeline(Threads):
         if previous is not None and previous.folder != plan.folder:
             self.arena.drop_whole(previous.folder)  # the old plan's
         self.lease.renew(plan.generation)
+        if job.past_half:  # the producer got half way before it was current
+            self.on_ahead()
         self._start_threads()
         if wait and job.visits:
             job.opened.wait()

@@ -36,7 +36,7 @@ class Threads:
         self._depth = self._low = 1  # the ready queue's size (prefetch_buffer) and the mark it refills at
         self._threads: list = []
         self.closed = False
-        self.on_ahead: Callable[[], object] = lambda: None  # the loader filled the current job's last block
+        self.on_ahead: Callable[[], object] = lambda: None  # the producer is half way through the current job
 
     def _start_threads(self) -> None:
         if not self._threads:
@@ -85,8 +85,6 @@ class Threads:
             finally:
                 job.done_fetching.set()
                 job.opened.set()
-            if job.loaded and job is self.current:
-                self.on_ahead()
 
     def _next_to_load(self) -> Optional[EpochJob]:
         """The job to fill next (None: closed): the current one, else the next epoch's once the
@@ -144,7 +142,8 @@ class Threads:
                 return
             held: dict = {}
             try:
-                produce(job, self.arena, functools.partial(self._take, job), functools.partial(self._offer, job), held)
+                produce(job, self.arena, functools.partial(self._take, job), functools.partial(self._offer, job), held,
+                        functools.partial(self._half_way, job))
                 job.produced = True
             except Halted:
                 pass
@@ -155,6 +154,14 @@ class Threads:
                 self._give_back([f.buffer for f in held.values()])
                 with self.lock:
                     self._caller_cv.notify_all()
+
+    def _half_way(self, job: EpochJob) -> None:
+        """The producer is half way through ``job``: if it is the current one, ``on_ahead`` (a cache
+        fetches the newest generation's part, once the loader has fetched this epoch's files); else
+        ``start()`` calls it when the job becomes current (a short epoch the producer ran ahead into)."""
+        job.past_half = True
+        if job is self.current:
+            self.on_ahead()
 
     def _next_to_produce(self) -> Optional[EpochJob]:
         with self.lock:

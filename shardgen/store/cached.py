@@ -287,5 +287,6 @@ class CachedStore(S3Store):
             finally:
                 self.let_go("ahead")
 
-        self._ahead = threading.Thread(target=run, name="shardgen-fetch-ahead", daemon=True)
-        self._ahead.start()
+        ahead = threading.Thread(target=run, name="shardgen-fetch-ahead", daemon=True)
+        ahead.start()  # then known: a thread that finds it (close(), a test) may join it at once
+        self._ahead = ahead

@@ -102,18 +102,18 @@ def test_a_failed_download_cancels_the_downloads_not_started(remote, tmp_path, m
 
 
 def test_under_a_limit_a_feed_group_holds_at_most_a_third_of_the_room(remote, tmp_path, monkeypatch):
-    """A block's files are fetched in groups of at most a third of what the limit leaves (one being
-    read, one fetched ahead, one for the next epoch). Uncapped, an epoch at a limit waited for room
+    """A block's files are fetched in groups of at most a third of what the limit leaves (the bound
+    the cache's least limit is made for). Uncapped, an epoch at a limit waited for room
     until a test's 90 s timeout; here the first group says so at once. The epoch is bounded here in
     seconds (issue 56): a read that never lets its files go (never unpinned) waited for room 300 s."""
     from loader import ShardIter
-    from loader.pipeline import feed
+    from loader.pipeline import fill
 
     url, manifest = remote
     limit = sum(s.bytes for s in manifest.shards) // 3
     probe = CachedStore(S3Store(url), tmp_path / "probe", None)
     probe.newest_manifest_file()
-    seen, real = [], feed._group
+    seen, real = [], fill._group
 
     def group(pieces, sizes, cap):
         assert cap is not None and 3 * cap + probe.room.meta_bytes() <= limit, \
@@ -122,7 +122,7 @@ def test_under_a_limit_a_feed_group_holds_at_most_a_third_of_the_room(remote, tm
         seen.extend(len(g) == 1 or sum(sizes[k] for k, _, _ in g) <= cap for g in groups)
         return groups
 
-    monkeypatch.setattr(feed, "_group", group)
+    monkeypatch.setattr(fill, "_group", group)
     it = ShardIter(url, 8, cache_dir=tmp_path / "c", cache_limit=limit, shuffle_buffer=64)
     with it:
         read = []

@@ -40,8 +40,10 @@ def _reading(tmp_path, caplog) -> tuple:
     return it, it.reader.pipeline.who, it.reader.plan.folder
 
 
-def _threads() -> list:
-    return [t.name for t in threading.enumerate() if t.name.startswith("shardgen") and t.name != "shardgen-close"]
+def _threads(before: frozenset = frozenset()) -> list:
+    """The loader's threads alive now but not in ``before`` (an earlier test's iterator, still alive, keeps its own)."""
+    return [t.name for t in set(threading.enumerate()) - before
+            if t.name.startswith("shardgen") and t.name != "shardgen-close"]
 
 
 def test_the_order_is_the_written_one():
@@ -50,15 +52,17 @@ def test_the_order_is_the_written_one():
 
 
 def test_close_runs_every_step_in_order_and_lets_go_of_everything(tmp_path, caplog):
+    before = frozenset(threading.enumerate())
     it, who, folder = _reading(tmp_path, caplog)
+    assert {"shardgen-loader", "shardgen-batches"} <= set(_threads(before))
     assert _leases(tmp_path / "s") and folder.exists()
     it.close()
     assert _steps(caplog, who) == ORDER
     assert not folder.exists() and _leases(tmp_path / "s") == []
     deadline = time.monotonic() + 5  # the lease's heartbeat ends once it sees the release
-    while _threads() and time.monotonic() < deadline:
+    while _threads(before) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not _threads(), _threads()
+    assert not _threads(before), _threads(before)
     it.close()  # a second close runs nothing again
     assert _steps(caplog, who) == ORDER
 
