@@ -200,28 +200,45 @@ class PlanFiles:
 def recheck(plan: Any, schema: Any, verify: str) -> bool:
     """Check the plan's open files again if they changed since (size, mtime or ctime): a file
     damaged in place is caught before the next epoch reads it. This runs at every reset(): a file
-    as it was when last found good costs one fstat. True if some file had changed (and is sound)."""
+    as it was when last found good costs one fstat. True if some file had changed (and is sound).
+
+    A stream may be reading the plan meanwhile (``load_state_dict()`` on the shards read now, the
+    next epoch's stream at ``reset()``), whose reads let go of files and open others: each file is
+    checked through a duplicate of its descriptor taken under the plan's lock, never through the
+    number, which a file let go of frees for the next open (another date's file: it was found
+    "damaged", its good cached copy removed; or a closed one: EBADF)."""
     files, changed = plan.files, False
     if files is None:
         return False
     store = os.path.join(str(plan.store), "")
-    for k, (s, fd) in enumerate(zip(plan.shards, list(files.fds))):
-        if fd < 0:  # not open (a cached shard no read needs now)
-            continue
-        seen = identity(fd, verify)
-        if files.checked.get(fd) == seen:
-            continue
+    for k, s in enumerate(plan.shards):
+        with files.lock:
+            fd = files.fds[k]
+            if fd < 0:  # not open (a cached shard no read needs now)
+                continue
+            mine = os.dup(fd)  # the file the plan holds now, whatever is let go of meanwhile
         try:
-            check_shard(fd, store + s.rec, store + s.idx, s, schema, verify=verify)
-        except ShardError as exc:
+            seen = identity(mine, verify)
+            if files.checked.get(fd) == seen:
+                continue
+            try:
+                check_shard(mine, store + s.rec, store + s.idx, s, schema, verify=verify)
+            except ShardError as exc:
+                damage = str(exc)
+            else:
+                changed, damage = True, None
+                with files.lock:
+                    if files.fds[k] == fd:  # not let go of meanwhile (the number may be another file's now)
+                        files.checked[fd] = seen
+                        if files.keys[k] is not None:  # what a later plan sharing it compares with
+                            found_good(files.keys[k], seen)
+        finally:
+            os.close(mine)
+        if damage is not None:
             advice = files.store.forget_local(s)
             if advice is not None and not files.forget(k):
                 advice = advice.replace("the next reset()", "a new ShardIter")
-            raise LoaderError(_told(str(exc), advice)) from None
-        changed = True
-        files.checked[fd] = seen
-        if files.keys[k] is not None:  # what a later plan sharing it compares with
-            found_good(files.keys[k], seen)
+            raise LoaderError(_told(damage, advice))
     return changed
 
 

@@ -1,0 +1,102 @@
+"""The recheck of a plan's files (``loader.source.files.recheck``) while a stream reads the plan:
+its reads let go of files (a bounded cache closes them) and open others, which take the numbers
+freed. Before the fix the recheck checked the NUMBER it had read from ``files.fds`` with no hold,
+so it checked another date's file against the entry ("record 0 of 2024-01-01 is damaged (id is not
+day 19723)" on a good, freshly verified download, whose cached copy it then removed: the flake of
+the quick bench's S3 resume step) or a closed one (``OSError: [Errno 9] Bad file descriptor``)."""
+
+import os
+import threading
+import time
+
+import pytest
+from conftest import batch_ids, make_store
+from test_s3_loader import upload_store
+
+from loader import ShardIter
+from loader.source import files as files_mod
+from loader.source.opening import open_store
+from loader.source.plan import make_plan
+from shardgen.store.manifest import Manifest
+
+COUNTS = {f"2024-01-{d:02d}": 40 for d in range(1, 29)}  # one size: only the records tell the dates apart
+
+
+def _remote(s3, tmp_path):
+    local = tmp_path / "local"
+    make_store(local, COUNTS)
+    manifest = Manifest.load(local / "manifest.json")
+    return local, upload_store(s3, local), manifest, 6 * max(s.bytes for s in manifest.shards)
+
+
+@pytest.mark.parametrize("s3", ["fake"], indirect=True)
+@pytest.mark.parametrize("number_taken", [True, False], ids=["number-taken-by-another-file", "number-closed"])
+def test_a_file_let_go_during_the_recheck_is_still_the_one_checked(s3, tmp_path, monkeypatch, number_taken):
+    """Forced interleaving: when the recheck of a file that changed since it was found good (a
+    touch) looks at it, the read holding it ends (``let_go``: closed in a bounded cache) and, with
+    ``number_taken``, another open in the process takes its descriptor number (another date's file).
+    The recheck still checks the file of the date it names, finds it sound, and keeps its cached copy."""
+    local, url, manifest, limit = _remote(s3, tmp_path)
+    store = open_store(url, tmp_path / "c", limit)
+    plan = make_plan(store, tmp_path / "c", manifest, manifest.shards, verify="crc", who="race")
+    files = plan.files
+    try:
+        files.ensure([0])  # a read of 2024-01-01 holds it
+        number = files.fds[0]
+        cached = plan.store / manifest.shards[0].rec
+        st = os.stat(cached)
+        os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # changed since found good: checked again
+        other = []
+        real = files_mod.identity
+
+        def read_ends_meanwhile(fd, verify):
+            monkeypatch.setattr(files_mod, "identity", real)  # once
+            files.let_go([0])  # the read is done with it: a bounded cache closes it
+            assert files.fds[0] == -1
+            if number_taken:
+                taken = os.open(local / manifest.shards[1].rec, os.O_RDONLY)  # another date's file
+                if taken != number:
+                    os.dup2(taken, number)  # the lowest free number in a process with no other thread
+                    os.close(taken)
+                other.append(number)
+            return real(fd, verify)
+
+        monkeypatch.setattr(files_mod, "identity", read_ends_meanwhile)
+        assert files_mod.recheck(plan, manifest.schema, "crc") is True  # it changed, and it is sound
+        assert other == ([number] if number_taken else [])
+        assert cached.exists()  # its good copy kept (the false "damaged" removed it)
+        files.ensure([0])  # opened again: the file checked and read is the one of its date
+        assert files.frames[0].samples == COUNTS["2024-01-01"]
+        files.let_go([0])
+    finally:
+        for fd in other:
+            os.close(fd)
+        files.close()
+
+
+@pytest.mark.parametrize("s3", ["fake"], indirect=True)
+def test_load_state_dict_rechecks_files_while_the_epoch_being_replaced_reads_them(s3, tmp_path, monkeypatch):
+    """Through ShardIter: a resume (the bench's S3 resume step: a new iterator under cache_limit,
+    ``load_state_dict`` at once) rechecks the files of the epoch its construction started, whose
+    feed meanwhile lets go of files and opens others. Each file's fstat in the recheck is made slow
+    (20 ms, in the caller's thread) so that the feed runs during it, as under load: before the fix
+    the first round failed (6 runs in 6) with the bench's message or EBADF. Every window is read once."""
+    _, url, _, limit = _remote(s3, tmp_path)
+    real = files_mod.identity
+
+    def slow_in_the_callers_thread(fd, verify):
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.02)
+        return real(fd, verify)
+
+    monkeypatch.setattr(files_mod, "identity", slow_in_the_callers_thread)
+    total = sum(COUNTS.values())
+    for rnd in range(3):
+        kw = dict(cache_limit=limit, shuffle=True, native_batch=4, readers=2, seed=rnd)
+        with ShardIter(url, 8, cache_dir=tmp_path / f"a{rnd}", **kw) as it:
+            seen = [i for _ in range(it.batches_per_epoch * 6 // 10) for i in batch_ids(it.next())]
+            state = it.state_dict()
+        with ShardIter(url, 8, cache_dir=tmp_path / f"b{rnd}", **kw) as it:
+            it.load_state_dict(state)
+            seen += [i for b in it for i in batch_ids(b)]
+        assert sorted(seen) == list(range(total)), rnd
