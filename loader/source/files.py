@@ -132,7 +132,8 @@ class PlanFiles:
             frames = _check(self.store, store, fd, s, self.schema, self.verify)
             target = f"/proc/self/fd/{fd}" if _PROC_FD else str(store / s.rec)
             link = f"{self.folder.parent}/fd/{fd}"  # one link per folder: dmlc lists a path's folder to find it
-            make_link(link, target, key, (fd, frames, link, seen))
+            if not make_link(link, target, key, (fd, frames, link, seen)):
+                key = None  # this plan's own (closed by it alone)
             with self.lock:
                 self.fds[k], self.frames[k], self.links[k], self.keys[k], self.checked[fd] = fd, frames, link, key, seen
         except OSError as exc:

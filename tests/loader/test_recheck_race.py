@@ -100,3 +100,53 @@ def test_load_state_dict_rechecks_files_while_the_epoch_being_replaced_reads_the
             it.load_state_dict(state)
             seen += [i for b in it for i in batch_ids(b)]
         assert sorted(seen) == list(range(total)), rnd
+
+
+def test_two_plans_opening_one_kept_file_at_once_each_read_their_own(tmp_path, monkeypatch):
+    """Two plans of one process (two iterators on one folder store and cache_dir: train and val
+    over the same dates) share a kept file (``loader.source.shared_files``). Forced interleaving:
+    plan A looks for a plan holding 2024-01-01 (none), then plan B opens it and shares it, then A
+    opens its own. Before the fix A's entry replaced B's, so closing B released A's hold and closed
+    A's descriptor under it: its number, taken by another date's file, was what A's next read
+    copied onto its tape (another date's records, unchecked), and A's close failed (KeyError).
+    Each plan's reads stay its file's, and each plan closes cleanly."""
+    from loader.source.plan import Read, reader_source
+
+    make_store(tmp_path / "s", COUNTS)
+    manifest = Manifest.load(tmp_path / "s" / "manifest.json")
+    store = open_store(tmp_path / "s", tmp_path / "c", None)
+    a, b = (make_plan(store, tmp_path / "c", manifest, manifest.shards, verify="crc", who=w) for w in "ab")
+    real, taken, armed = files_mod.adopt, [], [True]
+
+    def b_opens_meanwhile(key):
+        found = real(key)  # A found no plan holding it
+        if armed and armed.pop():
+            b.files.ensure([0], use=False)  # B opens it, checks it, shares it
+        return found
+
+    try:
+        monkeypatch.setattr(files_mod, "adopt", b_opens_meanwhile)
+        a.files.ensure([0])  # a read of A holds it
+        monkeypatch.setattr(files_mod, "adopt", real)
+        number = a.files.fds[0]
+        b.files.close()  # B is done (its iterator closed)
+        try:
+            os.fstat(number)
+        except OSError:  # closed under A: another open takes its number
+            fd = os.open(tmp_path / "s" / manifest.shards[1].rec, os.O_RDONLY)
+            if fd != number:
+                os.dup2(fd, number)
+                os.close(fd)
+            taken.append(number)
+        source = reader_source(a, Read(((0, 0, COUNTS["2024-01-01"]),), 0))
+        try:
+            tape = os.pread(source.tape.fd, manifest.shards[0].bytes + 1, 0)
+        finally:
+            source.tape.close()
+        assert tape == (tmp_path / "s" / manifest.shards[0].rec).read_bytes(), "A's read copied another file"
+        assert not taken, "B's close closed A's file"
+        a.files.let_go([0])
+        a.files.close()
+    finally:
+        for fd in taken:
+            os.close(fd)
