@@ -146,6 +146,23 @@ class PlanFiles:
         if not self.keep:  # the open descriptor holds the file: the cache may evict its name
             self.store.pin(s.rec, +1)
 
+    def read_fd(self, k: int) -> int:
+        """Shard ``k``'s descriptor for a read that holds it (``ensure``; call under ``lock``):
+        LoaderError naming the file if it is not open, or no longer is the file opened and checked
+        (its number closed by another path and taken by another open): a read never copies
+        another file's bytes (one fstat per piece of a read)."""
+        fd, s = self.fds[k], self.shards[k]
+        seen = self.checked.get(fd) if fd >= 0 else None
+        try:
+            now = os.fstat(fd) if seen is not None else None
+        except OSError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != seen[:2]:
+            raise LoaderError(f"{self._store / s.rec}: the shard file of {s.date} was closed under a read that "
+                              "holds it, its descriptor is not the file the loader opened and checked; nothing "
+                              "was copied from it (a bug of the loader's: please report it)")
+        return fd
+
     def let_go(self, ks: Sequence[int]) -> None:
         """Reads of ``ks`` are done with them: without ``keep``, a file no read uses is closed."""
         with self.lock:

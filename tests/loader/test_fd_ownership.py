@@ -1,9 +1,13 @@
-"""The recheck of a plan's files (``loader.source.files.recheck``) while a stream reads the plan:
-its reads let go of files (a bounded cache closes them) and open others, which take the numbers
-freed. Before the fix the recheck checked the NUMBER it had read from ``files.fds`` with no hold,
-so it checked another date's file against the entry ("record 0 of 2024-01-01 is damaged (id is not
-day 19723)" on a good, freshly verified download, whose cached copy it then removed: the flake of
-the quick bench's S3 resume step) or a closed one (``OSError: [Errno 9] Bad file descriptor``)."""
+"""Who may close a plan's shard descriptors, and when (the quick bench's S3 resume flake, "record 0
+of 2024-01-01 is damaged (id is not day 19723)" on a good, freshly verified download).
+
+A descriptor number a file let go of is free for the next open in the process, another date's
+file: anything that uses a number it does not hold reads that file. Found: the recheck of a plan's
+files (``loader.source.files.recheck``) used the numbers with no hold while a stream's reads let
+go of files (a bounded cache closes them) and opened others: another date's file checked against
+the entry (that message; its good cached copy then removed) or a closed one (EBADF); two plans
+opening one kept file at once (``loader.source.shared_files``): one plan's close closed the
+other's descriptor. And a guard: a read copies only from the file opened and checked."""
 
 import os
 import threading
@@ -150,3 +154,38 @@ def test_two_plans_opening_one_kept_file_at_once_each_read_their_own(tmp_path, m
     finally:
         for fd in taken:
             os.close(fd)
+
+
+@pytest.mark.parametrize("reused", [True, False], ids=["number-reused", "closed"])
+def test_a_read_never_copies_from_a_descriptor_that_is_no_longer_its_file(tmp_path, reused):
+    """The guard (``PlanFiles.read_fd``): were a shard's descriptor closed by some other path while a
+    read holds it, and its number taken by another date's file, the read would copy that file's
+    records onto its tape, unchecked. It raises a LoaderError naming the file instead (closed: the
+    same, not an OSError)."""
+    from loader import LoaderError
+    from loader.source.plan import Read, reader_source
+
+    make_store(tmp_path / "s", COUNTS)
+    manifest = Manifest.load(tmp_path / "s" / "manifest.json")
+    plan = make_plan(open_store(tmp_path / "s", tmp_path / "c", None), tmp_path / "c", manifest, manifest.shards,
+                     verify="crc", who="guard")
+    try:
+        plan.files.ensure([0])
+        number = plan.files.fds[0]
+        other = os.open(tmp_path / "s" / manifest.shards[1].rec if reused else os.devnull, os.O_RDONLY)
+        os.dup2(other, number)  # what a stray close and another open leave behind
+        os.close(other)
+        if not reused:
+            os.close(number)
+        try:
+            with pytest.raises(LoaderError, match=r"2024-01-01\.rec: the shard file of 2024-01-01 was closed under "
+                                                  r"a read .* nothing was copied from it"):
+                reader_source(plan, Read(((0, 0, COUNTS["2024-01-01"]),), 0))
+        finally:
+            if not reused:
+                spare = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(spare, number)  # the plan closes it: a number of its own again
+                os.close(spare)
+        plan.files.let_go([0])
+    finally:
+        plan.files.close()
