@@ -68,6 +68,7 @@ def test_a_file_let_go_during_the_recheck_is_still_the_one_checked(s3, tmp_path,
         monkeypatch.setattr(files_mod, "identity", read_ends_meanwhile)
         assert files_mod.recheck(plan, manifest.schema, "crc") is True  # it changed, and it is sound
         assert other == ([number] if number_taken else [])
+        assert set(files.checked) <= set(files.fds), "an identity recorded for a number the plan no longer holds"
         assert cached.exists()  # its good copy kept (the false "damaged" removed it)
         files.ensure([0])  # opened again: the file checked and read is the one of its date
         assert files.frames[0].samples == COUNTS["2024-01-01"]
@@ -167,6 +168,7 @@ def test_a_read_never_copies_from_a_descriptor_that_is_no_longer_its_file(tmp_pa
 
     make_store(tmp_path / "s", COUNTS)
     manifest = Manifest.load(tmp_path / "s" / "manifest.json")
+    spare = [os.open(os.devnull, os.O_RDONLY)]  # below the plan's numbers: closed, it is the one the tape takes
     plan = make_plan(open_store(tmp_path / "s", tmp_path / "c", None), tmp_path / "c", manifest, manifest.shards,
                      verify="crc", who="guard")
     try:
@@ -175,17 +177,21 @@ def test_a_read_never_copies_from_a_descriptor_that_is_no_longer_its_file(tmp_pa
         other = os.open(tmp_path / "s" / manifest.shards[1].rec if reused else os.devnull, os.O_RDONLY)
         os.dup2(other, number)  # what a stray close and another open leave behind
         os.close(other)
+        assert spare[0] < number
+        os.close(spare.pop())
         if not reused:
-            os.close(number)
+            os.close(number)  # closed, and no open takes it (the tape takes the lower number)
         try:
             with pytest.raises(LoaderError, match=r"2024-01-01\.rec: the shard file of 2024-01-01 was closed under "
                                                   r"a read .* nothing was copied from it"):
                 reader_source(plan, Read(((0, 0, COUNTS["2024-01-01"]),), 0))
         finally:
             if not reused:
-                spare = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(spare, number)  # the plan closes it: a number of its own again
-                os.close(spare)
+                filler = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(filler, number)  # the plan closes it: a number of its own again
+                os.close(filler)
         plan.files.let_go([0])
     finally:
         plan.files.close()
+        for fd in spare:
+            os.close(fd)
