@@ -132,7 +132,8 @@ class PlanFiles:
             frames = _check(self.store, store, fd, s, self.schema, self.verify)
             target = f"/proc/self/fd/{fd}" if _PROC_FD else str(store / s.rec)
             link = f"{self.folder.parent}/fd/{fd}"  # one link per folder: dmlc lists a path's folder to find it
-            make_link(link, target, key, (fd, frames, link, seen))
+            if not make_link(link, target, key, (fd, frames, link, seen)):
+                key = None  # this plan's own (closed by it alone)
             with self.lock:
                 self.fds[k], self.frames[k], self.links[k], self.keys[k], self.checked[fd] = fd, frames, link, key, seen
         except OSError as exc:
@@ -144,6 +145,23 @@ class PlanFiles:
             raise
         if not self.keep:  # the open descriptor holds the file: the cache may evict its name
             self.store.pin(s.rec, +1)
+
+    def read_fd(self, k: int) -> int:
+        """Shard ``k``'s descriptor for a read that holds it (``ensure``; call under ``lock``):
+        LoaderError naming the file if it is not open, or no longer is the file opened and checked
+        (its number closed by another path and taken by another open): a read never copies
+        another file's bytes (one fstat per piece of a read)."""
+        fd, s = self.fds[k], self.shards[k]
+        seen = self.checked.get(fd) if fd >= 0 else None
+        try:
+            now = os.fstat(fd) if seen is not None else None
+        except OSError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != seen[:2]:
+            raise LoaderError(f"{self._store / s.rec}: the shard file of {s.date} was closed under a read that "
+                              "holds it, its descriptor is not the file the loader opened and checked; nothing "
+                              "was copied from it (a bug of the loader's: please report it)")
+        return fd
 
     def let_go(self, ks: Sequence[int]) -> None:
         """Reads of ``ks`` are done with them: without ``keep``, a file no read uses is closed."""
@@ -200,28 +218,45 @@ class PlanFiles:
 def recheck(plan: Any, schema: Any, verify: str) -> bool:
     """Check the plan's open files again if they changed since (size, mtime or ctime): a file
     damaged in place is caught before the next epoch reads it. This runs at every reset(): a file
-    as it was when last found good costs one fstat. True if some file had changed (and is sound)."""
+    as it was when last found good costs one fstat. True if some file had changed (and is sound).
+
+    A stream may be reading the plan meanwhile (``load_state_dict()`` on the shards read now, the
+    next epoch's stream at ``reset()``), whose reads let go of files and open others: each file is
+    checked through a duplicate of its descriptor taken under the plan's lock, never through the
+    number, which a file let go of frees for the next open (another date's file: it was found
+    "damaged", its good cached copy removed; or a closed one: EBADF)."""
     files, changed = plan.files, False
     if files is None:
         return False
     store = os.path.join(str(plan.store), "")
-    for k, (s, fd) in enumerate(zip(plan.shards, list(files.fds))):
-        if fd < 0:  # not open (a cached shard no read needs now)
-            continue
-        seen = identity(fd, verify)
-        if files.checked.get(fd) == seen:
-            continue
+    for k, s in enumerate(plan.shards):
+        with files.lock:
+            fd = files.fds[k]
+            if fd < 0:  # not open (a cached shard no read needs now)
+                continue
+            mine = os.dup(fd)  # the file the plan holds now, whatever is let go of meanwhile
         try:
-            check_shard(fd, store + s.rec, store + s.idx, s, schema, verify=verify)
-        except ShardError as exc:
+            seen = identity(mine, verify)
+            if files.checked.get(fd) == seen:
+                continue
+            try:
+                check_shard(mine, store + s.rec, store + s.idx, s, schema, verify=verify)
+            except ShardError as exc:
+                damage = str(exc)
+            else:
+                changed, damage = True, None
+                with files.lock:
+                    if files.fds[k] == fd:  # not let go of meanwhile (the number may be another file's now)
+                        files.checked[fd] = seen
+                        if files.keys[k] is not None:  # what a later plan sharing it compares with
+                            found_good(files.keys[k], seen)
+        finally:
+            os.close(mine)
+        if damage is not None:
             advice = files.store.forget_local(s)
             if advice is not None and not files.forget(k):
                 advice = advice.replace("the next reset()", "a new ShardIter")
-            raise LoaderError(_told(str(exc), advice)) from None
-        changed = True
-        files.checked[fd] = seen
-        if files.keys[k] is not None:  # what a later plan sharing it compares with
-            found_good(files.keys[k], seen)
+            raise LoaderError(_told(damage, advice))
     return changed
 
 

@@ -157,7 +157,7 @@ def reader_source(plan: EpochPlan, read: Read) -> ReaderSource:
                 a = int(frames.offsets[lo])
                 z = int(frames.offsets[hi]) if hi < len(frames.offsets) else int(plan.shards[k].bytes)
                 offsets.append(frames.offsets[lo:hi] - a + pos)
-                spans.append((files.fds[k], a, z - a))
+                spans.append((files.read_fd(k), a, z - a))  # the file opened and checked, or LoaderError
                 pos += z - a
         for fd, a, n in spans:  # (a read holds its files: let go only once it is done)
             _copy(tape.fd, fd, a, n)

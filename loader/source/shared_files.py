@@ -39,16 +39,21 @@ def found_good(key: tuple, seen: tuple) -> tuple:
     return seen
 
 
-def make_link(link: str, target: str, key: Optional[tuple], held: tuple) -> None:
+def make_link(link: str, target: str, key: Optional[tuple], held: tuple) -> bool:
     """``<link>/s.rec`` made anew, pointing at ``target``; with a ``key``, the file ``held``
-    (``(fd, frames, link, identity)``) is shared from now on, held by one plan."""
+    (``(fd, frames, link, identity)``) is shared from now on, held by one plan (True). False: not
+    shared, the opener's own, when another plan of this process shared its copy since the opener
+    looked (``adopt``): replacing that entry made each plan's release count the other's holds, and
+    one plan's close closed the other's descriptor under its reads."""
     with _HELD_LOCK:
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(link)
         os.makedirs(link)
         os.symlink(target, f"{link}/s.rec")
-        if key is not None:
-            _HELD[key] = [*held, 1]
+        if key is None or key in _HELD:
+            return False
+        _HELD[key] = [*held, 1]
+        return True
 
 
 def drop(fd: int, key: Optional[tuple], link: Optional[str]) -> None:
