@@ -97,7 +97,7 @@ def test_load_state_dict_rechecks_files_while_the_epoch_being_replaced_reads_the
     monkeypatch.setattr(files_mod, "identity", slow_in_the_callers_thread)
     total = sum(COUNTS.values())
     for rnd in range(3):
-        kw = dict(cache_limit=limit, shuffle=True, native_batch=4, readers=2, seed=rnd)
+        kw = dict(cache_limit=limit, shuffle=True, seed=rnd)
         with ShardIter(url, 8, cache_dir=tmp_path / f"a{rnd}", **kw) as it:
             seen = [i for _ in range(it.batches_per_epoch * 6 // 10) for i in batch_ids(it.next())]
             state = it.state_dict()
