@@ -1,0 +1,90 @@
+"""Hostile review of the rebuilt reading core (issue 65 item 1, branch rev66 at 2537584). Each test
+is one finding, named in the comment above it; they fail on the code reviewed (that is the point)."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+
+import pytest
+from conftest import batch_ids, make_store
+
+from loader import LoaderError, ShardIter
+from shardgen.store.manifest import Manifest
+
+COUNTS = {f"2024-01-{d:02d}": n for d, n in zip(range(2, 12), [7, 13, 1, 20, 9, 30, 2, 17, 11, 5])}
+N = sum(COUNTS.values())  # 115
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rev66")
+    make_store(path, COUNTS)
+    return path
+
+
+# Finding 1 (regression of d502356, IteratorClosed is a StopIteration): MXNet's documented manual
+# loop ``while True: try: batch = it.next() except StopIteration: break`` ends SILENTLY, an epoch
+# cut short, when another thread closes the iterator mid-epoch. At 065a33c it raised LoaderError
+# (only PrefetchingIter's thread was told StopIteration, by frame inspection).
+def test_finding1_a_manual_next_loop_is_not_ended_silently_by_close_from_another_thread(store, tmp_path):
+    it = ShardIter(store, 7, shuffle_buffer=8, cache_dir=tmp_path / "c", prefetch_buffer=1)
+    read, ended_by = 0, None
+    try:
+        while True:
+            try:
+                it.next()
+            except StopIteration:
+                ended_by = "StopIteration"
+                break
+            read += 1
+            if read == 3:
+                closer = threading.Thread(target=it.close)
+                closer.start()
+                closer.join(20)
+    except LoaderError:
+        ended_by = "LoaderError"
+    finally:
+        it.close()
+    assert read < N // 7
+    assert ended_by == "LoaderError", f"an epoch cut short after {read} batches ended the loop silently"
+
+
+# Finding 1b (same cause): ``DataIter.iter_next()`` (MXNet's documented way to step a DataIter,
+# ``while it.iter_next(): it.getdata()``) answers False, "no more data", on an iterator closed
+# mid-epoch; at 065a33c it raised LoaderError.
+def test_finding1b_iter_next_on_an_iterator_closed_mid_epoch_raises(store, tmp_path):
+    it = ShardIter(store, 7, cache_dir=tmp_path / "c")
+    it.next()
+    it.close()
+    with pytest.raises(LoaderError, match="closed"):
+        it.iter_next()
+
+
+# Finding 2 (pre-existing: the same at 065a33c; lazy checks "once per file version"): a shard
+# damaged in place during an epoch, after its first block checked it, is read by MXNet and its
+# damaged values are served silently for the rest of the epoch (only the next reset() refuses it).
+# The CRC check before MXNet sees a byte does not hold for a file's later blocks in an epoch.
+def test_finding2_a_shard_damaged_in_place_mid_epoch_is_not_served(tmp_path):
+    make_store(tmp_path / "s", COUNTS)
+    it = ShardIter(tmp_path / "s", 7, shuffle_buffer=8, cache_dir=tmp_path / "c", prefetch_buffer=1, seed=1)
+    try:
+        it.next()  # block 0 read: every file (stripes) checked
+        s = max(Manifest.load(tmp_path / "s" / "manifest.json").shards, key=lambda e: e.samples)
+        rec = tmp_path / "s" / s.rec
+        data = bytearray(rec.read_bytes())
+        pos = 0
+        while pos + 8 <= len(data):  # every record's first payload float (after magic, lrec, IRHeader)
+            _, lrec = struct.unpack_from("<II", data, pos)
+            struct.pack_into("<f", data, pos + 8 + 24, 1e6)
+            pos += 8 + (((lrec & ((1 << 29) - 1)) + 3) // 4) * 4
+        with open(rec, "r+b") as f:  # in place, same size
+            f.write(data)
+        served = 0
+        with pytest.raises(LoaderError):
+            for b in it:
+                served += int((b.data[0].asnumpy()[: 7 - b.pad] == 1e6).sum())
+        assert served == 0, f"{served} damaged values served"
+    finally:
+        it.close()
