@@ -130,3 +130,21 @@ def test_finding3_close_from_another_thread_during_reset_raises_only_loader_erro
         assert not thread.is_alive(), "reset() did not end after close()"
         it.close()
     assert not failures, f"after {trials} trials: {failures}"
+
+
+# Finding 4 (low; the mechanism predates the rebuild): issue 65's house target is "at most 2
+# Python threads per iterator besides downloads and the lease heartbeat", but with the default
+# preprocess_threads=4 every native open runs in a Python thread of its own ("shardgen-open",
+# native._in_a_thread_of_its_own), alive beside shardgen-loader and shardgen-batches: 3 at once.
+def test_finding4_an_iterator_runs_no_python_thread_besides_its_loader_and_producer(store, tmp_path):
+    started: set = set()
+    threading.setprofile(lambda *a: started.add(threading.current_thread().name))
+    try:
+        with ShardIter(store, 7, cache_dir=tmp_path / "c", shuffle_buffer=8) as it:
+            for _ in range(3):
+                assert sorted(i for b in it for i in batch_ids(b)) == list(range(N))
+                it.reset()
+    finally:
+        threading.setprofile(None)
+    mine = {n for n in started if n.startswith("shardgen") and n not in ("shardgen-lease", "shardgen-close")}
+    assert mine <= {"shardgen-loader", "shardgen-batches"}, sorted(mine)
