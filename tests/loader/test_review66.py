@@ -148,3 +148,22 @@ def test_finding4_an_iterator_runs_no_python_thread_besides_its_loader_and_produ
         threading.setprofile(None)
     mine = {n for n in started if n.startswith("shardgen") and n not in ("shardgen-lease", "shardgen-close")}
     assert mine <= {"shardgen-loader", "shardgen-batches"}, sorted(mine)
+
+
+# Finding 5 (pre-existing, the same at 065a33c): after a reset() that failed at an epoch's end (here
+# a shard truncated in place, refused by reset()'s recheck), a ``for`` loop over the iterator ends
+# at once, silently: an empty epoch. next() checks ``cursor >= batches`` (still the old epoch's,
+# all read) before Reader.take(), whose "no epoch to read: the last reset() failed" is never reached.
+def test_finding5_a_loop_after_a_failed_reset_raises_instead_of_an_empty_epoch(tmp_path):
+    make_store(tmp_path / "s", COUNTS)
+    with ShardIter(tmp_path / "s", 7, cache_dir=tmp_path / "c", shuffle_buffer=8) as it:
+        assert sum(1 for _ in it) == -(-N // 7)
+        s = max(Manifest.load(tmp_path / "s" / "manifest.json").shards, key=lambda e: e.samples)
+        rec = tmp_path / "s" / s.rec
+        with open(rec, "r+b") as f:
+            f.truncate(rec.stat().st_size // 2)
+        with pytest.raises(LoaderError, match="truncated"):
+            it.reset()
+        with pytest.raises(LoaderError, match="reset"):
+            for _ in it:
+                pass
