@@ -167,3 +167,46 @@ def test_finding5_a_loop_after_a_failed_reset_raises_instead_of_an_empty_epoch(t
         with pytest.raises(LoaderError, match="reset"):
             for _ in it:
                 pass
+
+
+CHILD = """
+import sys
+from loader import ShardIter
+print("ready", flush=True)
+while True:
+    it = ShardIter(sys.argv[1], 7, cache_dir=sys.argv[2], shuffle_buffer=8)
+    it.next()
+    del it
+"""
+
+
+# Finding 6 (new core: Threads._start_threads): a Ctrl-C (SIGINT) that lands while ShardIter()
+# starts its two threads turns into "RuntimeError: cannot join thread before it is started": the
+# constructor's clean-up (Reader.__init__ -> close() -> Pipeline._join) joins the thread the
+# interrupt kept from starting (``self._threads`` holds both before either is started), and that
+# error replaces the KeyboardInterrupt (exit status 1, a traceback through shutdown.run). Seen in
+# 3 of 15 runs of the loop below; runs in a real process with a real signal.
+def test_finding6_ctrl_c_while_an_iterator_is_made_is_a_keyboard_interrupt(store, tmp_path):
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    seen = []
+    for attempt in range(40):
+        p = subprocess.Popen([sys.executable, "-c", CHILD, str(store), str(tmp_path / "c")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            time.sleep(random.uniform(0.2, 1.5))
+            p.send_signal(signal.SIGINT)
+            _, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        last = [line for line in err.splitlines() if line.strip() and not line.startswith("[")][-1:]
+        seen.append(last[0] if last else "")
+        if "KeyboardInterrupt" not in seen[-1]:
+            break
+    assert all("KeyboardInterrupt" in s for s in seen), f"after {len(seen)} interrupts: {seen[-1]}"
