@@ -186,6 +186,10 @@ while True:
 # interrupt kept from starting (``self._threads`` holds both before either is started), and that
 # error replaces the KeyboardInterrupt (exit status 1, a traceback through shutdown.run). Seen in
 # 3 of 15 runs of the loop below; runs in a real process with a real signal.
+# Finding 7 (same test; the mechanism predates the rebuild): a SIGINT that lands while a dropped
+# iterator's finalizer starts its close thread (Pipeline.close_when_free -> OffThread.run ->
+# Thread.start, an interruptible wait) is printed as "Exception ignored in: <finalize ...>
+# KeyboardInterrupt" and lost: the program goes on (seen 3 times in 55 runs: the loop below ran on).
 def test_finding6_ctrl_c_while_an_iterator_is_made_is_a_keyboard_interrupt(store, tmp_path):
     import random
     import signal
@@ -193,14 +197,17 @@ def test_finding6_ctrl_c_while_an_iterator_is_made_is_a_keyboard_interrupt(store
     import sys
 
     seen = []
-    for attempt in range(40):
+    for _ in range(40):
         p = subprocess.Popen([sys.executable, "-c", CHILD, str(store), str(tmp_path / "c")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        err = "still running 30 s after SIGINT: the interrupt was swallowed (finding 7)"
         try:
             assert p.stdout.readline().strip() == "ready"
             time.sleep(random.uniform(0.2, 1.5))
             p.send_signal(signal.SIGINT)
-            _, err = p.communicate(timeout=60)
+            _, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
         finally:
             if p.poll() is None:
                 p.kill()
