@@ -16,11 +16,9 @@ class LoaderError(Exception):
     """Bad manifest, missing or truncated shard, bad argument: the message names which."""
 
 
-class IteratorClosed(LoaderError, StopIteration):
-    """``next()`` on a closed ``ShardIter`` (or one closed while ``next()`` waited). A LoaderError;
-    also a StopIteration, which is what a thread that reads ahead through ``next()`` (MXNet's
-    ``PrefetchingIter``) takes as the end of the data, so it ends without a traceback. Iterating
-    (``for``, ``next(it)``, ``Module.fit``) raises a plain LoaderError: a loop never ends silently."""
+class IteratorClosed(LoaderError):
+    """``next()`` on a closed ``ShardIter`` (or one closed while ``next()`` waited): never a silent
+    end of the data (only MXNet's ``PrefetchingIter`` thread is told StopIteration: ``ShardIter.next``)."""
 
 
 class StoreUnreachableError(LoaderError):

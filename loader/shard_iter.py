@@ -13,6 +13,7 @@ the iterator is belongs to its :class:`loader.reader.Reader`.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -143,6 +144,8 @@ class ShardIter(mx.io.DataIter):
             pending, self._first_agreement = self._first_agreement, None
             pending.settle(self)
         reader = self.reader
+        if not reader.running and not self._closed:  # the last reset() failed: take() says so, never an empty epoch
+            reader.take()
         if reader.cursor >= reader.batches:
             self.epoch_ended = True  # fit_checkpoint: Module.fit holds no batch ahead now
             raise StopIteration
@@ -161,14 +164,13 @@ class ShardIter(mx.io.DataIter):
         return mx.io.DataBatch(data=arrays[:1], label=arrays[1:], pad=pad,
                                provide_data=self._provide_data, provide_label=self._provide_label)
 
-    def __next__(self) -> mx.io.DataBatch:
-        """``next(it)`` and ``for``: a closed iterator is a plain LoaderError here (``IteratorClosed``)."""
-        try:
-            return self.next()
-        except IteratorClosed as exc:
-            raise LoaderError(str(exc)) from None
-
-    def _closed_error(self) -> IteratorClosed:
+    def _closed_error(self) -> BaseException:
+        """``IteratorClosed``; in MXNet's ``PrefetchingIter`` thread, whose ``prefetch_func`` takes only StopIteration
+        as an end (else the thread dies with a traceback, its wrapper waiting), the end of the data."""
+        target = getattr(threading.current_thread(), "_target", None)  # the thread's entry, not a frame
+        if (getattr(target, "__qualname__", "") == "PrefetchingIter.__init__.<locals>.prefetch_func"
+                and getattr(target, "__module__", "") == "mxnet.io.io"):
+            return StopIteration()
         return IteratorClosed(f"{self.manifest_path}: this ShardIter is closed")
 
     def iter_next(self) -> bool:  # what PrefetchingIter and friends call
@@ -224,8 +226,7 @@ class ShardIter(mx.io.DataIter):
     @property
     def records_per_epoch(self) -> int:
         """Real (not padding) samples this part yields per epoch."""
-        r = self.reader
-        return r.part_samples if self.last_batch == "pad" else r.batches * self.batch_size
+        return self.reader.part_samples if self.last_batch == "pad" else self.reader.batches * self.batch_size
 
     # -- statistics -----------------------------------------------------------------------------
 
@@ -281,10 +282,9 @@ class ShardIter(mx.io.DataIter):
     def close(self) -> None:
         """Stop the native threads, let go of the files and drop the reader lease now rather than
         at garbage collection. Safe to call more than once, and after an error. A ``next()`` waiting
-        in another thread, or called afterwards, raises ``IteratorClosed``: a LoaderError (an epoch
-        is never cut short silently: ``for`` and ``next(it)`` raise it as one), which MXNet's
-        ``PrefetchingIter``, whose thread asks for a batch ahead through ``next()``, takes as the end
-        of the data (a StopIteration too), so that thread ends without a traceback and the wrapper stops."""
+        in another thread, or called afterwards, raises ``IteratorClosed``, a LoaderError (an epoch
+        is never cut short silently), except in MXNet's ``PrefetchingIter`` thread, which asks for a
+        batch ahead: there it is the end of the data, so that thread ends without a traceback."""
         reader = getattr(self, "reader", None)
         if reader is not None and not self._closed:
             self._keep_stats()

@@ -10,6 +10,7 @@ Users: a dropped reader lease's removal (:mod:`shardgen.store.lease`), a dropped
 
 from __future__ import annotations
 
+import _thread
 import threading
 from typing import Callable, Optional
 
@@ -22,14 +23,25 @@ class OffThread:
     def __init__(self, name: str):
         self.name = name
         self.pending: set = set()  # threads under way (set.add: no lock taken inside a collection)
+        self.left: list = []  # work whose thread a Ctrl-C kept from starting: ``join`` runs it
 
     def run(self, work: Callable[[], object]) -> None:
         if not threading.main_thread().is_alive():  # interpreter exit
             work()
             return
-        thread = threading.Thread(target=self._run, args=(work,), name=self.name, daemon=True)
-        self.pending.add(thread)
-        thread.start()
+        thread = None
+        try:
+            thread = threading.Thread(target=self._run, args=(work,), name=self.name, daemon=True)
+            self.pending.add(thread)
+            thread.start()
+        except KeyboardInterrupt:
+            # Python swallows an exception in a finalizer ("Exception ignored in ..."): the user's
+            # Ctrl-C is raised again in the main thread, and work whose thread never started is left
+            # for ``join`` (the exit hook).
+            if thread is None or thread.ident is None:
+                self.pending.discard(thread)
+                self.left.append(work)
+            _thread.interrupt_main()
 
     def _run(self, work: Callable[[], object]) -> None:
         try:
@@ -38,6 +50,10 @@ class OffThread:
             self.pending.discard(threading.current_thread())
 
     def join(self, timeout: Optional[float] = None) -> None:
-        """Wait for the work under way (daemon threads die with the interpreter: exit hooks call this)."""
+        """Wait for the work under way (daemon threads die with the interpreter: exit hooks call this),
+        and run what an interrupt left."""
+        while self.left:
+            self.left.pop()()
         for thread in list(self.pending):
-            thread.join(timeout)
+            if thread.ident is not None:
+                thread.join(timeout)

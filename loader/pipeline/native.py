@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 from typing import Callable, Optional
 
@@ -56,6 +57,15 @@ def one_openmp_thread() -> None:
         _LIB.omp_set_num_threads(ctypes.c_int(1))
 
 
+def decode_threads(preprocess_threads: int) -> int:
+    """The decode threads MXNet 1.9.1 runs for ``preprocess_threads``: at most max(processors / 2 - 1, 1)
+    (``ImageRecordIOParser2::Init``; processors as OpenMP counts them)."""
+    for lib in (ctypes.CDLL(None), _LIB):  # the process's global symbols first (what MXNet's own call finds)
+        with contextlib.suppress(AttributeError):
+            return min(preprocess_threads, max(int(lib.omp_get_num_procs()) // 2 - 1, 1))
+    return min(preprocess_threads, max((os.cpu_count() or 1) // 2 - 1, 1))
+
+
 def _in_a_thread_of_its_own(fn: Callable[[], object]) -> object:
     """``fn()`` in a thread that ends with it (its OpenMP team ends with it: see ``open_record_iter``)."""
     out: dict = {}
@@ -84,8 +94,9 @@ def open_record_iter(source: ReaderSource, *, record_floats: int, batch_size: in
     thread keeps its team, whose idle workers spin-wait after every open (GOMP's default policy;
     measured on the demo store, 8 opens an epoch: 12% of the process's CPU, in order 1.41 -> 1.02-1.11
     us of CPU per window). So the opening thread runs bare regions alone (``one_openmp_thread``),
-    and with ``preprocess_threads`` > 1 the reader is opened in a thread of its own, whose team ends
-    with it. Decoding runs in the reader's own thread with ``preprocess_threads``."""
+    and where MXNet runs more than one decode thread (``decode_threads``: 6 processors or more) the
+    reader is opened in a thread of its own, whose team ends with it; else in the calling thread (a
+    team of one is no team). Decoding runs in the reader's own thread with ``preprocess_threads``."""
     def construct() -> mx.io.DataIter:
         one_openmp_thread()
         native = mx.io.ImageRecordIter(
@@ -99,7 +110,7 @@ def open_record_iter(source: ReaderSource, *, record_floats: int, batch_size: in
         return native
 
     try:
-        return _in_a_thread_of_its_own(construct) if preprocess_threads > 1 else construct()
+        return _in_a_thread_of_its_own(construct) if decode_threads(preprocess_threads) > 1 else construct()
     except BaseException:
         release_tape(source)
         raise

@@ -18,6 +18,7 @@ object, never the iterator, so a dropped iterator is collected and closes it.
 
 from __future__ import annotations
 
+import _thread
 import collections
 import threading
 from typing import Callable, Optional
@@ -180,7 +181,11 @@ class Pipeline(Threads):
         """``close()``, for the iterator's finalizer: garbage collection may run it in any thread,
         with any lock held, so it closes from a thread of its own; at interpreter exit in place
         (:class:`shardgen.offthread.OffThread`)."""
-        _CLOSING.run(self.close)
+        try:
+            _CLOSING.run(self.close)
+        except KeyboardInterrupt:  # landed before the run: raised again in the main thread, the close left for exit
+            _CLOSING.left.append(self.close)
+            _thread.interrupt_main()
 
     def close(self) -> None:
         """An iterator's end (``close()``, its finalizer, the exit hook): ``shutdown.STEPS``, in

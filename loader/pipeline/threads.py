@@ -39,11 +39,12 @@ class Threads:
         self.on_ahead: Callable[[], object] = lambda: None  # the producer is half way through the current job
 
     def _start_threads(self) -> None:
-        if not self._threads:
-            self._threads = [threading.Thread(target=run, name=name, daemon=True)
-                             for run, name in ((self._loader, "shardgen-loader"), (self._producer, "shardgen-batches"))]
-            for thread in self._threads:
-                thread.start()
+        """The two threads, once; each known only once started (a Ctrl-C between the two leaves the
+        one started for ``close()`` to join, never one it cannot join)."""
+        for run, name in ((self._loader, "shardgen-loader"), (self._producer, "shardgen-batches"))[len(self._threads):]:
+            thread = threading.Thread(target=run, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def _wake_all(self) -> None:
         for cv in (self._loader_cv, self._producer_cv, self._caller_cv):

@@ -118,7 +118,8 @@ class PlanFiles:
             raise
 
     def _let_go_held(self) -> None:
-        held, self.held = self.held, {}
+        with self.lock:  # once, whoever comes first (``close`` may run in two threads at once)
+            held, self.held = self.held, {}
         for fd in held.values():
             os.close(fd)
 
@@ -161,6 +162,11 @@ class PlanFiles:
             raise LoaderError(f"{self._store / s.rec}: the shard file of {s.date} was closed under a read that "
                               "holds it, its descriptor is not the file the loader opened and checked; nothing "
                               "was copied from it (a bug of the loader's: please report it)")
+        if (now.st_size, now.st_mtime_ns) != seen[2:4]:  # written in place since it was checked (a later block)
+            raise LoaderError(f"{self._store / s.rec}: the shard file of {s.date} changed in place after the loader "
+                              "checked it (its size or modification time moved); nothing was read from it unchecked. "
+                              "shardgen never writes a published shard in place: find what did; reset() checks "
+                              "it again and reads it as it is")
         return fd
 
     def let_go(self, ks: Sequence[int]) -> None:
@@ -195,12 +201,14 @@ class PlanFiles:
         return True
 
     def close(self) -> None:
+        """Let go of every file and remove the plan's folder; safe to run again, and in two threads at once."""
         self._let_go_held()
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        with self.lock:
+            folder, self.folder = self.folder, None
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
             with contextlib.suppress(OSError):  # this process's folder, once it holds no plan (``_make_folder``)
-                self.folder.parent.rmdir()
-            self.folder = None
+                folder.parent.rmdir()
         with self.lock:
             fds, self.fds = self.fds, [-1] * len(self.fds)
             keys, links, self.keys, self.links = self.keys, self.links, [None] * len(fds), [None] * len(fds)
