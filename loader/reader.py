@@ -98,10 +98,10 @@ class Reader:
         return cls(store, root, manifest, params, choice=choice, dates=dates, selected=selected, verify=verify,
                    memory=memory, sizing=sizing)
 
-    def move_to(self, manifest: Manifest) -> None:
-        """This epoch from its start on ``manifest``'s generation instead (``ShardIter.for_kvstore``'s
-        first agreement): the shards it selects, the settings they size, a plan of them."""
-        selected = select_shards(manifest, self.dates)
+    def move_to(self, manifest: Manifest, dates: DateRange) -> None:
+        """This epoch from its start on ``manifest``'s generation (``for_kvstore``'s first agreement): the shards
+        ``dates`` (this epoch's) select, their settings, a plan; ``self.dates`` applies from the next reset()."""
+        selected = select_shards(manifest, dates)
         params, memory = self.sizing(selected)
         plan = self._plan_for(manifest, selected)
         self.end_epoch()
