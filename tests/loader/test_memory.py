@@ -213,7 +213,7 @@ def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch
     the buffer counted, and a smaller state's block kept the old, larger buffers."""
     import weakref
 
-    from loader.pipeline import memory, pipeline
+    from loader.pipeline import memory, threads
 
     shuffle, batches, peak = weakref.WeakSet(), {}, {"shuffle": 0, "batch": 0, "blocks": 0}
 
@@ -226,7 +226,7 @@ def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch
             shuffle.add(self)
             count_shuffle(schema)
 
-    batch, produce = memory.Arena.batch, pipeline.produce
+    batch, produce = memory.Arena.batch, threads.produce
 
     def counted_batch(arena):
         a = batch(arena)
@@ -246,7 +246,7 @@ def test_what_memory_reports_covers_what_an_iterator_holds(tmp_path, monkeypatch
 
     monkeypatch.setattr(memory, "ShuffleBuffer", Counted)
     monkeypatch.setattr(memory.Arena, "batch", counted_batch)
-    monkeypatch.setattr(pipeline, "produce", counted_produce)
+    monkeypatch.setattr(threads, "produce", counted_produce)
     held, store = [], _store(tmp_path / "s", 4, rows=6000)
     kw = dict(cache_dir=tmp_path, prefetch_buffer=2, shuffle_buffer=64 if "64" in case else 32)
     step = 0.005 if case == "slow-32" else 0
