@@ -4,6 +4,7 @@ loop. Each test was written for a mutation of ``tests/mutations`` that no other 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -146,3 +147,95 @@ def test_a_loop_over_a_closed_iterator_raises_a_loader_error_never_ends_quietly(
     assert not isinstance(exc.value, StopIteration)
     with pytest.raises(IteratorClosed):
         it.next()
+
+
+def _blocking_fill(monkeypatch, when) -> threading.Event:
+    """``Reading.fill`` of the visits ``when(job, v)`` picks waits until its job is halted, then
+    takes a while to stop (a native read ending its batch); returns the event set once one waits."""
+    real_fill, entered = fill.Reading.fill, threading.Event()
+
+    def blocking(self, v):
+        if when(self.job, v):
+            entered.set()
+            self.job.halt.wait()
+            threading.Event().wait(1.0)  # what the halted loader still has to do
+            raise fill.Halted
+        return real_fill(self, v)
+
+    monkeypatch.setattr(fill.Reading, "fill", blocking)
+    return entered
+
+
+def test_close_returns_only_once_the_loader_thread_has_stopped(tmp_path, monkeypatch):
+    """close() halts the loader mid-block and joins it: when close() returns no thread of the
+    iterator reads on (a native read left running would read files close() let go of)."""
+    entered = _blocking_fill(monkeypatch, lambda job, v: v == 1)
+    make_store(tmp_path / "s", {"2024-01-02": 60, "2024-01-03": 60})
+    it = ShardIter(tmp_path / "s", 8, seed=3, shuffle_buffer=40, cache_dir=tmp_path / "c")
+    threads = it.reader.pipeline._threads
+    try:
+        it.next()
+        assert entered.wait(60), "the loader never reached the second block"
+        closing = threading.Thread(target=it.close)
+        closing.start()
+        closing.join(60)
+        assert not closing.is_alive(), "close() did not return"
+        assert threads and not [t.name for t in threads if t.is_alive()], "close() returned with its threads running"
+    finally:
+        it.close()
+
+
+def test_a_load_state_dict_woken_by_close_from_another_thread_raises_that_the_iterator_closed(tmp_path,
+                                                                                          monkeypatch):
+    """load_state_dict() waits for its epoch's first read; close() from another thread wakes it, and
+    it says the iterator was closed rather than return as if the state were loaded."""
+    make_store(tmp_path / "s", {"2024-01-02": 60, "2024-01-03": 60})
+    kw = dict(seed=3, cache_dir=tmp_path / "c")
+    with ShardIter(tmp_path / "s", 8, **kw) as it:
+        it.next(), it.next()
+        state = it.state_dict()
+    entered = _blocking_fill(monkeypatch, lambda job, v: job.skip > 0)
+    it = ShardIter(tmp_path / "s", 8, **kw)
+    try:
+        outcome: list = []
+
+        def load():
+            try:
+                it.load_state_dict(state)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test
+                outcome.append(exc)
+
+        loading = threading.Thread(target=load, daemon=True)
+        loading.start()
+        assert entered.wait(60), "the state's first read never started"
+        it.close()
+        loading.join(60)
+        assert not loading.is_alive(), "load_state_dict() went on waiting after close()"
+        assert isinstance(outcome[0], LoaderError) and "closed" in str(outcome[0]), outcome
+    finally:
+        it.close()
+
+
+def test_a_generation_published_while_the_loader_fills_this_epoch_is_fetched_ahead(s3, tmp_path):
+    """An epoch of many blocks: a generation published after the iterator started is fetched ahead
+    once the loader has this epoch's blocks (and their files), before reset() asks for it; the
+    next epoch then downloads nothing more."""
+    from test_s3_loader import COUNTS, store_with, upload_store
+
+    local, url = store_with(s3, tmp_path)
+    with ShardIter(url, 8, shuffle_buffer=16, cache_dir=tmp_path / "cache") as it:
+        cache = it.reader.store
+        make_store(local, {**COUNTS, "2024-01-05": 20})  # a new generation, published mid-epoch
+        upload_store(s3, local)
+        for _ in it:
+            if cache._ahead is not None:
+                break
+        assert cache._ahead is not None, "no fetch ahead was asked for in the epoch"
+        _until(lambda: (cache.folder / "2024-01-05.rec").is_file(), "the new date was not fetched ahead")
+        before = cache.downloads
+        for _ in it:
+            pass
+        it.reset()
+        assert sorted(i for b in it for i in batch_ids(b)) == list(range(151))
+        assert cache.downloads == before
