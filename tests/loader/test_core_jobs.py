@@ -239,3 +239,40 @@ def test_a_generation_published_while_the_loader_fills_this_epoch_is_fetched_ahe
         it.reset()
         assert sorted(i for b in it for i in batch_ids(b)) == list(range(151))
         assert cache.downloads == before
+
+
+def test_a_part_of_several_blocks_keeps_none_of_them_whole(tmp_path):
+    """Only a canonical part's one block is kept whole for the next epoch: a part of several blocks
+    keeps none (its next epoch's blocks differ; the one kept would be held beside those the memory
+    counts)."""
+    make_store(tmp_path / "s", {"2024-01-02": 60, "2024-01-03": 60})
+    with ShardIter(tmp_path / "s", 8, seed=3, shuffle_buffer=40, cache_dir=tmp_path / "c") as it:
+        arena = it.reader.pipeline.arena
+        for _ in range(2):
+            assert sorted(_ids(it)) == list(range(120))
+            assert arena._whole is None, "a block of a part of several blocks was kept whole"
+            it.reset()
+
+
+def test_a_failed_epoch_makes_no_next_epoch_job_until_reset(tmp_path, monkeypatch):
+    """The loader goes on with the next epoch only once the current one's blocks are filled: after a
+    fill failed it makes no next epoch's job (reset() starts the next epoch, on the files as they are)."""
+    real_fill, failed = fill.Reading.fill, []
+
+    def failing(self, v):
+        if self.job.epoch == 0 and v == 1 and not failed:
+            failed.append(v)
+            raise LoaderError("a shard unreadable for a moment")
+        return real_fill(self, v)
+
+    monkeypatch.setattr(fill.Reading, "fill", failing)
+    make_store(tmp_path / "s", {"2024-01-02": 60, "2024-01-03": 60})
+    with ShardIter(tmp_path / "s", 8, seed=3, shuffle_buffer=40, cache_dir=tmp_path / "c") as it:
+        pipeline = it.reader.pipeline
+        with pytest.raises(LoaderError, match="unreadable for a moment"):
+            _ids(it)
+        # The error reached the caller through the slot: the loader's next wait is for a job to fill.
+        _until(lambda: len(pipeline._loader_cv._waiters) > 0, "the loader thread never waited again")
+        assert pipeline.ahead is None, "the loader made the next epoch's job after this epoch's fill failed"
+        it.reset()
+        assert sorted(_ids(it)) == list(range(120))
