@@ -271,8 +271,29 @@ def test_a_failed_epoch_makes_no_next_epoch_job_until_reset(tmp_path, monkeypatc
         pipeline = it.reader.pipeline
         with pytest.raises(LoaderError, match="unreadable for a moment"):
             _ids(it)
+        with pytest.raises(LoaderError, match="unreadable for a moment"):  # every next() says it, not another
+            it.next()
         # The error reached the caller through the slot: the loader's next wait is for a job to fill.
         _until(lambda: len(pipeline._loader_cv._waiters) > 0, "the loader thread never waited again")
         assert pipeline.ahead is None, "the loader made the next epoch's job after this epoch's fill failed"
         it.reset()
         assert sorted(_ids(it)) == list(range(120))
+
+
+@pytest.mark.parametrize("prefetch_buffer", [1, 2, 3, 4, 7])
+def test_every_ready_queue_size_refills_as_the_caller_takes(tmp_path, prefetch_buffer):
+    """The producer sleeps with the ready queue full and is woken once the caller has taken it down
+    to its low mark (0 for a queue of up to 3 batches): whatever the size, epochs are read whole
+    (a low mark never reached leaves the caller waiting for good: bounded here)."""
+    make_store(tmp_path / "s", {"2024-01-02": 70, "2024-01-03": 50})
+    with ShardIter(tmp_path / "s", 8, seed=1, prefetch_buffer=prefetch_buffer, cache_dir=tmp_path / "c") as it:
+        for _ in range(2):
+            got: list = []
+            reading = threading.Thread(target=lambda out=got: out.extend(_ids(it)), daemon=True)
+            reading.start()
+            reading.join(60)
+            if reading.is_alive():
+                it.close()  # ends the wait (IteratorClosed in that thread)
+                pytest.fail(f"prefetch_buffer={prefetch_buffer}: next() still waited after 60 s")
+            assert sorted(got) == list(range(120))
+            it.reset()
