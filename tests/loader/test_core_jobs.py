@@ -28,6 +28,31 @@ def _ids(it) -> list:
     return [i for b in it for i in batch_ids(b)]
 
 
+def _bounded_ids(it, n: int = -1, bound: float = 60) -> list:
+    """The ids of ``n`` batches (-1: the rest of the epoch), read in a thread; what ended the read
+    is raised here. A read still waiting after ``bound`` seconds closes the iterator and fails."""
+    out: list = []
+
+    def read():
+        try:
+            for k, b in enumerate(it):
+                out.append(batch_ids(b))
+                if k + 1 == n:
+                    break
+        except BaseException as exc:  # noqa: BLE001 - raised in the test's thread
+            out.append(exc)
+
+    reading = threading.Thread(target=read, daemon=True)
+    reading.start()
+    reading.join(bound)
+    if reading.is_alive():
+        it.close()
+        pytest.fail(f"next() still waited after {bound} s")
+    if out and isinstance(out[-1], BaseException):
+        raise out[-1]
+    return [i for ids in out for i in ids]
+
+
 def test_a_read_longer_than_a_native_batch_puts_each_native_batch_in_its_own_slots(tmp_path, monkeypatch):
     """A read of 600 records comes in native batches of 256: each batch's rows go to the slots
     after the previous batch's (rows put at the read's first slots again lose every window past
@@ -270,7 +295,7 @@ def test_a_failed_epoch_makes_no_next_epoch_job_until_reset(tmp_path, monkeypatc
     with ShardIter(tmp_path / "s", 8, seed=3, shuffle_buffer=40, cache_dir=tmp_path / "c") as it:
         pipeline = it.reader.pipeline
         with pytest.raises(LoaderError, match="unreadable for a moment"):
-            _ids(it)
+            _bounded_ids(it)  # the loader's error comes through the slot: never a wait for good
         with pytest.raises(LoaderError, match="unreadable for a moment"):  # every next() says it, not another
             it.next()
         # The error reached the caller through the slot: the loader's next wait is for a job to fill.
@@ -297,3 +322,38 @@ def test_every_ready_queue_size_refills_as_the_caller_takes(tmp_path, prefetch_b
                 pytest.fail(f"prefetch_buffer={prefetch_buffer}: next() still waited after 60 s")
             assert sorted(got) == list(range(120))
             it.reset()
+
+
+def test_reset_and_load_state_dict_mid_epoch_read_exactly_what_is_asked(tmp_path):
+    """reset() and load_state_dict() in the middle of an epoch of several blocks halt the job read
+    so far (its loader and producer stop, its blocks and batches are dropped): what follows is
+    exactly the next epoch, or the rest of the state's, and never a wait for good."""
+    make_store(tmp_path / "s", {"2024-01-02": 90, "2024-01-03": 70})
+    kw = dict(seed=9, shuffle_buffer=40, prefetch_buffer=3, cache_dir=tmp_path / "c")
+    with ShardIter(tmp_path / "s", 8, **kw) as ref:
+        epochs = [_bounded_ids(ref)]
+        ref.reset()
+        head = _bounded_ids(ref, 4)
+        state = ref.state_dict()
+        epochs.append(head + _bounded_ids(ref))
+    with ShardIter(tmp_path / "s", 8, **kw) as it:
+        for k in (1, 5, 13):
+            assert len(_bounded_ids(it, k)) == 8 * k
+            it.reset()  # mid-epoch: the job and its batches go
+            assert _bounded_ids(it) == epochs[1] if k == 1 else sorted(_bounded_ids(it)) == list(range(160))
+            _bounded_ids(it, 2)
+            it.load_state_dict(state)  # mid-epoch again, to the state's position
+            assert _bounded_ids(it) == epochs[1][len(head):]
+            it.reset()
+
+
+def test_the_loader_waits_for_the_slot_while_the_caller_holds_back(tmp_path):
+    """The slot is a queue of one: with the caller taking nothing, the producer's queue full and the
+    producer asleep, the loader waits with the next block in hand (a block put over one not taken
+    yet is lost: the producer would find block v + 2 where v + 1 was due)."""
+    make_store(tmp_path / "s", {"2024-01-02": 90, "2024-01-03": 70})
+    with ShardIter(tmp_path / "s", 8, seed=2, shuffle_buffer=40, prefetch_buffer=1, cache_dir=tmp_path / "c") as it:
+        pipeline = it.reader.pipeline
+        first = _bounded_ids(it, 1)
+        _until(lambda: len(pipeline._loader_cv._waiters) > 0, "the loader thread never waited")
+        assert sorted(first + _bounded_ids(it)) == list(range(160))
