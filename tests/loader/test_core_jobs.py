@@ -229,3 +229,24 @@ def test_reset_and_load_state_dict_mid_epoch_read_exactly_what_is_asked(tmp_path
             it.load_state_dict(state)  # mid-epoch again, to the state's position
             assert _bounded_ids(it) == epochs[1][len(head):]
             it.reset()
+
+
+def test_a_state_of_a_later_epoch_is_not_read_from_the_next_epochs_job(tmp_path):
+    """The loader made epoch 1's job; a state saved at the start of epoch 2 is loaded: epoch 2's
+    order is read (another permutation), not the job made ahead for epoch 1."""
+    make_store(tmp_path / "s", {"2024-01-02": 60, "2024-01-03": 44})
+    kw = dict(seed=11, cache_dir=tmp_path / "c")
+    with ShardIter(tmp_path / "s", 8, **kw) as ref:
+        epochs = []
+        for _ in range(2):
+            epochs.append(_ids(ref))
+            ref.reset()
+        state = ref.state_dict()  # epoch 2, before its first batch
+        epochs.append(_ids(ref))
+    assert epochs[2] != epochs[1]
+    with ShardIter(tmp_path / "s", 8, **kw) as it:
+        pipeline = it.reader.pipeline
+        assert _ids(it) == epochs[0]
+        _until(lambda: pipeline.ahead is not None and pipeline.ahead.epoch == 1, "the next epoch's job was not made")
+        it.load_state_dict(state)
+        assert _ids(it) == epochs[2]
