@@ -10,7 +10,7 @@ collective call, as ``reset()`` is). A worker built on another generation reads 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from loader.errors import LoaderError
 from loader.source.generations import Choice, agree
@@ -21,8 +21,9 @@ __all__ = ["FirstAgreement"]
 class FirstAgreement:
     """What ``for_kvstore`` needs to agree at the first batch."""
 
-    def __init__(self, kv: Any):
-        self.kv = kv
+    def __init__(self, kv: Any, dates: Optional[tuple]):
+        """``dates``: the selection the iterator was built with (its first epoch's, on any generation)."""
+        self.kv, self.dates = kv, dates
         self.loaded = False  # load_state_dict() ran before the first batch
 
     def settle(self, it: Any) -> None:
@@ -41,4 +42,4 @@ class FirstAgreement:
             raise LoaderError(f"{it.manifest_path}: the store's schema changed (fingerprint {it.schema.fingerprint}"
                               f" -> {manifest.schema.fingerprint}) between this worker's generation {held} and rank "
                               f"0's {agreed}; make the iterators again")
-        reader.move_to(manifest)
+        reader.move_to(manifest, self.dates)  # a selection set since is the next reset()'s

@@ -53,7 +53,7 @@ class Reader:
         self.manifest = manifest  # the generation read now: reset() goes on with it if the store is out of reach
         self.schema = manifest.schema
         self.verify, self.memory = verify, memory
-        self.dates = self.first_dates = dates  # the next reset()'s selection; the constructor's
+        self.dates = dates
         self.epoch = 0
         self.cursor = self.batches = self.part_samples = 0
         self.phases: tuple = ()  # the phases of this epoch read before the current one (a resumed state)
@@ -98,10 +98,10 @@ class Reader:
         return cls(store, root, manifest, params, choice=choice, dates=dates, selected=selected, verify=verify,
                    memory=memory, sizing=sizing)
 
-    def move_to(self, manifest: Manifest) -> None:
-        """The first epoch from its start on ``manifest``'s generation instead (``ShardIter.for_kvstore``'s
-        first agreement): the shards the constructor's dates select, the settings they size, a plan of them."""
-        selected = select_shards(manifest, self.first_dates)
+    def move_to(self, manifest: Manifest, dates: DateRange) -> None:
+        """This epoch from its start on ``manifest``'s generation (``for_kvstore``'s first agreement): the shards
+        ``dates`` (this epoch's) select, their settings, a plan; ``self.dates`` applies from the next reset()."""
+        selected = select_shards(manifest, dates)
         params, memory = self.sizing(selected)
         plan = self._plan_for(manifest, selected)
         self.end_epoch()

@@ -105,7 +105,7 @@ class ShardIter(mx.io.DataIter):
         if kwargs.get("generation") is None:
             it.reader.choice = Choice(kv=kv)  # every reset() agrees
             if kv.num_workers > 1:
-                it._first_agreement = FirstAgreement(kv)
+                it._first_agreement = FirstAgreement(kv, it.dates)
         report_rank(kv.rank)  # loader.tools.launch labels this worker's lines with it
         return it
 

@@ -303,8 +303,12 @@ def test_the_server_dying_mid_epoch_names_the_object_and_a_saved_state_resumes_o
     with ShardIter(url, 8, **KW, cache_dir=cache) as it:
         for _ in it:
             pass
+        deadline = time.monotonic() + 30  # the loader asks for the fetch ahead once this epoch is loaded: the
+        while it.reader.pipeline.ahead is None:  # next epoch's job, made right after, says it was asked for
+            assert time.monotonic() < deadline, "the loader made no next epoch's job"
+            time.sleep(0.01)
         ahead = it.reader.store._ahead
-        if ahead is not None:  # the half-way fetch ahead found nothing new: let it end first
+        if ahead is not None:  # the fetch ahead found nothing new: let it end first
             ahead.join(30)
         make_store(local, {**MANY, "2024-01-15": 20})  # a new generation with one more date
         upload_store(s3, local)
