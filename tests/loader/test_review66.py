@@ -202,7 +202,7 @@ def test_finding6_ctrl_c_while_an_iterator_is_made_is_a_keyboard_interrupt(store
     import sys
 
     seen = []
-    for _ in range(12):  # 40 in the review (its 3 in 15 reproduced within 12 here, beside two CPU hogs)
+    for _ in range(12):  # 40 in the review: 12 keep the suite short
         p = subprocess.Popen([sys.executable, "-c", CHILD, str(store), str(tmp_path / "c")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         err = "still running 30 s after SIGINT: the interrupt was swallowed (finding 7)"
