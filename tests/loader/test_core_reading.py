@@ -9,6 +9,7 @@ import threading
 import pytest
 from conftest import batch_ids, make_store
 from test_core_jobs import _bounded_ids, _ids, _until
+from test_reading_path import counted  # noqa: F401 (a fixture: native opens and batches, counted)
 
 import loader.pipeline.fill as fill
 from loader import ShardIter
@@ -16,30 +17,17 @@ from loader import ShardIter
 TWO = {"2024-01-02": 300, "2024-01-03": 300}  # one block of 600 records: more than a native batch (256)
 
 
-def test_a_read_longer_than_a_native_batch_puts_each_native_batch_in_its_own_slots(tmp_path, monkeypatch):
+def test_a_read_longer_than_a_native_batch_puts_each_native_batch_in_its_own_slots(tmp_path, counted):  # noqa: F811
     """A read of 600 records comes in native batches of 256: each batch's rows go to the slots
     after the previous batch's (rows put at the read's first slots again lose every window past
     the first batch's)."""
-    seen = {"opens": 0, "batches": 0}
-    real_open, real_next = fill.open_record_iter, fill.next_label
-
-    def open_record_iter(*a, **kw):
-        seen["opens"] += 1
-        return real_open(*a, **kw)
-
-    def next_label(native):
-        label = real_next(native)
-        seen["batches"] += label is not None
-        return label
-
-    monkeypatch.setattr(fill, "open_record_iter", open_record_iter)
-    monkeypatch.setattr(fill, "next_label", next_label)
     make_store(tmp_path / "s", TWO)
     with ShardIter(tmp_path / "s", 8, seed=2, cache_dir=tmp_path / "c") as it:
         for _ in range(2):
             assert sorted(_ids(it)) == list(range(600))
             it.reset()
-    assert seen["opens"] >= 1 and seen["batches"] > seen["opens"], f"no read took several native batches: {seen}"
+    assert counted["opens"] >= 1 and counted["batches"] > counted["opens"], \
+        f"no read took several native batches: {counted}"
 
 
 def test_every_native_read_is_run_to_its_end_before_it_is_freed(tmp_path, monkeypatch):
