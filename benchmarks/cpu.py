@@ -7,8 +7,8 @@ has touched its allocator or threads:
   fastest gather numpy has here; ``np.take(X, idx, out=batch)`` is reported beside it, 1.3-1.5x
   slower) in a process that never imported the loader, process CPU per window;
 - ShardIter shuffled and in order: process CPU per window over whole epochs (``reset()`` between),
-  and the share of it spent in the producer threads (``shardgen-batches*``: Python, holding the GIL
-  most of the time) read from ``/proc/self/task/*/stat``;
+  and the share of it spent in the loader's two threads (``shardgen-loader``, ``shardgen-batches``:
+  Python, holding the GIL most of the time) read from each thread's CPU clock;
 - an epoch boundary: process CPU from ``reset()`` to the next epoch's first batch;
 - the trainer's own numpy work before and after a ShardIter ran in its process: a gather into a
   fresh batch-sized array (``np.take(X, idx, axis=0)``), as a training loop's own code does.
@@ -16,7 +16,6 @@ has touched its allocator or threads:
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -58,24 +57,23 @@ def _gather_us(x: np.ndarray, fresh: bool, reps: int = 60, fancy: bool = False) 
 
 
 class ThreadCPU:
-    """CPU seconds of the threads named ``name`` (Python's names: the OS's are all "python"),
-    sampled now and then: each thread's largest reading is kept, so threads that ended count too
-    (less what they spent after their last sample)."""
+    """CPU seconds of the threads named ``names`` (Python's names: the OS's are all "python"),
+    sampled now and then from each thread's own CPU clock (nanoseconds: /proc's ticks of 10 ms made
+    a tiny epoch's share pass 1): each thread's largest reading is kept, so threads that ended count
+    too (less what they spent after their last sample)."""
 
-    def __init__(self, name: str):
-        self.name, self.seen, self.tick = name, {}, os.sysconf("SC_CLK_TCK")
+    def __init__(self, *names: str):
+        self.names, self.seen = names, {}
 
     def sample(self) -> None:
         for t in threading.enumerate():
-            if t.name != self.name or t.native_id is None:
+            if t.name not in self.names or t.ident is None:
                 continue
             try:
-                with open(f"/proc/self/task/{t.native_id}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
+                cpu = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except (OSError, ProcessLookupError):  # it ended meanwhile
                 continue
-            cpu = (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
-            self.seen[t.native_id] = max(self.seen.get(t.native_id, 0.0), cpu)
+            self.seen[t.ident] = max(self.seen.get(t.ident, 0.0), cpu)
 
     def total(self) -> float:
         return sum(self.seen.values())
@@ -96,7 +94,7 @@ def _loader(store: str, cache: str, epochs: int) -> dict:
             for _ in it:  # warm: files in the page cache, buffers allocated
                 pass
             it.reset()
-            windows, boundary, producers = 0, [], ThreadCPU("shardgen-batches")
+            windows, boundary, producers = 0, [], ThreadCPU("shardgen-batches", "shardgen-loader")
             producers.sample()
             before = producers.total()  # the warm epoch's threads (and the next one's, begun)
             cpu0 = reset_cpu = time.process_time()

@@ -78,7 +78,7 @@ def _cpu_lines(cp: dict) -> list[str]:
     for name in ("shuffled", "in_order"):
         r = cp[name]
         out.append(f"  ShardIter {name.replace('_', ' ')}: {r['cpu_us_per_window']:.2f} us ({r['floor_ratio']:.2f}x "
-                   f"the floor), {100 * r['producer_share']:.0f}% of it in the producer threads (Python, GIL), "
+                   f"the floor), {100 * r['producer_share']:.0f}% of it in the loader's two threads (Python, GIL), "
                    f"{r['boundary_cpu_ms']:.1f} CPU-ms from reset() to the next epoch's first batch")
     out.append(f"  the trainer's own gather into a new array: {cp['trainer_gather_before_us']:.2f} us before a "
                f"ShardIter ran in its process, {cp['trainer_gather_after_us']:.2f} us after "

@@ -123,7 +123,7 @@ def test_quick_issue65_row_from_the_command_line(tmp_path, row):
     if row == "ten-years":
         assert "failed" not in res["ten_year"]["shard_iter"] and "failed" not in res["ten_year"]["memmap"]
         assert res["ten_year"]["store"]["dates"] == 12 and "larger_than_memory" not in res
-        assert sum(n.startswith("ten years (12 dates") for n in names) == len(names) == 14
+        assert sum(n.startswith("ten years (12 dates") for n in names) == len(names) == 12
         assert "ten years: 12 weekdays x 200 rows" in r.stdout
     else:
         bm = res["larger_than_memory"]
