@@ -49,6 +49,7 @@ class EpochJob:
         self.opened = threading.Event()  # its first read is open (or it failed, or it reads nothing)
         self.done_fetching = threading.Event()  # the loader made its last block's files local
         self.error: Optional[BaseException] = None  # what stopped the loader on it
+        self.open_error: Optional[BaseException] = None  # that error, if it came before its first read was open
         self.loading = self.producing = False  # a thread took it
         self.loaded = self.produced = False  # a thread finished it (loaded: not when it failed or was halted)
         self.followed = False  # the loader asked for its successor

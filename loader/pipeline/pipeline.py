@@ -107,8 +107,8 @@ class Pipeline(Threads):
         self._start_threads()
         if wait and job.visits:
             job.opened.wait()
-            if job.error is not None and not job.halt.is_set():
-                raise job.error
+            if job.open_error is not None and not job.halt.is_set():
+                raise job.open_error
             if self.closed:
                 raise _closed(plan)
         return job

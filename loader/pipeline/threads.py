@@ -82,6 +82,8 @@ class Threads:
                 pass
             except BaseException as exc:  # raised to the caller after the batches before it
                 job.error = as_loader_error(exc, job.plan)
+                if not job.opened.is_set():  # start() raises it; a later one reaches next() after the batches before it
+                    job.open_error = job.error
                 self._hand(Filled(job, -1, None, None, job.error))
             finally:
                 job.done_fetching.set()

@@ -206,14 +206,15 @@ def _ensure_fd_room(needed: int) -> None:
 
 def _make_folder(folder: Path) -> None:
     """``folder`` and its parent (this process's folder), which a plan closing in another thread
-    removes when it is empty: made again then."""
+    removes when it is empty: made again then. (``Path.mkdir(exist_ok=True)`` itself raises
+    FileExistsError when the folder goes between its ``mkdir`` and its ``is_dir``.)"""
     for attempt in range(10):
-        folder.parent.mkdir(parents=True, exist_ok=True)
         try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
             folder.mkdir()
             return
-        except FileNotFoundError:
-            if attempt == 9:
+        except (FileNotFoundError, FileExistsError):
+            if attempt == 9 or folder.is_dir():
                 raise
 
 

@@ -250,3 +250,33 @@ def test_a_state_of_a_later_epoch_is_not_read_from_the_next_epochs_job(tmp_path)
         _until(lambda: pipeline.ahead is not None and pipeline.ahead.epoch == 1, "the next epoch's job was not made")
         it.load_state_dict(state)
         assert _ids(it) == epochs[2]
+
+
+def test_an_error_after_the_first_read_opened_reaches_next_after_the_batches_before_it(tmp_path, monkeypatch):
+    """``ShardIter()`` (and ``load_state_dict()``, an object store's ``reset()``) raise what stops an
+    epoch before its first read is open; a fill that fails after it (here the second block) comes to
+    ``next()`` behind the batches before it, even when the loader met it before the caller looked."""
+    import loader.pipeline.job as job_module
+
+    class LateLook(threading.Event):  # the caller looks late, after its first read opened
+        def wait(self, timeout=None):
+            out = super().wait(timeout)
+            time.sleep(0.5)  # the loader fills the first block and fails on the second meanwhile
+            return out
+
+    real_fill, failed = fill.Reading.fill, []
+
+    def failing(self, v):
+        if v == 1:
+            failed.append(v)
+            raise LoaderError("a shard unreadable for a moment")
+        return real_fill(self, v)
+
+    make_store(tmp_path / "s", {"2024-01-02": 60, "2024-01-03": 60})
+    monkeypatch.setattr(fill.Reading, "fill", failing)
+    monkeypatch.setattr(job_module, "threading", type("T", (), {"Event": LateLook}))
+    with ShardIter(tmp_path / "s", 8, shuffle=False, shuffle_buffer=8, cache_dir=tmp_path / "c") as it:
+        assert failed == [1]  # before the constructor returned
+        assert batch_ids(it.next()) == list(range(8))
+        with pytest.raises(LoaderError, match="unreadable for a moment"):
+            it.next()

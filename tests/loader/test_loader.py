@@ -389,7 +389,8 @@ def _within(seconds, fn, what):
 
 def _wait_until_parked(it, error=False):
     """Wait until the producer thread of ``it``'s epoch is parked: waiting in ``_offer`` for the
-    caller to take batches from its full queue (the last item queued an error if ``error``)."""
+    caller to take batches from its full queue, or, if ``error``, with an error queued last (the
+    producer ends a job at its error: it then waits for the next job) or still to queue."""
     import sys
     import time
 
@@ -403,7 +404,11 @@ def _wait_until_parked(it, error=False):
             frame = frame.f_back
         with pipeline.lock:
             ready = [item for _, item in pipeline._ready]
-        if calls[:2] == ["wait", "_offer"] and (not error or isinstance(ready[-1], BaseException)):
+        if calls[:2] == ["wait", "_offer"] and not error:
+            return
+        if error and ready and calls[:2] in (["wait", "_offer"], ["wait", "_next_to_produce"]) and (
+            isinstance(ready[-1], BaseException) or len(ready) >= pipeline._depth
+        ):
             return
         time.sleep(0.01)
     raise AssertionError(f"the producer never parked on a full queue: queued {ready}, in {calls}")
@@ -412,42 +417,73 @@ def _wait_until_parked(it, error=False):
 def test_reset_and_close_never_hang_on_a_full_queue_or_an_error(store, cache, monkeypatch):
     """The producer runs ahead; an error it meets while its queue is full must not block reset/close,
     and next() raises it once the batches before it are taken."""
-    import time
-
     import loader.pipeline.fill as module
 
     # One record per block (so per native batch), in order: every batch of 1 is one next_label() call.
     it = ShardIter(store, 1, shuffle=False, prefetch_buffer=2, shuffle_buffer=1, cache_dir=cache)
+    try:
+        _full_queue_or_error(it, module, monkeypatch)
+    finally:
+        it.close()
+
+
+def _full_queue_or_error(it, module, monkeypatch):
+    import threading
+    import time
+
     it.next()
     _wait_until_parked(it)
     _within(10, it.reset, "reset() with the producer parked on a full queue")
-    _wait_until_parked(it)  # the new epoch's producer too: it calls next_label() no more before the patch
-    calls = {"n": 0}
-    real = module.next_label
+    _wait_until_parked(it)
+    # The native read fails from the second block of the epoch that reset() makes current (the loader
+    # may have read that epoch's first blocks ahead, before the failure was armed: they come first).
+    armed, calls, now = {"on": False}, {"n": 0}, threading.local()
+    real_fill, real_label = module.Reading.fill, module.next_label
+
+    def fill(self, v):
+        now.failing = armed["on"] and v >= 1 and self.job is it.reader.pipeline.current
+        return real_fill(self, v)
 
     def failing(native):
-        calls["n"] += 1
-        if calls["n"] > 1:  # the first batch goes into the queue, the second fails
+        if getattr(now, "failing", False):
+            calls["n"] += 1
             raise RuntimeError("disk went away")
-        return real(native)
+        return real_label(native)
 
-    def fired(n):
+    def fired():
         deadline = time.monotonic() + 10
-        while calls["n"] < n and time.monotonic() < deadline:
+        while calls["n"] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert calls["n"] >= n, "the injected failure never fired"
-        _wait_until_parked(it, error=True)  # the error is queued behind the first batch: the queue is full
+        assert calls["n"] >= 1, "the injected failure never fired"
+        _wait_until_parked(it, error=True)
 
+    def batches_then_the_error():
+        ids = batch_ids(_within(10, it.next, "next()"))
+        assert ids == [0], ids  # the batches before the error come first, in order
+        for expected in range(1, 4):
+            got = _within(10, it.next, "next() up to the failure")
+            if isinstance(got, BaseException):
+                break
+            assert batch_ids(got) == [expected]
+        else:
+            raise AssertionError("the injected failure never reached next()")
+        for _ in range(2):  # the error stays: every later next() raises it
+            exc = _within(10, it.next, "next() after the failure")
+            assert isinstance(exc, RuntimeError) and "disk went away" in str(exc), exc
+
+    monkeypatch.setattr(module.Reading, "fill", fill)
     monkeypatch.setattr(module, "next_label", failing)
-    _within(10, it.reset, "reset()")
-    fired(2)
-    assert batch_ids(_within(10, it.next, "next()")) == [0]
-    for _ in range(2):  # the error stays: every later next() raises it
-        exc = _within(10, it.next, "next() after the failure")
-        assert isinstance(exc, RuntimeError) and "disk went away" in str(exc), exc
+    armed["on"] = True
+    assert _within(10, it.reset, "reset()") is None
+    fired()
+    batches_then_the_error()
     calls["n"] = 0
-    _within(10, it.reset, "reset() after an error")
-    fired(2)
+    assert _within(10, it.reset, "reset() after an error") is None
+    fired()
+    batches_then_the_error()
+    calls["n"] = 0
+    assert _within(10, it.reset, "reset() after an error") is None
+    fired()
     _within(10, it.close, "close() with an error in a full queue")
 
 

@@ -226,3 +226,38 @@ def test_finding6_ctrl_c_while_an_iterator_is_made_is_a_keyboard_interrupt(store
         if "KeyboardInterrupt" not in seen[-1]:
             break
     assert all("KeyboardInterrupt" in s for s in seen), f"after {len(seen)} interrupts: {seen[-1]}"
+
+
+# Found by the fresh-clone CI run of the test above (a child died with "cannot write the loader's
+# index folder (File exists)", no Ctrl-C involved): a dropped iterator's plan, closing in another
+# thread, removes this process's plans folder once it is empty. ``Path.mkdir(exist_ok=True)`` raises
+# FileExistsError when the folder goes between its ``mkdir`` (exists) and its ``is_dir`` (gone), so
+# making the next plan's folder failed. A real race reproduced here by a remover thread beside it.
+def test_a_plans_folder_removed_while_the_next_plan_is_made_is_made_again(tmp_path):
+    from loader.source import plan
+
+    mine = tmp_path / "plans" / "me"
+    closes = threading.Semaphore(0)
+    stop = threading.Event()
+
+    def closing_plans():  # each closed plan tries once to remove the (then maybe empty) parent
+        while closes.acquire() and not stop.is_set():
+            time.sleep(0.0001 * (closes._value % 3))
+            try:
+                mine.rmdir()
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=closing_plans, daemon=True)
+    thread.start()
+    try:
+        for k in range(3000):
+            folder = mine / f"{k:05d}"
+            plan._make_folder(folder)
+            assert folder.is_dir()  # the parent cannot go while it holds the new folder
+            folder.rmdir()
+            closes.release()
+    finally:
+        stop.set()
+        closes.release()
+        thread.join()
