@@ -11,10 +11,12 @@ Users: a dropped reader lease's removal (:mod:`shardgen.store.lease`), a dropped
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
+import time
 from typing import Callable, Optional
 
-__all__ = ["OffThread"]
+__all__ = ["OffThread", "send_again"]
 
 
 class OffThread:
@@ -35,13 +37,15 @@ class OffThread:
             self.pending.add(thread)
             thread.start()
         except KeyboardInterrupt:
-            # Python swallows an exception in a finalizer ("Exception ignored in ..."): the user's
-            # Ctrl-C is raised again in the main thread, and work whose thread never started is left
-            # for ``join`` (the exit hook).
+            # Python swallows an exception in a finalizer ("Exception ignored in ..."), and one raised
+            # again here (``_thread.interrupt_main()`` in the main thread) is raised at once, in the
+            # finalizer still: the user's Ctrl-C was lost (1 run in 5-15 of a loop that drops an
+            # iterator). It is sent again to the main thread once this finalizer has returned; work
+            # whose thread never started is left for ``join`` (the exit hook).
             if thread is None or thread.ident is None:
                 self.pending.discard(thread)
                 self.left.append(work)
-            _thread.interrupt_main()
+            send_again()
 
     def _run(self, work: Callable[[], object]) -> None:
         try:
@@ -57,3 +61,21 @@ class OffThread:
         for thread in list(self.pending):
             if thread.ident is not None:
                 thread.join(timeout)
+
+
+def send_again() -> None:
+    """The user's Ctrl-C, sent again to the main thread by a thread of ``_thread``'s (its start does
+    not wait, so no second interrupt can land in it) once the finalizer that caught it returned: a
+    real signal, so a main thread blocked in a call wakes and a handler of the user's runs."""
+
+    def send() -> None:
+        time.sleep(0.05)  # the finalizer's last few steps run meanwhile
+        if hasattr(signal, "pthread_kill"):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        else:  # Windows
+            _thread.interrupt_main()
+
+    try:
+        _thread.start_new_thread(send, ())
+    except RuntimeError:  # no thread to be had: raised in place, the best left
+        _thread.interrupt_main()

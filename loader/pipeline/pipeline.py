@@ -18,7 +18,6 @@ object, never the iterator, so a dropped iterator is collected and closes it.
 
 from __future__ import annotations
 
-import _thread
 import collections
 import threading
 from typing import Callable, Optional
@@ -31,7 +30,7 @@ from loader.pipeline.threads import Threads
 from loader.pipeline.zerocopy import lenders, sweep
 from loader.source.plan import EpochPlan, recheck
 from shardgen.format.schema import Schema
-from shardgen.offthread import OffThread
+from shardgen.offthread import OffThread, send_again
 from shardgen.store.lease import Lease
 
 __all__ = ["Pipeline", "join_closing"]
@@ -183,9 +182,9 @@ class Pipeline(Threads):
         (:class:`shardgen.offthread.OffThread`)."""
         try:
             _CLOSING.run(self.close)
-        except KeyboardInterrupt:  # landed before the run: raised again in the main thread, the close left for exit
+        except KeyboardInterrupt:  # landed before the run: sent again after this finalizer, the close left for exit
             _CLOSING.left.append(self.close)
-            _thread.interrupt_main()
+            send_again()
 
     def close(self) -> None:
         """An iterator's end (``close()``, its finalizer, the exit hook): ``shutdown.STEPS``, in

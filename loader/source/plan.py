@@ -161,6 +161,9 @@ def reader_source(plan: EpochPlan, read: Read) -> ReaderSource:
                 pos += z - a
         for fd, a, n in spans:  # (a read holds its files: let go only once it is done)
             _copy(tape.fd, fd, a, n)
+        with files.lock:  # and after: a write in place that began before the copy ended has moved the mtime
+            for k in dict.fromkeys(k for k, _, _ in read.pieces):
+                files.read_fd(k)
         text, parts = reader_index(np.concatenate(offsets))
         # In folders of their own: dmlc lists the folder of every path it is given and stats each
         # entry, so a folder where other files come and go (links let go of, indexes removed) fails it.

@@ -355,6 +355,9 @@ def test_the_next_epoch_is_made_and_filled_by_the_loader_thread_and_reset_takes_
         pipeline = it.reader.pipeline
         for epoch in range(3):
             assert sorted(i for b in it for i in batch_ids(b)) == list(range(800))
+            deadline = time.monotonic() + 30  # made once the last block is filled: maybe after the last next()
+            while pipeline.ahead is None and time.monotonic() < deadline:
+                time.sleep(0.01)
             ahead = pipeline.ahead
             assert ahead is not None and ahead.epoch == epoch + 1, "the next epoch's job was not made ahead"
             it.reset()

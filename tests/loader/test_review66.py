@@ -3,6 +3,7 @@ is one finding, named in the comment above it; they fail on the code reviewed (t
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -190,11 +191,8 @@ while True:
 # iterator's finalizer starts its close thread (Pipeline.close_when_free -> OffThread.run ->
 # Thread.start, an interruptible wait) is printed as "Exception ignored in: <finalize ...>
 # KeyboardInterrupt" and lost: the program goes on (seen 3 times in 55 runs: the loop below ran on).
-# Fixed for the finalizer (OffThread.run raises it again in the main thread, the close left for
-# the exit hook). Still open: about 1 first SIGINT in 20-40 is lost with NO trace (a Python-level
-# handler installed in the child never runs; the process loops on; a second SIGINT ends it with
-# KeyboardInterrupt): not one of the loader's finalizers. So a first SIGINT still running after
-# 30 s gets a second one, which must end the process with a KeyboardInterrupt.
+# Fixed for the finalizer: see finding 7's own test below (the Ctrl-C is sent again once the
+# finalizer returned). 90 children (50 beside two CPU hogs) then lost no first SIGINT.
 def test_finding6_ctrl_c_while_an_iterator_is_made_is_a_keyboard_interrupt(store, tmp_path):
     import random
     import signal
@@ -210,11 +208,7 @@ def test_finding6_ctrl_c_while_an_iterator_is_made_is_a_keyboard_interrupt(store
             assert p.stdout.readline().strip() == "ready"
             time.sleep(random.uniform(0.2, 1.5))
             p.send_signal(signal.SIGINT)
-            try:
-                _, err = p.communicate(timeout=30)
-            except subprocess.TimeoutExpired:  # the open gap above: a second Ctrl-C
-                p.send_signal(signal.SIGINT)
-                _, err = p.communicate(timeout=30)
+            _, err = p.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             pass
         finally:
@@ -261,3 +255,88 @@ def test_a_plans_folder_removed_while_the_next_plan_is_made_is_made_again(tmp_pa
         stop.set()
         closes.release()
         thread.join()
+
+
+# Finding 7, found again by the fresh-clone CI run of the test above (12 children; one still ran 60 s
+# after two SIGINTs): a Ctrl-C that lands while a dropped iterator's finalizer starts its close
+# thread was raised again by ``_thread.interrupt_main()`` -- which, called in the main thread,
+# raises at once, in the finalizer still, where Python swallows it. A loop of 40 children lost 3
+# first SIGINTs that way (stacks taken with faulthandler). OffThread now sends the signal again to
+# the main thread once the finalizer has returned. Here the interrupt is made to land there.
+FINALIZER_CHILD = """
+import threading, time, weakref
+from shardgen.offthread import OffThread
+
+real_start = threading.Thread.start
+def start_interrupted(self):
+    threading.Thread.start = real_start
+    raise KeyboardInterrupt  # as a Ctrl-C landing in Thread.start's wait does
+threading.Thread.start = start_interrupted
+ran = []
+off = OffThread("test-close")
+
+class Iterator:
+    pass
+
+it = Iterator()
+weakref.finalize(it, off.run, lambda: ran.append(1))
+try:
+    del it  # the finalizer runs here; the interrupt lands in it
+    time.sleep(10)  # a blocking call: a real signal wakes it
+    print("lost", flush=True)
+except KeyboardInterrupt:
+    off.join(5)  # the close that never started runs here (the exit hook calls this)
+    print("interrupted", ran, flush=True)
+"""
+
+
+def test_finding7_a_ctrl_c_caught_in_a_finalizer_reaches_the_main_thread_after_it(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-c", FINALIZER_CHILD], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[0] == "interrupted [1]", (r.stdout, r.stderr[-2000:])  # "lost": after the sleep
+
+
+# Finding 2 again (seen 1 run in 3 of the test above beside the suite's other tests): the file's
+# size and mtime were compared with its check BEFORE its bytes were copied to the tape MXNet reads,
+# so a write in place between that look and the copy was served. They are compared after the copy
+# too. Here the write is made to land exactly there.
+def test_finding2b_a_shard_written_in_place_between_the_look_and_the_copy_is_not_served(tmp_path, monkeypatch):
+    from loader.source import plan
+
+    make_store(tmp_path / "s", COUNTS)
+    s = max(Manifest.load(tmp_path / "s" / "manifest.json").shards, key=lambda e: e.samples)
+    rec = tmp_path / "s" / s.rec
+    real_copy, armed = plan._copy, []
+
+    def copy_after_a_write(dst, src, offset, count):
+        if armed and os.fstat(src).st_ino == rec.stat().st_ino:
+            armed.clear()
+            data = bytearray(rec.read_bytes())
+            pos = 0
+            while pos + 8 <= len(data):
+                _, lrec = struct.unpack_from("<II", data, pos)
+                struct.pack_into("<f", data, pos + 8 + 24, 1e6)
+                pos += 8 + (((lrec & ((1 << 29) - 1)) + 3) // 4) * 4
+            time.sleep(0.02)  # past the clock tick of the file's last write: its mtime moves
+            with open(rec, "r+b") as f:  # in place, same size
+                f.write(data)
+        return real_copy(dst, src, offset, count)
+
+    monkeypatch.setattr(plan, "_copy", copy_after_a_write)
+    it = ShardIter(tmp_path / "s", 7, shuffle_buffer=8, cache_dir=tmp_path / "c", prefetch_buffer=1, seed=1)
+    try:
+        it.next()
+        armed.append(1)
+        served = 0
+        with pytest.raises(LoaderError, match="changed in place"):
+            for b in it:
+                served += int((b.data[0].asnumpy()[: 7 - b.pad] == 1e6).sum())
+        assert not armed, "the write never landed"
+        assert served == 0, f"{served} damaged values served"
+    finally:
+        it.close()
