@@ -11,7 +11,7 @@ Users: a dropped reader lease's removal (:mod:`shardgen.store.lease`), a dropped
 from __future__ import annotations
 
 import _thread
-import signal
+import ctypes
 import threading
 import time
 from typing import Callable, Optional
@@ -36,16 +36,16 @@ class OffThread:
             thread = threading.Thread(target=self._run, args=(work,), name=self.name, daemon=True)
             self.pending.add(thread)
             thread.start()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             # Python swallows an exception in a finalizer ("Exception ignored in ..."), and one raised
             # again here (``_thread.interrupt_main()`` in the main thread) is raised at once, in the
             # finalizer still: the user's Ctrl-C was lost (1 run in 5-15 of a loop that drops an
-            # iterator). It is sent again to the main thread once this finalizer has returned; work
+            # iterator). It is raised again in the main thread once this finalizer has returned; work
             # whose thread never started is left for ``join`` (the exit hook).
             if thread is None or thread.ident is None:
                 self.pending.discard(thread)
                 self.left.append(work)
-            send_again()
+            send_again(type(exc))
 
     def _run(self, work: Callable[[], object]) -> None:
         try:
@@ -63,19 +63,23 @@ class OffThread:
                 thread.join(timeout)
 
 
-def send_again() -> None:
-    """The user's Ctrl-C, sent again to the main thread by a thread of ``_thread``'s (its start does
-    not wait, so no second interrupt can land in it) once the finalizer that caught it returned: a
-    real signal, so a main thread blocked in a call wakes and a handler of the user's runs."""
+def send_again(kind: type = KeyboardInterrupt) -> None:
+    """Raise ``kind`` (what a finalizer caught: a Ctrl-C's KeyboardInterrupt, or what a SIGTERM
+    handler raises, e.g. ``shardgen.stopping.Terminated``) in the main thread once the finalizer that
+    caught it has returned, from a thread of ``_thread``'s (its start does not wait, so no second
+    interrupt can land in it). The exception itself, not the signal again: the handler that raised it
+    already ran (one that arms ``SIG_DFL`` for a second Ctrl-C must not see a second one), and a
+    SIGTERM stays a SIGTERM. It is raised at the main thread's next Python step (a blocking call
+    ends first). Not once the interpreter exits: its exit hooks, which close what this finalizer left
+    (``OffThread.join``), run in full; the exit status is then 0 (CPython set it before them)."""
 
     def send() -> None:
         time.sleep(0.05)  # the finalizer's last few steps run meanwhile
-        if hasattr(signal, "pthread_kill"):
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-        else:  # Windows
-            _thread.interrupt_main()
+        main = threading.main_thread()
+        if main.is_alive() and main.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main.ident), ctypes.py_object(kind))
 
     try:
         _thread.start_new_thread(send, ())
-    except RuntimeError:  # no thread to be had: raised in place, the best left
-        _thread.interrupt_main()
+    except RuntimeError:  # no thread to be had
+        pass

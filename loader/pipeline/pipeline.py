@@ -182,9 +182,9 @@ class Pipeline(Threads):
         (:class:`shardgen.offthread.OffThread`)."""
         try:
             _CLOSING.run(self.close)
-        except KeyboardInterrupt:  # landed before the run: sent again after this finalizer, the close left for exit
+        except KeyboardInterrupt as exc:  # landed before the run: raised after this finalizer, close left for exit
             _CLOSING.left.append(self.close)
-            send_again()
+            send_again(type(exc))
 
     def close(self) -> None:
         """An iterator's end (``close()``, its finalizer, the exit hook): ``shutdown.STEPS``, in
