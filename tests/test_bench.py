@@ -1,9 +1,11 @@
 """`python -m benchmarks --quick` runs and writes well-formed results and a well-formed results page (not
 timings: `make bench` does those)."""
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,13 +26,35 @@ def quick(tmp_path_factory):
     out, page = tmp / "results.json", tmp / "docs" / "perf.md"
     committed = ROOT / "docs" / "performance.md"
     before = committed.read_bytes() if committed.exists() else None
-    r = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out), "--docs", str(page),
-                        "--chart", str(tmp / "chart.png"), "--workdir", str(tmp / "work")],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    # Within pytest-timeout's 300 s (alone it takes about 40 s); a run still going at 240 s is told
+    # to dump every thread's stack (faulthandler, in each of its processes), and that is the failure.
+    p = subprocess.Popen([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out), "--docs", str(page),
+                          "--chart", str(tmp / "chart.png"), "--workdir", str(tmp / "work")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    try:
+        stdout, stderr = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        for pid in [*_descendants(p.pid), p.pid]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGABRT)
+        stdout, stderr = p.communicate(timeout=30)
+        pytest.fail(f"the quick bench ran over 240 s; its output:\n{stdout[-2000:]}\nits stacks:\n{stderr[-8000:]}")
+    r = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     assert r.returncode == 0, r.stderr[-3000:]
     # a quick run writes the page only where it is told: the committed one is make bench's
     assert (committed.read_bytes() if committed.exists() else None) == before
     return r.stdout, json.loads(out.read_text()), page.read_text()
+
+
+def _descendants(pid: int) -> list:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[-1].split()[1]) == pid:
+                    kids += [*_descendants(int(entry.name)), int(entry.name)]
+    return kids
 
 
 def test_quick_bench_writes_results(quick):
