@@ -220,7 +220,8 @@ class PlanFiles:
                     self.store.pin(self.shards[k].rec, -1)
 
     def __del__(self) -> None:
-        self.close()
+        if "fetch_lock" in vars(self):  # built whole: a Ctrl-C can cut __init__ short (nothing is open then)
+            self.close()
 
 
 def recheck(plan: Any, schema: Any, verify: str) -> bool:

@@ -345,3 +345,21 @@ def test_finding2b_a_shard_written_in_place_between_the_look_and_the_copy_is_not
         assert served == 0, f"{served} damaged values served"
     finally:
         it.close()
+
+
+# Found by the fresh-clone CI run of finding 6's test: a Ctrl-C that cut ``PlanFiles.__init__``
+# short left an object whose ``__del__`` ran ``close()`` without a lock: "Exception ignored ...
+# AttributeError: 'PlanFiles' object has no attribute 'lock'" printed after the KeyboardInterrupt.
+def test_a_plans_files_cut_short_while_being_made_are_collected_quietly(monkeypatch):
+    import gc
+    import sys
+
+    from loader.source.files import PlanFiles
+
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: ignored.append(repr(u.exc_value)))
+    half = PlanFiles.__new__(PlanFiles)
+    half.fds = [-1]  # what __init__ had set when the interrupt came
+    del half
+    gc.collect()
+    assert ignored == []
