@@ -205,15 +205,18 @@ def test_finding6_ctrl_c_while_an_iterator_is_made_is_a_keyboard_interrupt(store
     seen = []
     for _ in range(12):  # 40 in the review: 12 keep the suite short
         p = subprocess.Popen([sys.executable, "-c", CHILD, str(store), str(tmp_path / "c")],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONFAULTHANDLER": "1"})
         err = "still running 30 s after SIGINT: the interrupt was swallowed (finding 7)"
         try:
             assert p.stdout.readline().strip() == "ready"
             time.sleep(random.uniform(0.2, 1.5))
             p.send_signal(signal.SIGINT)
             _, err = p.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
+        except subprocess.TimeoutExpired:  # where it is: every thread's stack (faulthandler), in the failure
+            p.send_signal(signal.SIGABRT)
+            _, stacks = p.communicate(timeout=30)
+            err = f"{stacks[-12000:]}\nstill running 30 s after SIGINT (stacks above): swallowed, or an exit that hangs"
         finally:
             if p.poll() is None:
                 p.kill()
