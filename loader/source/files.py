@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from loader.errors import LoaderError, as_loader_errors
-from loader.source.shared_files import adopt, drop, found_good, make_link, release
+from loader.source.shared_files import FOLDERS, adopt, drop, found_good, make_link, release
 from shardgen.errors import ShardError
 from shardgen.format.check import REBUILD, check_shard
 from shardgen.store import Store
@@ -207,7 +207,7 @@ class PlanFiles:
             folder, self.folder = self.folder, None
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
-            with contextlib.suppress(OSError):  # this process's folder, once it holds no plan (``_make_folder``)
+            with FOLDERS, contextlib.suppress(OSError):  # this process's folder, once it holds no plan
                 folder.parent.rmdir()
         with self.lock:
             fds, self.fds = self.fds, [-1] * len(self.fds)

@@ -36,6 +36,7 @@ import numpy as np
 
 from loader.errors import LoaderError
 from loader.source.files import PlanFiles, recheck
+from loader.source.shared_files import FOLDERS
 from shardgen.format.check import VERIFY_MODES, has_checksums
 from shardgen.format.index import reader_index
 from shardgen.fsutil import HOST_TOKEN, pid_alive
@@ -209,16 +210,10 @@ def _ensure_fd_room(needed: int) -> None:
 
 def _make_folder(folder: Path) -> None:
     """``folder`` and its parent (this process's folder), which a plan closing in another thread
-    removes when it is empty: made again then. (``Path.mkdir(exist_ok=True)`` itself raises
-    FileExistsError when the folder goes between its ``mkdir`` and its ``is_dir``.)"""
-    for attempt in range(10):
-        try:
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            folder.mkdir()
-            return
-        except (FileNotFoundError, FileExistsError):
-            if attempt == 9 or folder.is_dir():
-                raise
+    removes when it is empty: both under ``FOLDERS``, so it is never removed between the two."""
+    with FOLDERS:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir()
 
 
 def make_plan(store: Store, root: Path, manifest: Manifest, shards: tuple[ShardEntry, ...], *, verify: str = "crc",

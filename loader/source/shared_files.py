@@ -3,7 +3,9 @@
 new shards (400 shards: 53 ms of opens, checks and links in the caller's reset() before).
 
 ``_HELD``: key -> ``[fd, frames, link, identity, plans holding it]``. ``_HELD_LOCK`` guards it, and
-every link folder is made and removed under it (a folder emptied in another thread is removed)."""
+every link folder is made and removed under it (a folder emptied in another thread is removed), and
+so is this process's folder (``FOLDERS``: a plan's folder made in it while another thread removes
+it, empty, failed with FileExistsError or FileNotFoundError)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ import shutil
 import threading
 from typing import Optional
 
-__all__ = ["adopt", "found_good", "make_link", "drop", "release"]
+__all__ = ["FOLDERS", "adopt", "found_good", "make_link", "drop", "release"]
 
 _HELD: dict = {}
 _HELD_LOCK = threading.Lock()
+FOLDERS = _HELD_LOCK  # this process's folder and its link folders are made and removed under it
 
 
 def adopt(key: Optional[tuple]) -> Optional[tuple]:

@@ -232,9 +232,10 @@ def test_finding6_ctrl_c_while_an_iterator_is_made_is_a_keyboard_interrupt(store
 # index folder (File exists)", no Ctrl-C involved): a dropped iterator's plan, closing in another
 # thread, removes this process's plans folder once it is empty. ``Path.mkdir(exist_ok=True)`` raises
 # FileExistsError when the folder goes between its ``mkdir`` (exists) and its ``is_dir`` (gone), so
-# making the next plan's folder failed. A real race reproduced here by a remover thread beside it.
+# making the next plan's folder failed (and ten retries were not enough under load: the fresh-clone
+# CI). Both now happen under one lock. A real race reproduced here by a remover thread beside it.
 def test_a_plans_folder_removed_while_the_next_plan_is_made_is_made_again(tmp_path):
-    from loader.source import plan
+    from loader.source import plan, shared_files
 
     mine = tmp_path / "plans" / "me"
     closes = threading.Semaphore(0)
@@ -243,10 +244,11 @@ def test_a_plans_folder_removed_while_the_next_plan_is_made_is_made_again(tmp_pa
     def closing_plans():  # each closed plan tries once to remove the (then maybe empty) parent
         while closes.acquire() and not stop.is_set():
             time.sleep(0.0001 * (closes._value % 3))
-            try:
-                mine.rmdir()
-            except OSError:
-                pass
+            with shared_files.FOLDERS:  # as PlanFiles.close removes it
+                try:
+                    mine.rmdir()
+                except OSError:
+                    pass
 
     thread = threading.Thread(target=closing_plans, daemon=True)
     thread.start()
