@@ -225,7 +225,7 @@ def test_finding6_ctrl_c_while_an_iterator_is_made_is_a_keyboard_interrupt(store
         seen.append(last[0] if last else "")
         if "KeyboardInterrupt" not in seen[-1]:
             break
-    assert all("KeyboardInterrupt" in s for s in seen), f"after {len(seen)} interrupts: {seen[-1]}"
+    assert all("KeyboardInterrupt" in s for s in seen), f"after {len(seen)} interrupts: {seen[-1]}\n{err[-12000:]}"
 
 
 # Found by the fresh-clone CI run of the test above (a child died with "cannot write the loader's
