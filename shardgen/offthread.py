@@ -11,10 +11,12 @@ Users: a dropped reader lease's removal (:mod:`shardgen.store.lease`), a dropped
 from __future__ import annotations
 
 import _thread
-import ctypes
+import signal
 import threading
 import time
 from typing import Callable, Optional
+
+from shardgen.stopping import Terminated
 
 __all__ = ["OffThread", "send_again"]
 
@@ -64,20 +66,25 @@ class OffThread:
 
 
 def send_again(kind: type = KeyboardInterrupt) -> None:
-    """Raise ``kind`` (what a finalizer caught: a Ctrl-C's KeyboardInterrupt, or what a SIGTERM
-    handler raises, e.g. ``shardgen.stopping.Terminated``) in the main thread once the finalizer that
-    caught it has returned, from a thread of ``_thread``'s (its start does not wait, so no second
-    interrupt can land in it). The exception itself, not the signal again: the handler that raised it
-    already ran (one that arms ``SIG_DFL`` for a second Ctrl-C must not see a second one), and a
-    SIGTERM stays a SIGTERM. It is raised at the main thread's next Python step (a blocking call
-    ends first). Not once the interpreter exits: its exit hooks, which close what this finalizer left
-    (``OffThread.join``), run in full; the exit status is then 0 (CPython set it before them)."""
+    """The signal behind ``kind`` (what a finalizer caught: SIGTERM for ``shardgen.stopping.Terminated``,
+    else SIGINT) sent again to the main thread once the finalizer that caught it has returned, from a
+    thread of ``_thread``'s (its start does not wait, so no second interrupt can land in it): a real
+    signal, so a blocking call wakes and the process's handler raises it anew. Not sent when that
+    handler is no longer Python's (one that armed ``SIG_DFL`` for a second Ctrl-C: the signal would
+    kill), nor once the main thread has ended (the exit hooks, which close what the finalizer left,
+    run in full; the exit status is then 0). Not ``PyThreadState_SetAsyncExc``: on 3.11 a thread
+    being started holds the starting thread's id until it runs, and took the exception instead
+    (it died, and the main thread waited in ``Thread.start`` for ever)."""
+    signum = signal.SIGTERM if issubclass(kind, Terminated) else signal.SIGINT
 
     def send() -> None:
         time.sleep(0.05)  # the finalizer's last few steps run meanwhile
         main = threading.main_thread()
-        if main.is_alive() and main.ident is not None:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main.ident), ctypes.py_object(kind))
+        if main.is_alive() and main.ident is not None and callable(signal.getsignal(signum)):
+            if hasattr(signal, "pthread_kill"):
+                signal.pthread_kill(main.ident, signum)
+            else:  # Windows
+                _thread.interrupt_main(signum)
 
     try:
         _thread.start_new_thread(send, ())
