@@ -42,7 +42,7 @@ class OffThread:
             # Python swallows an exception in a finalizer ("Exception ignored in ..."), and one raised
             # again here (``_thread.interrupt_main()`` in the main thread) is raised at once, in the
             # finalizer still: the user's Ctrl-C was lost (1 run in 5-15 of a loop that drops an
-            # iterator). It is raised again in the main thread once this finalizer has returned; work
+            # iterator). Its signal is sent again to the main thread once this finalizer has returned; work
             # whose thread never started is left for ``join`` (the exit hook).
             if thread is None or thread.ident is None:
                 self.pending.discard(thread)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from typing import Callable, Optional
@@ -60,10 +61,16 @@ def one_openmp_thread() -> None:
 def decode_threads(preprocess_threads: int) -> int:
     """The decode threads MXNet 1.9.1 runs for ``preprocess_threads``: at most max(processors / 2 - 1, 1)
     (``ImageRecordIOParser2::Init``; processors as OpenMP counts them)."""
+    return min(preprocess_threads, _decode_cap())
+
+
+@functools.cache
+def _decode_cap() -> int:
+    """MXNet's cap on decode threads, looked up once (every native open asks)."""
     for lib in (ctypes.CDLL(None), _LIB):  # the process's global symbols first (what MXNet's own call finds)
         with contextlib.suppress(AttributeError):
-            return min(preprocess_threads, max(int(lib.omp_get_num_procs()) // 2 - 1, 1))
-    return min(preprocess_threads, max((os.cpu_count() or 1) // 2 - 1, 1))
+            return max(int(lib.omp_get_num_procs()) // 2 - 1, 1)
+    return max((os.cpu_count() or 1) // 2 - 1, 1)
 
 
 def _in_a_thread_of_its_own(fn: Callable[[], object]) -> object:

@@ -151,7 +151,7 @@ class PlanFiles:
         """Shard ``k``'s descriptor for a read that holds it (``ensure``; call under ``lock``):
         LoaderError naming the file if it is not open, or no longer is the file opened and checked
         (its number closed by another path and taken by another open): a read never copies
-        another file's bytes (one fstat per piece of a read)."""
+        another file's bytes (one fstat per piece of a read, and one per file once it is copied)."""
         fd, s = self.fds[k], self.shards[k]
         seen = self.checked.get(fd) if fd >= 0 else None
         try:
